@@ -1,0 +1,60 @@
+"""Shared fixtures: every driver present, the ``gpu`` marker, clean-up checks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.errors import DeviceUnavailable
+
+
+@functools.cache
+def cuda_reason() -> str | None:
+    """None when a CUDA GPU is reachable, else why not."""
+    try:
+        driver = xa.CudaDriver()
+    except DeviceUnavailable as exc:
+        return f"no CUDA GPU reachable: {exc}"
+    except ImportError as exc:  # pragma: no cover - cuda-python is a dependency
+        return f"cuda-python missing: {exc}"
+    try:
+        if driver.device_count() < 1:
+            return "no CUDA device"
+    finally:
+        driver.close()
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = cuda_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+DRIVER_KINDS = [
+    pytest.param("host", id="host"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(scope="module", params=DRIVER_KINDS)
+def driver(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
+    """One driver per kind present, shared by a module's tests."""
+    drv: xa.Driver = xa.open_driver(request.param)
+    yield drv
+    drv.close()
+
+
+@pytest.fixture
+def host_driver() -> Iterator[xa.HostDriver]:
+    """A fresh host driver of two 64 MiB devices, for tests that inject faults or count bytes."""
+    drv = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
+    yield drv
+    drv.close()

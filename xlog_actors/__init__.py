@@ -1,0 +1,57 @@
+"""xlog_actors: a device runtime for Python programs that drive GPUs from many actors.
+
+Layers, imported in one direction: ``driver`` -> ``memory`` -> ``runtime`` -> ``actors`` -> ``cli``.
+Every public name of the SPEC is importable from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .driver import (
+    Driver,
+    Event,
+    HostDriver,
+    Kernel,
+    Stream,
+    default_driver,
+    open_driver,
+)
+from .errors import (
+    BudgetExceeded,
+    ContextLost,
+    ContextPoisoned,
+    CorruptionDetected,
+    DeviceUnavailable,
+    DriverError,
+    GpuRefStale,
+    InvalidRequest,
+    OutOfMemory,
+    ResourceError,
+    StreamMisuse,
+    UseAfterFree,
+    XlogError,
+)
+from .memory import (
+    Access,
+    AllocTag,
+    AsyncCudaResource,
+    BlockId,
+    BlockState,
+    DeviceBlock,
+    DeviceMemoryResource,
+    DirectCudaResource,
+    Generation,
+    StreamId,
+    StreamPool,
+)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CudaDriver":
+        from .driver.cuda import CudaDriver
+
+        return CudaDriver
+    raise AttributeError(f"module 'xlog_actors' has no attribute {name!r}")

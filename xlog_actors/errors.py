@@ -1,0 +1,146 @@
+"""The error hierarchy of SPEC section 2.
+
+Every error the runtime raises is an :class:`XlogError`. Errors carry the context a user needs to
+act on them (device, block, stream, what was expected) in their message and, where the SPEC names
+one, in a typed attribute (``.requested``, ``.generation``, ``.code``, ``.reason``, ``.block``).
+
+Invariant, enforced by the code that raises them: a call that raises leaves every map and counter
+exactly as it was before the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+__all__ = [
+    "XlogError",
+    "ResourceError",
+    "InvalidRequest",
+    "OutOfMemory",
+    "BudgetExceeded",
+    "UseAfterFree",
+    "StreamMisuse",
+    "DriverError",
+    "ContextLost",
+    "ContextPoisoned",
+    "GpuRefStale",
+    "DeviceUnavailable",
+    "CorruptionDetected",
+    "STALE_REASONS",
+]
+
+
+class XlogError(Exception):
+    """Base of every error raised by xlog_actors."""
+
+
+class ResourceError(XlogError):
+    """Base of the allocator errors."""
+
+
+class InvalidRequest(ResourceError, ValueError):
+    """A request the runtime refuses before touching any state: a size that is not a positive
+    ``int``, an ordinal out of range, a block of another device, an unknown fault kind."""
+
+
+class OutOfMemory(ResourceError, MemoryError):
+    """The driver (or the host emulator) cannot satisfy a request of ``requested`` bytes.
+
+    The resource that raised it stays usable.
+    """
+
+    def __init__(self, message: str, *, requested: int, free: int | None = None) -> None:
+        super().__init__(message)
+        self.requested: int = requested
+        self.free: int | None = free
+
+
+class BudgetExceeded(OutOfMemory):
+    """A budget adaptor refused the request before the driver was called."""
+
+    def __init__(
+        self, message: str, *, requested: int, limit: int, outstanding: int
+    ) -> None:
+        super().__init__(message, requested=requested)
+        self.limit: int = limit
+        self.outstanding: int = outstanding
+
+
+class UseAfterFree(ResourceError):
+    """A block or ``BlockId`` is unknown to the resource, or its generation does not match the
+    live entry at that address (the address was freed and handed out again)."""
+
+    def __init__(self, message: str, *, generation: int) -> None:
+        super().__init__(message)
+        self.generation: int = generation
+
+
+class StreamMisuse(ResourceError):
+    """An unknown ``StreamId``, or a block-use tracking hook called on a resource that does not
+    track (the message then contains ``unsupported``)."""
+
+
+class DriverError(ResourceError):
+    """Any other driver failure. ``code`` is the driver's error name (for example
+    ``CUDA_ERROR_INVALID_VALUE``) or ``None`` where there is none."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code: str | None = code
+
+
+class ContextLost(DriverError):
+    """The device's context is gone (destroyed or reset from outside); the device must be rebuilt.
+
+    Not in the SPEC's table: a :class:`DriverError` subclass so that code written against the SPEC
+    still catches it, and so the supervisor can tell "rebuild" from "resume" by class.
+    """
+
+
+class ContextPoisoned(XlogError):
+    """A sticky error (illegal address, launch failure, ...) poisoned the context for the rest of
+    the process. ``code`` is the driver's error name."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code: str | None = code
+
+
+StaleReason = Literal[
+    "device state dropped",
+    "device shutting down",
+    "context rebuilt",
+    "context poisoned",
+    "released",
+]
+
+STALE_REASONS: Final[tuple[str, ...]] = (
+    "device state dropped",
+    "device shutting down",
+    "context rebuilt",
+    "context poisoned",
+    "released",
+)
+
+
+class GpuRefStale(XlogError):
+    """A ``GpuRef`` can no longer be used; ``reason`` is exactly one of :data:`STALE_REASONS`."""
+
+    def __init__(self, reason: StaleReason, detail: str = "") -> None:
+        if reason not in STALE_REASONS:
+            raise ValueError(f"unknown GpuRefStale reason {reason!r}")
+        super().__init__(f"GpuRef stale: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason: StaleReason = reason
+
+
+class DeviceUnavailable(XlogError):
+    """No driver library, no such device, or the device was stopped for good."""
+
+
+class CorruptionDetected(ResourceError):
+    """A guard found its canary bytes overwritten. Raised after the block was freed, so nothing
+    leaks; ``block`` is the corrupted block."""
+
+    def __init__(self, message: str, *, block: Any) -> None:
+        super().__init__(message)
+        self.block: Any = block
