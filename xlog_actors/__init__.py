@@ -45,6 +45,8 @@ from .memory import (
     StreamId,
     StreamPool,
 )
+from .memory.stack import build_resource
+from .runtime import MAX_DEVICE_ORDINALS, XlogDeviceRuntime
 
 __version__ = "0.1.0"
 
