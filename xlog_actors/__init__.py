@@ -8,6 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from .actors import (
+    EXIT_POISONED,
+    Allocate,
+    AllocateMany,
+    DeviceActor,
+    DeviceClient,
+    DeviceState,
+    DeviceStats,
+    Free,
+    GenerationChanged,
+    GetClient,
+    GetStats,
+    GpuRef,
+    Rebuild,
+    Subscribe,
+    Supervisor,
+    Unsubscribe,
+    exit_process,
+    stop_device,
+)
 from .driver import (
     Driver,
     Event,

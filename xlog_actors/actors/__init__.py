@@ -1,0 +1,45 @@
+"""Layer 4: actors. Device state, handles, the device actor, supervision, library actors."""
+
+from __future__ import annotations
+
+from .device_actor import DeviceActor
+from .device_client import DeviceClient
+from .device_context import DeviceContext
+from .device_state import DeviceState
+from .gpu_ref import GpuRef
+from .messages import (
+    Allocate,
+    AllocateMany,
+    DeviceStats,
+    Free,
+    GenerationChanged,
+    GetClient,
+    GetStats,
+    Rebuild,
+    Subscribe,
+    Unsubscribe,
+)
+from .supervisor import EXIT_POISONED, Directive, Supervisor, exit_process, stop_device
+
+__all__ = [
+    "Allocate",
+    "AllocateMany",
+    "DeviceActor",
+    "DeviceClient",
+    "DeviceContext",
+    "DeviceState",
+    "DeviceStats",
+    "Directive",
+    "EXIT_POISONED",
+    "Free",
+    "GenerationChanged",
+    "GetClient",
+    "GetStats",
+    "GpuRef",
+    "Rebuild",
+    "Subscribe",
+    "Supervisor",
+    "Unsubscribe",
+    "exit_process",
+    "stop_device",
+]

@@ -1,0 +1,200 @@
+"""``GpuRef``: the handle users and worker actors hold (the seed's ``gpu_ref.rs``)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from ..errors import GpuRefStale
+from ..memory.block import AllocTag, DeviceBlock, StreamId
+
+if TYPE_CHECKING:
+    from .device_context import DeviceContext
+    from .device_state import DeviceState
+
+__all__ = ["GpuRef"]
+
+
+class GpuRef:
+    """An immutable, shareable handle to one device allocation.
+
+    * ``access()`` validates, in this order: the device state still exists, the device accepts
+      operations, the context is not poisoned, the generation is unchanged, the handle was not
+      released; otherwise :class:`GpuRefStale` with the matching reason. The fast path is one
+      weak dereference and two identity checks.
+    * ``last_write_stream`` is the one mutable cell: library actors call ``record_write`` after
+      enqueueing a write, and every holder (it is one object, passed by reference between actors
+      and threads) sees it.
+    * The memory lives while the handle is reachable. When the last reference goes, or on
+      ``release()``, the free is handed to the owning ``DeviceActor`` (a pykka ``tell``): never
+      a driver call from a garbage-collector thread, and never into a newer generation's context
+      (the actor ignores frees of an older generation, whose memory went with its context).
+    * Copying returns the same handle; pickling is refused (a handle is process-local).
+    """
+
+    __slots__ = ("_block", "_generation", "_state", "_token", "_context", "_last_write", "_released", "__weakref__")
+
+    _block: DeviceBlock
+    _generation: int
+    _state: weakref.ref[DeviceState]
+    _token: object
+    _context: DeviceContext
+    _last_write: StreamId | None
+    _released: bool
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        raise TypeError("GpuRef is made by a DeviceActor (Allocate) or a DeviceClient, not directly")
+
+    @classmethod
+    def _new(cls, block: DeviceBlock, context: DeviceContext) -> GpuRef:
+        ref = object.__new__(cls)
+        s = _setters
+        s[0](ref, block)
+        s[1](ref, context.generation)
+        s[2](ref, context.state_ref)
+        s[3](ref, context.token)
+        s[4](ref, context)
+        s[5](ref, None)
+        s[6](ref, False)
+        return ref
+
+    # -- immutability -------------------------------------------------------------------------
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"GpuRef is immutable (cannot set {name!r}); use record_write() for the last-write stream")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError("GpuRef is immutable")
+
+    def __copy__(self) -> GpuRef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GpuRef:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a GpuRef is process-local and cannot be pickled")
+
+    # -- validation ---------------------------------------------------------------------------
+    def access(self) -> DeviceBlock:
+        state = self._state()
+        if state is not None and state.token is self._token and not self._released:
+            return self._block
+        raise self._stale(state)
+
+    def _stale(self, state: DeviceState | None) -> GpuRefStale:
+        where = f"device {self._block.device_ordinal}, block {self._block.ptr:#x}, generation {self._generation}"
+        if state is None:
+            return GpuRefStale("device state dropped", where)
+        if not state.accepting_ops:
+            return GpuRefStale("device shutting down", where)
+        if state.poisoned:
+            return GpuRefStale("context poisoned", where)
+        if state.generation != self._generation:
+            return GpuRefStale("context rebuilt", f"{where}; the device is at generation {state.generation}")
+        if self._released:
+            return GpuRefStale("released", where)
+        # The token moved for a reason that did not invalidate this handle: refresh it.
+        _setters[3](self, state.token)
+        return self.access()  # type: ignore[return-value]
+
+    def raw_device_ptr(self) -> int:
+        """The device address, after validating the handle."""
+        return self.access().ptr
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def nbytes(self) -> int:
+        return self._block.nbytes
+
+    def __len__(self) -> int:
+        return self._block.nbytes
+
+    @property
+    def tag(self) -> AllocTag:
+        return self._block.tag
+
+    @property
+    def alloc_stream(self) -> StreamId:
+        return self._block.alloc_stream
+
+    @property
+    def device_id(self) -> int | None:
+        state = self._state()
+        return None if state is None else state.device_id
+
+    @property
+    def block(self) -> DeviceBlock:
+        """The underlying block, unvalidated (use ``access()`` before touching memory)."""
+        return self._block
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def context(self) -> DeviceContext:
+        return self._context
+
+    # -- the shared cell ------------------------------------------------------------------------
+    @property
+    def last_write_stream(self) -> StreamId | None:
+        return self._last_write
+
+    def record_write(self, stream_id: StreamId) -> None:
+        _setters[5](self, StreamId(stream_id))
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the memory now rather than when the last reference goes. Idempotent; every
+        holder's ``access()`` then raises ``GpuRefStale("released")``."""
+        if self._mark_released():
+            self._context.reclaim(self._block)
+
+    def _mark_released(self) -> bool:
+        """True for the one caller that flips the handle to released."""
+        if self._released:
+            return False
+        _setters[6](self, True)
+        return True
+
+    def _unmark_released(self) -> None:
+        """Undo ``_mark_released`` after a free that failed: the handle stays usable."""
+        _setters[6](self, False)
+
+    def __del__(self) -> None:
+        if not self._released:
+            try:
+                self._context.reclaim(self._block)
+            except Exception:  # noqa: BLE001 - at interpreter exit pykka may be gone; nothing leaks then
+                pass
+
+    # -- interop (CUDA driver only) -------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3: a 1-D ``uint8`` view of the allocation, with the stream of
+        the last write (consumers order their work after it). Only on the CUDA driver."""
+        return self._context.cuda_array_interface(self)
+
+    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
+        return self._context.dlpack(self, stream, kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._context.dlpack_device(self)
+
+    def __repr__(self) -> str:
+        b = self._block
+        return (
+            f"GpuRef(device={b.device_ordinal}, ptr={b.ptr:#x}, nbytes={b.nbytes}, tag={str(b.tag)!r}, "
+            f"generation={self._generation}, last_write_stream={self._last_write!r}"
+            f"{', released' if self._released else ''})"
+        )
+
+
+_setters = tuple(
+    GpuRef.__dict__[name].__set__  # type: ignore[attr-defined]
+    for name in ("_block", "_generation", "_state", "_token", "_context", "_last_write", "_released")
+)
