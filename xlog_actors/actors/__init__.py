@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from .copy_actor import CopyActor
 from .device_actor import DeviceActor
 from .device_client import DeviceClient
 from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
+from .kernel_actor import KernelActor
+from .library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Out
 from .messages import (
     Allocate,
     AllocateMany,
@@ -22,6 +25,16 @@ from .messages import (
 from .supervisor import EXIT_POISONED, Directive, Supervisor, exit_process, stop_device
 
 __all__ = [
+    "CopyActor",
+    "CopyDeviceToDevice",
+    "CopyToDevice",
+    "CopyToHost",
+    "Fill",
+    "In",
+    "InOut",
+    "KernelActor",
+    "Launch",
+    "Out",
     "Allocate",
     "AllocateMany",
     "DeviceActor",

@@ -1,0 +1,138 @@
+"""What every library actor shares: its own stream on a device, and the tracking protocol
+around each piece of work (validate, ``prepare_block_use``, enqueue, ``finish_block_use``,
+``record_write``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pykka
+
+from ..driver.protocol import Driver, Stream
+from ..errors import GpuRefStale, InvalidRequest
+from ..memory.block import Access, BlockId, DeviceBlock, StreamId
+from .device_context import DeviceContext
+from .gpu_ref import GpuRef
+from .messages import Attach, GenerationChanged, Subscribe, Unsubscribe
+
+__all__ = ["LibraryActor"]
+
+logger = logging.getLogger("xlog_actors.library")
+
+
+class LibraryActor(pykka.ThreadingActor):
+    """Base of ``CopyActor`` and ``KernelActor``.
+
+    Each instance owns one stream of its device's current context. It re-attaches (new context,
+    new stream) when it meets a handle of a newer generation or is told ``GenerationChanged``.
+    ``track=False`` switches the cross-stream tracking off, which only tests and the demo's
+    ``--no-tracking`` use, to show what goes wrong without it.
+
+    On a resource stack without tracking (the direct, sanitizer stack) the actor synchronizes
+    its own stream before it replies, so every piece of work is complete when its reply
+    arrives: slower, still correct.
+
+    Thread rules: everything runs on the actor's thread, where ``on_start`` made the context
+    current; the resource's tracking calls are thread-safe.
+    """
+
+    def __init__(self, device: pykka.ActorRef[Any], *, track: bool = True) -> None:
+        super().__init__()
+        if not isinstance(device, pykka.ActorRef):
+            raise InvalidRequest(f"a library actor needs the DeviceActor's ActorRef, got {type(device).__name__}")
+        self._device = device
+        self._track = track
+        self._ctx: DeviceContext | None = None
+        self._stream_id = StreamId.DEFAULT
+        self._stream: Stream | None = None
+        self._tracking = False
+        self._driver: Driver | None = None
+
+    def on_start(self) -> None:
+        self._device.tell(Subscribe(self.actor_ref))
+
+    def on_stop(self) -> None:
+        try:
+            self._device.tell(Unsubscribe(self.actor_ref))
+        except pykka.ActorDeadError:
+            pass  # the device went first; nothing to unsubscribe from
+
+    @property
+    def stream_id(self) -> StreamId:
+        return self._stream_id
+
+    def _attach(self) -> DeviceContext:
+        ctx: DeviceContext = self._device.ask(Attach())
+        ctx.driver.make_current(ctx.ordinal)
+        self._stream_id = ctx.runtime.stream_pool.acquire()
+        stream = ctx.runtime.stream_pool.resolve(self._stream_id)
+        assert stream is not None
+        self._stream = stream
+        self._driver = ctx.driver
+        self._tracking = self._track and ctx.runtime.supports_block_use_tracking()
+        self._ctx = ctx
+        return ctx
+
+    def _context_for(self, refs: Sequence[GpuRef]) -> DeviceContext:
+        """The context the handles belong to, re-attaching when they are newer than ours."""
+        ctx = self._ctx
+        if ctx is None or not ctx.open or any(r.generation > ctx.generation for r in refs):
+            ctx = self._attach()
+        return ctx
+
+    def on_receive(self, message: Any) -> Any:
+        if isinstance(message, GenerationChanged):
+            self._ctx = None  # re-attach lazily, on the next piece of work
+            return None
+        handler = self._handler(message)
+        if handler is None:
+            raise InvalidRequest(f"{type(self).__name__} does not understand {type(message).__name__} messages")
+        return handler(message)
+
+    def _handler(self, message: Any) -> Callable[[Any], Any] | None:
+        raise NotImplementedError
+
+    def _run(
+        self,
+        uses: Sequence[tuple[GpuRef, Access]],
+        enqueue: Callable[[Driver, Stream, list[DeviceBlock]], None],
+    ) -> None:
+        """Validate every handle, queue the waits the work needs, enqueue it, record what it did.
+        ``enqueue`` gets the blocks in the order of ``uses``."""
+        refs = [ref for ref, _ in uses]
+        for ref in refs:
+            if not isinstance(ref, GpuRef):
+                raise InvalidRequest(f"{type(self).__name__}: expected a GpuRef, got {type(ref).__name__}")
+        ctx = self._context_for(refs)
+        blocks = [ctx.check_ref(ref) for ref in refs]
+        for ref in refs:
+            if ref.context is not ctx:
+                raise GpuRefStale("context rebuilt", f"{ref!r} is not of device {ctx.ordinal}'s current context")
+        stream, driver, sid = self._stream, self._driver, self._stream_id
+        assert stream is not None and driver is not None
+        merged = _merge_uses(blocks, [a for _, a in uses])
+        runtime = ctx.runtime
+        if self._tracking:
+            for block_id, access in merged:
+                runtime.prepare_block_use(block_id, sid, access)
+        enqueue(driver, stream, blocks)
+        if self._tracking:
+            for block_id, access in merged:
+                runtime.finish_block_use(block_id, sid, access)
+        elif self._track:
+            stream.synchronize()  # an untracked stack: finish the work before anyone else sees it
+        for ref, access in uses:
+            if access.writes:
+                ref.record_write(sid)
+
+
+def _merge_uses(blocks: list[DeviceBlock], accesses: list[Access]) -> list[tuple[BlockId, Access]]:
+    """One (block, access) per distinct block: a block both read and written is READ_WRITE."""
+    merged: dict[BlockId, Access] = {}
+    for block, access in zip(blocks, accesses):
+        key = BlockId.from_block(block)
+        prev = merged.get(key)
+        merged[key] = access if prev is None or prev is access else Access.READ_WRITE
+    return list(merged.items())

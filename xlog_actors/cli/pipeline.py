@@ -1,0 +1,294 @@
+"""The demo pipeline: a producer, a transformer and a consumer actor, each with its own library
+actor (so its own stream), passing ``GpuRef``s through N batches of copy in, kernel, copy out.
+
+No user code here synchronizes anything: the library actors' tracking orders every stage after
+the one before it. A stage that meets a stale handle (a ``Rebuild`` mid-pipeline) reports it
+and the batch is produced again with new buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pykka
+
+from ..actors import (
+    Allocate,
+    GetStats,
+    CopyActor,
+    CopyToDevice,
+    CopyToHost,
+    DeviceActor,
+    In,
+    KernelActor,
+    Launch,
+    Out,
+    Rebuild,
+)
+from ..driver.kernel_library import SCALE_ADD_F32, launch_shape
+from ..driver.protocol import Driver
+from ..errors import GpuRefStale, XlogError
+from ..memory.block import AllocTag
+
+__all__ = ["PipelineConfig", "PipelineResult", "run_pipeline", "make_batch", "ALPHA", "BETA"]
+
+ALPHA = 3.0
+BETA = 0.5
+_INPUT = AllocTag("demo-input")
+_OUTPUT = AllocTag("demo-output")
+
+
+def make_batch(index: int, n: int) -> np.ndarray:
+    """Batch ``index``: small integers, so every result is exact in float32."""
+    return ((np.arange(n, dtype=np.int64) * 7 + index * 13) % 4096).astype(np.float32)
+
+
+def expected(index: int, n: int) -> np.ndarray:
+    out = make_batch(index, n) * np.float32(ALPHA)
+    out += np.float32(BETA)
+    return out
+
+
+@dataclass
+class PipelineConfig:
+    batches: int = 32
+    batch_bytes: int = 1 << 20
+    depth: int = 4  # batches in flight at once
+    track: bool = True  # False: library actors skip cross-stream tracking (to show the hazard)
+    producer_delay_us: int = 0  # a spin before each input copy: a slow producer stream
+    rebuild_at: int | None = None  # ask the device for a Rebuild when this batch is produced
+    timeout_s: float = 600.0
+
+
+@dataclass
+class PipelineResult:
+    batches: int
+    batch_bytes: int
+    verified: int
+    mismatched: list[int]
+    stale_retries: int
+    errors: list[str]
+    seconds: float
+    generation: int
+    driver: str
+    device: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.verified == self.batches and not self.mismatched and not self.errors
+
+    @property
+    def throughput_bytes_s(self) -> float:
+        """Input bytes through the whole pipeline per second."""
+        return self.batches * self.batch_bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Produce:
+    index: int
+
+
+@dataclass(frozen=True)
+class _Transform:
+    index: int
+    ref: Any
+
+
+@dataclass(frozen=True)
+class _Consume:
+    index: int
+    ref: Any
+
+
+class _Tally:
+    """Shared by the three stages; the main thread waits on ``done``."""
+
+    def __init__(self, batches: int) -> None:
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.remaining = batches
+        self.verified = 0
+        self.mismatched: list[int] = []
+        self.stale_retries = 0
+        self.errors: list[str] = []
+
+    def finish(self, index: int, ok: bool) -> None:
+        with self.lock:
+            if ok:
+                self.verified += 1
+            else:
+                self.mismatched.append(index)
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+    def fail(self, message: str) -> None:
+        with self.lock:
+            self.errors.append(message)
+        self.done.set()
+
+
+class _Producer(pykka.ThreadingActor):
+    def __init__(self, device: pykka.ActorRef[Any], copy: pykka.ActorRef[Any], cfg: PipelineConfig,
+                 tally: _Tally, driver: Driver) -> None:
+        super().__init__()
+        self.device, self.copy, self.cfg, self.tally, self.driver = device, copy, cfg, tally, driver
+        self.next_index = 0
+        self.n = cfg.batch_bytes // 4
+        self.transformer: pykka.ActorRef[Any] | None = None
+        self.rebuilt = False
+
+    def on_receive(self, message: Any) -> None:
+        if isinstance(message, _Produce):
+            self.produce(message.index)
+        elif message == "next":
+            if self.next_index < self.cfg.batches:
+                self.next_index += 1
+                self.produce(self.next_index - 1)
+        elif isinstance(message, pykka.ActorRef):
+            self.transformer = message
+
+    def produce(self, index: int) -> None:
+        assert self.transformer is not None
+        try:
+            ref = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT))
+            if self.cfg.producer_delay_us:
+                # Make the copy actor's stream slow before the copy: what tracking must order.
+                ctx = ref.context
+                copy_stream = self.copy.proxy().stream_id.get()
+                stream = ctx.runtime.stream_pool.resolve(copy_stream)
+                if stream is not None:
+                    self.driver.sleep(stream, self.cfg.producer_delay_us)
+            self.copy.ask(CopyToDevice(ref, make_batch(index, self.n)))
+        except GpuRefStale:
+            self.tally.stale_retries += 1
+            self.actor_ref.tell(_Produce(index))
+            return
+        except XlogError as exc:
+            self.tally.fail(f"producer, batch {index}: {exc!r}")
+            return
+        if self.cfg.rebuild_at == index and not self.rebuilt:
+            self.rebuilt = True
+            self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
+        self.transformer.tell(_Transform(index, ref))
+
+
+class _Transformer(pykka.ThreadingActor):
+    def __init__(self, device: pykka.ActorRef[Any], kernels: pykka.ActorRef[Any], producer: pykka.ActorRef[Any],
+                 consumer: pykka.ActorRef[Any], cfg: PipelineConfig, tally: _Tally) -> None:
+        super().__init__()
+        self.device, self.kernels, self.producer, self.consumer = device, kernels, producer, consumer
+        self.cfg, self.tally = cfg, tally
+        self.n = cfg.batch_bytes // 4
+
+    def on_receive(self, message: Any) -> None:
+        if not isinstance(message, _Transform):
+            return
+        try:
+            out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT))
+            grid, block = launch_shape(self.n)
+            self.kernels.ask(Launch(SCALE_ADD_F32, grid, block, [Out(out), In(message.ref), ALPHA, BETA, self.n]))
+        except GpuRefStale:
+            self.tally.stale_retries += 1
+            self.producer.tell(_Produce(message.index))
+            return
+        except XlogError as exc:
+            self.tally.fail(f"transformer, batch {message.index}: {exc!r}")
+            return
+        # The input handle is dropped here: its free waits (tracked) for the kernel's read.
+        self.consumer.tell(_Consume(message.index, out))
+
+
+class _Consumer(pykka.ThreadingActor):
+    def __init__(self, copy: pykka.ActorRef[Any], producer: pykka.ActorRef[Any], cfg: PipelineConfig,
+                 tally: _Tally, verify: Callable[[int, bytes], bool]) -> None:
+        super().__init__()
+        self.copy, self.producer, self.cfg, self.tally, self.verify = copy, producer, cfg, tally, verify
+
+    def on_receive(self, message: Any) -> None:
+        if not isinstance(message, _Consume):
+            return
+        try:
+            data = self.copy.ask(CopyToHost(message.ref))
+        except GpuRefStale:
+            self.tally.stale_retries += 1
+            self.producer.tell(_Produce(message.index))
+            return
+        except XlogError as exc:
+            self.tally.fail(f"consumer, batch {message.index}: {exc!r}")
+            return
+        self.tally.finish(message.index, self.verify(message.index, data))
+        self.producer.tell("next")
+
+
+def run_pipeline(
+    driver: Driver,
+    cfg: PipelineConfig,
+    ordinal: int = 0,
+    device: pykka.ActorRef[Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PipelineResult:
+    """Run the pipeline on ``driver``'s device ``ordinal`` (or an already started ``device``)
+    and verify every batch against the host reference."""
+    if cfg.batch_bytes % 4 or cfg.batch_bytes <= 0:
+        raise ValueError("batch_bytes must be a positive multiple of 4")
+    n = cfg.batch_bytes // 4
+    references = {}
+
+    def verify(index: int, data: bytes) -> bool:
+        want = references.get(index)
+        if want is None:
+            want = references[index] = expected(index, n).tobytes()
+        return data == want
+
+    own_device = device is None
+    if device is None:
+        device = DeviceActor.start(ordinal, driver)
+    tally = _Tally(cfg.batches)
+    started: list[pykka.ActorRef[Any]] = []
+    try:
+        copy_in = CopyActor.start(device, track=cfg.track)
+        kernels = KernelActor.start(device, track=cfg.track)
+        copy_out = CopyActor.start(device, track=cfg.track)
+        started += [copy_in, kernels, copy_out]
+        producer = _Producer.start(device, copy_in, cfg, tally, driver)
+        consumer = _Consumer.start(copy_out, producer, cfg, tally, verify)
+        transformer = _Transformer.start(device, kernels, producer, consumer, cfg, tally)
+        started += [producer, consumer, transformer]
+        producer.tell(transformer)
+        t0 = time.perf_counter()
+        for _ in range(min(cfg.depth, cfg.batches)):
+            producer.tell("next")
+        deadline = t0 + cfg.timeout_s
+        while not tally.done.wait(0.2):
+            if progress is not None:
+                progress(cfg.batches - tally.remaining, cfg.batches)
+            if time.perf_counter() > deadline:
+                tally.fail(f"timed out after {cfg.timeout_s} s")
+        seconds = time.perf_counter() - t0
+        if progress is not None:
+            progress(cfg.batches - tally.remaining, cfg.batches)
+        stats = device.ask(GetStats())
+    finally:
+        for ref in reversed(started):
+            ref.stop()
+        if own_device:
+            device.stop()
+    return PipelineResult(
+        batches=cfg.batches,
+        batch_bytes=cfg.batch_bytes,
+        verified=tally.verified,
+        mismatched=sorted(tally.mismatched),
+        stale_retries=tally.stale_retries,
+        errors=tally.errors,
+        seconds=seconds,
+        generation=stats.generation,
+        driver=driver.kind,
+        device=driver.device_name(ordinal),
+    )
