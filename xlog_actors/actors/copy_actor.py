@@ -35,6 +35,7 @@ class CopyActor(LibraryActor):
         }.get(type(message))
 
     def _to_device(self, msg: CopyToDevice) -> None:
+        self._check_refs(msg.ref)
         data = memoryview(msg.data).cast("B")
         if len(data) == 0:
             raise InvalidRequest("CopyToDevice: no data")
@@ -47,6 +48,7 @@ class CopyActor(LibraryActor):
         self._run([(msg.ref, Access.WRITE)], enqueue)
 
     def _to_host(self, msg: CopyToHost) -> bytes:
+        self._check_refs(msg.ref)
         nbytes = msg.ref.nbytes if msg.nbytes is None else msg.nbytes
         if type(nbytes) is not int or not 0 < nbytes <= msg.ref.nbytes:
             raise InvalidRequest(f"CopyToHost: nbytes must be an int in 1..{msg.ref.nbytes}, got {msg.nbytes!r}")
@@ -61,6 +63,7 @@ class CopyActor(LibraryActor):
         return bytes(out[0])
 
     def _device_to_device(self, msg: CopyDeviceToDevice) -> None:
+        self._check_refs(msg.src, msg.dst)
         if msg.src.nbytes > msg.dst.nbytes:
             raise InvalidRequest(f"CopyDeviceToDevice: {msg.src!r} does not fit in {msg.dst!r}")
         if msg.src is msg.dst:
@@ -72,6 +75,7 @@ class CopyActor(LibraryActor):
         self._run([(msg.src, Access.READ), (msg.dst, Access.WRITE)], enqueue)
 
     def _fill(self, msg: Fill) -> None:
+        self._check_refs(msg.ref)
         if type(msg.byte) is not int or not 0 <= msg.byte <= 255:
             raise InvalidRequest(f"Fill: byte must be an int in 0..255, got {msg.byte!r}")
 

@@ -4,6 +4,7 @@ and resource stack, behind an ``ActorRef`` that stays valid across context rebui
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from .supervisor import Directive, Supervisor
 __all__ = ["DeviceActor", "ContextCell", "ResourceSpec", "ReportFailure"]
 
 logger = logging.getLogger("xlog_actors.device")
+pykka_logger = logging.getLogger("pykka")  # where pykka's own loop logs
 
 ResourceFactory = Callable[[Driver, int, StreamPool], DeviceMemoryResource]
 ResourceSpec = str | ResourceFactory | None
@@ -163,7 +165,11 @@ class DeviceActor(pykka.ThreadingActor):
         exception_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._unregister()
+        # pykka calls this after a told message raised; ``_handle_failure`` below kept the actor
+        # running, so it still owns its ordinal. Unregistering here would let a second actor
+        # take the ordinal while this one lives on.
+        if self.actor_stopped.is_set():
+            self._unregister()
 
     def _handle_failure(
         self,
@@ -177,6 +183,34 @@ class DeviceActor(pykka.ThreadingActor):
             "device %d: a told message failed: %r", self._ordinal, exception_value,
             exc_info=(exception_type, exception_value, traceback),  # type: ignore[arg-type]
         )
+
+    def _actor_loop_running(self) -> None:
+        # pykka's loop (4.x), with one change: the envelope and the reply are dropped as soon as
+        # the reply is set. pykka keeps both in locals until the next message has been handled,
+        # so the GpuRefs of an Allocate reply (or of a reply whose asker timed out) stayed alive
+        # through the next message: a GetStats sent right after the caller dropped them still
+        # counted them. Failure handling is pykka's, unchanged.
+        while not self.actor_stopped.is_set():
+            envelope = self.actor_inbox.get()
+            try:
+                response = self._handle_receive(envelope.message)
+                if envelope.reply_to is not None:
+                    envelope.reply_to.set(response)
+            except Exception:
+                if envelope.reply_to is not None:
+                    pykka_logger.info(f"Exception returned from {self} to caller:", exc_info=sys.exc_info())
+                    envelope.reply_to.set_exception()
+                else:
+                    self._handle_failure(*sys.exc_info())
+                    try:
+                        self.on_failure(*sys.exc_info())
+                    except Exception:  # noqa: BLE001
+                        self._handle_failure(*sys.exc_info())
+            except BaseException:  # noqa: BLE001
+                pykka_logger.debug(f"{sys.exc_info()[1]!r} in {self}. Stopping all actors.")
+                self._stop()
+                pykka.ActorRegistry.stop_all()
+            envelope = response = None  # type: ignore[assignment]
 
     def _unregister(self) -> None:
         with _registry_lock:
@@ -338,9 +372,10 @@ class DeviceActor(pykka.ThreadingActor):
                 raise
 
     def _on_reclaim(self, msg: Reclaim) -> None:
+        # A wake-up: the block is in its context's queue (an earlier drain may have freed it).
         ctx = self._cell.ctx
         if ctx is not None and msg.generation == ctx.generation:
-            ctx.free(msg.block)
+            ctx.drain_reclaims()
 
     def _on_rebuild(self, msg: Rebuild) -> int:
         status = self._cell.status
@@ -378,6 +413,7 @@ class DeviceActor(pykka.ThreadingActor):
         stack = ""
         report: dict[str, Any] = {}
         if ctx is not None and status == "running":
+            ctx.drain_reclaims()
             ctx.runtime.reap_pending()
             outstanding = ctx.runtime.bytes_outstanding()
             live = len(ctx.blocks)

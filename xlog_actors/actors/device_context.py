@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
@@ -25,11 +26,13 @@ class DeviceContext:
 
     ``blocks`` holds every block handed out as a ``GpuRef`` of this generation and not yet freed;
     a rebuild drops the whole context (the driver freed its memory), so nothing of it is freed
-    twice or into the next context.
+    twice or into the next context. ``reclaims`` holds the blocks whose last handle went away,
+    until the actor frees them (``drain_reclaims``).
 
-    Thread rules: ``allocate``/``free`` may run on any thread (the runtime is thread-safe and
-    ``blocks`` is only touched by single dict operations, atomic under the GIL); ``reclaim``
-    only ``tell``s the owning actor.
+    Thread rules: ``allocate``/``free`` may run on any thread (the runtime is thread-safe;
+    ``blocks`` is written under ``_table_lock``, read with single dict operations);
+    ``reclaim`` only appends to ``reclaims`` (atomic) and ``tell``s the owning actor, so a
+    garbage collector may call it anywhere; ``drain_reclaims`` runs on the actor's thread only.
     """
 
     def __init__(
@@ -46,8 +49,16 @@ class DeviceContext:
         self.token = state.token
         self.actor_ref = actor_ref
         self.blocks: dict[int, DeviceBlock] = {}
+        # Queued by GpuRef.__del__/release from any thread, freed by the actor: it drains the
+        # queue before every GetStats, so a handle dropped before a GetStats was sent is freed
+        # before it reports (a tell alone could queue behind that GetStats).
+        self.reclaims: deque[DeviceBlock] = deque()
         self.open = True
         self._lock = threading.Lock()
+        # Makes "insert a new block" and "remove the block just freed" atomic with respect to
+        # each other: once deallocate returned, another thread may get the same address at once
+        # (stream-ordered reuse), and a plain pop would then drop *its* entry.
+        self._table_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DeviceContext(device={self.ordinal}, generation={self.generation}, stack={self.runtime.describe()!r})"
@@ -77,7 +88,8 @@ class DeviceContext:
         from .gpu_ref import GpuRef
 
         block = self.runtime.allocate(nbytes, stream, tag)
-        self.blocks[block.ptr] = block
+        with self._table_lock:
+            self.blocks[block.ptr] = block
         return GpuRef._new(block, self)
 
     def allocate_many(self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag) -> list[GpuRef]:
@@ -98,11 +110,10 @@ class DeviceContext:
                 self.runtime.deallocate(block)
             raise
         table = self.blocks
-        refs = []
-        for block in blocks:
-            table[block.ptr] = block
-            refs.append(GpuRef._new(block, self))
-        return refs
+        with self._table_lock:
+            for block in blocks:
+                table[block.ptr] = block
+        return [GpuRef._new(block, self) for block in blocks]
 
     def free(self, block: DeviceBlock) -> bool:
         """Free ``block`` if it is still one of this context's; False when it was not."""
@@ -110,14 +121,31 @@ class DeviceContext:
         if live is None or live.generation != block.generation or not self.open:
             return False
         self.runtime.deallocate(block)
-        # Only after the resource took it back: a failed deallocate leaves the block ours.
-        self.blocks.pop(block.ptr, None)
+        # Only after the resource took it back: a failed deallocate leaves the block ours. Only
+        # our own entry: the address may already be live again for another thread.
+        with self._table_lock:
+            if self.blocks.get(block.ptr) is live:
+                del self.blocks[block.ptr]
         return True
 
     def reclaim(self, block: DeviceBlock) -> None:
-        """Hand the free of ``block`` to the owning actor (safe from any thread, GC included)."""
+        """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
+        queue it and wake the actor with a ``Reclaim``."""
         if self.open:
+            self.reclaims.append(block)
             self.actor_ref.tell(Reclaim(block, self.generation))
+
+    def drain_reclaims(self) -> None:
+        """Free every block ``reclaim`` queued. The actor's thread only. A free that fails puts
+        its block back at the head of the queue for the next drain and raises."""
+        reclaims = self.reclaims
+        while reclaims:
+            block = reclaims.popleft()
+            try:
+                self.free(block)
+            except BaseException:
+                reclaims.appendleft(block)
+                raise
 
     def close(self, free_blocks: bool) -> list[BaseException]:
         """End this generation. With ``free_blocks`` (an orderly stop), give every live block
@@ -139,6 +167,7 @@ class DeviceContext:
                     errors.append(exc)
             self.open = False
             self.blocks.clear()
+            self.reclaims.clear()  # freed above, or gone with the context
             try:
                 self.runtime.close()
             except Exception as exc:  # noqa: BLE001
@@ -173,7 +202,7 @@ class DeviceContext:
 
     def dlpack(self, ref: GpuRef, stream: Any, kwargs: dict[str, Any]) -> Any:
         self._require_cuda("__dlpack__")
-        from ..driver.cuda_interop import export_dlpack
+        from .interop import export_dlpack
 
         return export_dlpack(ref, self, stream, kwargs)
 

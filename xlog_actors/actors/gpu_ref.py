@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -13,6 +14,9 @@ if TYPE_CHECKING:
     from .device_state import DeviceState
 
 __all__ = ["GpuRef"]
+
+# Guards the flip of ``_released`` (rare: an explicit release or Free, never the access path).
+_release_lock = threading.Lock()
 
 
 class GpuRef:
@@ -42,7 +46,9 @@ class GpuRef:
     _last_write: StreamId | None
     _released: bool
 
-    def __init__(self, *_args: object, **_kwargs: object) -> None:
+    def __new__(cls, *_args: object, **_kwargs: object) -> NoReturn:
+        # Refused in __new__, not __init__: an object that __init__ refused would still exist,
+        # with empty slots, and its __del__ would fail on them.
         raise TypeError("GpuRef is made by a DeviceActor (Allocate) or a DeviceClient, not directly")
 
     @classmethod
@@ -155,11 +161,15 @@ class GpuRef:
             self._context.reclaim(self._block)
 
     def _mark_released(self) -> bool:
-        """True for the one caller that flips the handle to released."""
+        """True for the one caller that flips the handle to released. Atomic: holders in many
+        threads may release (or ``Free``) the same handle at once, and only one may free it."""
         if self._released:
             return False
-        _setters[6](self, True)
-        return True
+        with _release_lock:
+            if self._released:
+                return False
+            _setters[6](self, True)
+            return True
 
     def _unmark_released(self) -> None:
         """Undo ``_mark_released`` after a free that failed: the handle stays usable."""

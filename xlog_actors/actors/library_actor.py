@@ -11,7 +11,7 @@ from typing import Any
 import pykka
 
 from ..driver.protocol import Driver, Stream
-from ..errors import GpuRefStale, InvalidRequest
+from ..errors import GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
@@ -52,6 +52,12 @@ class LibraryActor(pykka.ThreadingActor):
 
     def on_start(self) -> None:
         self._device.tell(Subscribe(self.actor_ref))
+        try:
+            self._attach()  # so ``stream_id`` names this actor's stream from the start
+        except XlogError as exc:
+            # A device that is not running yet: attach on the first piece of work instead,
+            # which then answers with the device's typed error.
+            logger.info("%s: device not ready at start (%r); attaching later", type(self).__name__, exc)
 
     def on_stop(self) -> None:
         try:
@@ -94,6 +100,11 @@ class LibraryActor(pykka.ThreadingActor):
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         raise NotImplementedError
 
+    def _check_refs(self, *refs: object) -> None:
+        for ref in refs:
+            if not isinstance(ref, GpuRef):
+                raise InvalidRequest(f"{type(self).__name__}: expected a GpuRef, got {type(ref).__name__}")
+
     def _run(
         self,
         uses: Sequence[tuple[GpuRef, Access]],
@@ -102,9 +113,7 @@ class LibraryActor(pykka.ThreadingActor):
         """Validate every handle, queue the waits the work needs, enqueue it, record what it did.
         ``enqueue`` gets the blocks in the order of ``uses``."""
         refs = [ref for ref, _ in uses]
-        for ref in refs:
-            if not isinstance(ref, GpuRef):
-                raise InvalidRequest(f"{type(self).__name__}: expected a GpuRef, got {type(ref).__name__}")
+        self._check_refs(*refs)
         ctx = self._context_for(refs)
         blocks = [ctx.check_ref(ref) for ref in refs]
         for ref in refs:

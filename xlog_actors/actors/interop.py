@@ -1,0 +1,49 @@
+"""Zero-copy export of a ``GpuRef`` to other CUDA libraries (CuPy, PyTorch, Numba): DLPack.
+
+cuda.core's ``Buffer`` builds the DLPack capsule (a 1-D byte tensor over the allocation, kept
+alive by the ``GpuRef`` as its owner). cuda.core ignores the consumer's ``stream`` argument, so
+the ordering the DLPack protocol asks of the producer is done here: the consumer's stream is
+made to wait for the handle's last write before the capsule is handed over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from .device_context import DeviceContext
+    from .gpu_ref import GpuRef
+
+__all__ = ["export_dlpack", "consumer_stream_handle"]
+
+
+def consumer_stream_handle(stream: Any) -> int | None:
+    """The CUDA stream handle a DLPack consumer will use, per the DLPack/array-API rules for
+    CUDA: ``None`` is the legacy default stream, ``-1`` asks for no synchronization (returns
+    None), ``1`` legacy default, ``2`` per-thread default, any other int a stream handle; ``0``
+    is ambiguous and refused."""
+    if stream is None:
+        return 1  # CU_STREAM_LEGACY
+    if type(stream) is not int:
+        raise InvalidRequest(f"__dlpack__(stream=...) takes an int or None on CUDA, got {stream!r}")
+    if stream == -1:
+        return None
+    if stream == 0:
+        raise InvalidRequest("__dlpack__(stream=0) is ambiguous on CUDA; pass 1 for the legacy default stream")
+    return stream
+
+
+def export_dlpack(ref: GpuRef, ctx: DeviceContext, stream: Any, kwargs: dict[str, Any]) -> Any:
+    from cuda.core import Buffer
+
+    block = ref.access()
+    consumer = consumer_stream_handle(stream)
+    producer = ref.last_write_stream
+    if consumer is not None and producer is not None:
+        producer_stream = ctx.runtime.stream_pool.resolve(producer)
+        if producer_stream is not None and producer_stream.handle != consumer:
+            ctx.driver.order_foreign_stream(consumer, producer_stream)  # type: ignore[attr-defined]
+    buffer = Buffer.from_handle(block.ptr, block.nbytes, owner=ref)
+    return buffer.__dlpack__(**kwargs)
