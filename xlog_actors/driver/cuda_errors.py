@@ -1,0 +1,157 @@
+"""Classification of every ``CUresult`` into the SPEC's typed errors (SPEC section 2).
+
+One small table and one helper:
+
+* ``CUDA_ERROR_OUT_OF_MEMORY`` -> :class:`~xlog_actors.errors.OutOfMemory` (with ``.requested``);
+* the sticky set (:data:`STICKY_CODES`: illegal address, illegal instruction, misaligned address,
+  invalid address space, invalid PC, launch failure, hardware stack error, assert, launch timeout,
+  uncorrectable ECC, and the few codes whose CUDA documentation also says "the process must be
+  terminated") -> :class:`~xlog_actors.errors.ContextPoisoned`. After one of them every later call
+  in the process fails, even on a reset or new context;
+* a destroyed or invalid context (:data:`CONTEXT_LOST_CODES`) ->
+  :class:`~xlog_actors.errors.ContextLost`, a :class:`DriverError` the supervisor answers with a
+  rebuild;
+* everything else -> :class:`~xlog_actors.errors.DriverError`.
+
+``.code`` is always the ``CUresult`` name (``"CUDA_ERROR_INVALID_VALUE"``).
+
+:func:`check` is on the allocation hot path: it compares to ``CUDA_SUCCESS`` first and does
+nothing else on success. Everything else here runs only on failures. This module needs neither a
+GPU nor libcuda: the table works on names, so it is unit-tested everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NoReturn
+
+from ..errors import ContextLost, ContextPoisoned, DriverError, OutOfMemory, XlogError
+
+__all__ = [
+    "CONTEXT_LOST_CODES",
+    "OOM_CODES",
+    "STICKY_CODES",
+    "check",
+    "error_class_for",
+    "error_for",
+    "result_name",
+]
+
+try:  # cuda-python is a dependency, but the table must stay importable without it
+    from cuda.bindings import driver as _cu
+
+    _CUresult: type | None = _cu.CUresult
+    _SUCCESS: object = _cu.CUresult.CUDA_SUCCESS
+except ImportError:  # pragma: no cover - only without cuda-python
+    _cu = None  # type: ignore[assignment]
+    _CUresult = None
+    _SUCCESS = 0
+
+#: Sticky errors: the context is unusable for the rest of the process. The first ten are the set
+#: the issue names; the last four are documented by CUDA with the same "the process must be
+#: terminated" consequence (names missing from an older cuda-bindings simply never match).
+STICKY_CODES: Final[frozenset[str]] = frozenset(
+    {
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        "CUDA_ERROR_MISALIGNED_ADDRESS",
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        "CUDA_ERROR_INVALID_PC",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        "CUDA_ERROR_ASSERT",
+        "CUDA_ERROR_LAUNCH_TIMEOUT",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+        "CUDA_ERROR_CONTAINED",
+        "CUDA_ERROR_NVLINK_UNCORRECTABLE",
+        "CUDA_ERROR_EXTERNAL_DEVICE",
+        "CUDA_ERROR_TENSOR_MEMORY_LEAK",
+    }
+)
+
+#: The context is gone (destroyed, reset from outside, never made): rebuild it.
+CONTEXT_LOST_CODES: Final[frozenset[str]] = frozenset(
+    {
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "CUDA_ERROR_INVALID_CONTEXT",
+    }
+)
+
+OOM_CODES: Final[frozenset[str]] = frozenset({"CUDA_ERROR_OUT_OF_MEMORY"})
+
+
+def result_name(result: object) -> str:
+    """The ``CUresult`` name of ``result`` (a ``CUresult`` member or a plain int code).
+
+    Unknown ints become ``"CUresult(<n>)"`` rather than raising: an error path must never fail
+    while describing an error.
+    """
+    name = getattr(result, "name", None)
+    if isinstance(name, str):
+        return name
+    if isinstance(result, int) and _CUresult is not None:
+        try:
+            return str(_CUresult(result).name)
+        except ValueError:
+            pass
+    return f"CUresult({result!r})"
+
+
+def error_class_for(code: str) -> type[XlogError]:
+    """The error class the table gives ``code`` (a ``CUresult`` name)."""
+    if code in OOM_CODES:
+        return OutOfMemory
+    if code in STICKY_CODES:
+        return ContextPoisoned
+    if code in CONTEXT_LOST_CODES:
+        return ContextLost
+    return DriverError
+
+
+def _describe(result: object) -> str:
+    """CUDA's own one-line description of ``result``, or ``""`` when it cannot be had (no
+    libcuda, an unknown code). Only ever called on the failure path."""
+    if _cu is None:
+        return ""
+    try:
+        err, text = _cu.cuGetErrorString(result)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - no libcuda, or a code the bindings cannot convert
+        return ""
+    if err != _SUCCESS or not text:
+        return ""
+    return text.decode() if isinstance(text, bytes) else str(text)
+
+
+def error_for(result: object, what: str, *, requested: int = 0) -> XlogError:
+    """The typed error for a failed call (``result`` is not ``CUDA_SUCCESS``).
+
+    ``what`` names the call and its subject (``"device 0: cuMemAlloc(4096 bytes)"``); it starts
+    the message. ``requested`` is the byte count of an allocation, carried by ``OutOfMemory``.
+    """
+    code = result_name(result)
+    description = _describe(result)
+    message = f"{what} failed: {code}" + (f" ({description})" if description else "")
+    cls = error_class_for(code)
+    if cls is OutOfMemory:
+        return OutOfMemory(message, requested=requested)
+    if cls is ContextPoisoned:
+        return ContextPoisoned(
+            message + "; the context is poisoned for the rest of this process", code=code
+        )
+    if cls is ContextLost:
+        return ContextLost(message + "; the context must be rebuilt", code=code)
+    return DriverError(message, code=code)
+
+
+def check(result: object, what: str, *, requested: int = 0) -> None:
+    """Return if ``result`` is ``CUDA_SUCCESS``; else raise :func:`error_for`'s error.
+
+    Hot path: one comparison on success. ``raise ... from None`` keeps the traceback free of
+    cuda-python internals.
+    """
+    if result == _SUCCESS:
+        return
+    _raise(result, what, requested)
+
+
+def _raise(result: object, what: str, requested: int) -> NoReturn:
+    raise error_for(result, what, requested=requested) from None
