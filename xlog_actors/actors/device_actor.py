@@ -308,6 +308,8 @@ class DeviceActor(pykka.ThreadingActor):
             logger.error("device %d: on_poisoned hook failed: %r", self._ordinal, hook_error)
 
     def _stop_for_good(self, exc: BaseException) -> None:
+        if self._cell.status == "stopped":
+            return  # already: no second log line or notification
         logger.error("device %d: stopped for good after %r", self._ordinal, exc)
         self._state.begin_shutdown()
         ctx, self._cell.ctx = self._cell.ctx, None
@@ -327,22 +329,38 @@ class DeviceActor(pykka.ThreadingActor):
         self._subscribers = alive
 
     def _context(self) -> DeviceContext:
-        """The running context, rebuilding a broken one first; else the status's typed error."""
+        """The running context; a broken one is rebuilt first, with one attempt per request
+        (a request must not spend the whole restart intensity on its own); else the status's
+        typed error. The errors raised here are answers, not new failures: they are marked as
+        supervised so that ``on_receive`` does not act on them again."""
+        ctx = self._cell.ctx
+        if self._cell.status == "running" and ctx is not None:
+            return ctx
+        if self._cell.status in ("broken", "starting"):
+            if not self._supervisor.allow_restart(self._ordinal):
+                error = DeviceUnavailable(f"device {self._ordinal}: restart intensity exceeded: {self._last_error!r}")
+                self._stop_for_good(error)
+                raise _supervised(error)
+            self._try_rebuild(reason=f"broken context: {self._last_error!r}")
+            ctx = self._cell.ctx
+            if self._cell.status == "running" and ctx is not None:
+                return ctx
         status = self._cell.status
-        if status == "running" and self._cell.ctx is not None:
-            return self._cell.ctx
         if status == "poisoned":
-            raise ContextPoisoned(f"device {self._ordinal} is poisoned: {self._last_error!r}")
+            raise _supervised(
+                ContextPoisoned(
+                    f"device {self._ordinal} is poisoned: {self._last_error!r}",
+                    code=getattr(self._last_error, "code", None),
+                )
+            )
         if status == "stopped":
-            raise DeviceUnavailable(f"device {self._ordinal} was stopped for good: {self._last_error!r}")
-        if not self._supervisor.allow_restart(self._ordinal):
-            error = DeviceUnavailable(f"device {self._ordinal}: restart intensity exceeded: {self._last_error!r}")
-            self._stop_for_good(error)
-            raise error
-        self._try_rebuild(reason=f"broken context: {self._last_error!r}")
-        if self._cell.ctx is None:
-            return self._context()
-        return self._cell.ctx
+            raise _supervised(DeviceUnavailable(f"device {self._ordinal} was stopped for good: {self._last_error!r}"))
+        raise _supervised(
+            DeviceUnavailable(
+                f"device {self._ordinal}: its context could not be rebuilt ({self._last_error!r}); "
+                "the next request tries again"
+            )
+        ) from self._last_error
 
     # -- handlers ---------------------------------------------------------------------------------
     def _on_allocate(self, msg: Allocate) -> GpuRef:
@@ -380,9 +398,9 @@ class DeviceActor(pykka.ThreadingActor):
     def _on_rebuild(self, msg: Rebuild) -> int:
         status = self._cell.status
         if status == "poisoned":
-            raise ContextPoisoned(f"device {self._ordinal} is poisoned; a rebuild needs a new process")
+            raise _supervised(ContextPoisoned(f"device {self._ordinal} is poisoned; a rebuild needs a new process"))
         if status == "stopped":
-            raise DeviceUnavailable(f"device {self._ordinal} was stopped for good")
+            raise _supervised(DeviceUnavailable(f"device {self._ordinal} was stopped for good"))
         try:
             return self._rebuild(msg.reason)
         except ContextPoisoned as exc:
@@ -444,6 +462,12 @@ class DeviceActor(pykka.ThreadingActor):
         ctx = self._cell.ctx
         if ctx is not None and msg.generation == ctx.generation:
             self._after_failure(msg.error, counting=True)
+
+
+def _supervised(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as already acted on, so ``on_receive`` only passes it to the asker."""
+    exc._xlog_supervised = True  # type: ignore[attr-defined]
+    return exc
 
 
 def _memory_report(ctx: DeviceContext) -> dict[str, Any]:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import pykka
 
 from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, InvalidRequest
 from ..memory.block import AllocTag, StreamId
 from .gpu_ref import GpuRef
-from .messages import Free
+from .messages import Allocate, AllocateMany, Free
 
 if TYPE_CHECKING:
     from .device_actor import ContextCell
+    from .device_context import DeviceContext
 
 __all__ = ["DeviceClient"]
 
@@ -24,7 +27,14 @@ class DeviceClient:
     reads the actor's current context on every call), and a context loss or poisoning it meets
     is reported to the actor, whose supervisor then acts as if the actor had met it.
 
-    Thread rules: any thread, any number of threads at once.
+    While the device has no running context (a rebuild in progress, a broken, poisoned or
+    stopped device) a call goes through the actor instead, as the matching message: it then
+    waits for the rebuild, or gets the status's typed error, exactly like an ``ask``. A call
+    whose context a rebuild took away while it ran is retried the same way, so a client never
+    hands out a handle that is stale from birth.
+
+    Thread rules: any thread, any number of threads at once (not the device actor's own
+    thread: the slow path asks that actor).
     """
 
     __slots__ = ("_cell",)
@@ -32,45 +42,77 @@ class DeviceClient:
     def __init__(self, cell: ContextCell) -> None:
         self._cell = cell
 
-    def _context(self):  # type: ignore[no-untyped-def]
+    def _current(self) -> DeviceContext | None:
         ctx = self._cell.ctx
-        if ctx is None:
-            raise DeviceUnavailable(f"device {self._cell.ordinal} has no usable context ({self._cell.status})")
-        ctx.check_usable()
-        return ctx
+        return ctx if ctx is not None and ctx.is_current() else None
+
+    def _ask(self, message: Any) -> Any:
+        """The slow path: the actor serves ``message`` (after a rebuild in progress)."""
+        try:
+            return self._cell.actor_ref.ask(message)
+        except pykka.ActorDeadError as exc:
+            raise DeviceUnavailable(f"device {self._cell.ordinal}: its DeviceActor was stopped") from exc
 
     def allocate(self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED) -> GpuRef:
-        ctx = self._context()
-        try:
-            return ctx.allocate(nbytes, stream, tag)
-        except (ContextLost, ContextPoisoned) as exc:
-            self._cell.report_failure(exc, ctx.generation)
-            raise
+        ctx = self._current()
+        if ctx is not None:
+            try:
+                ref = ctx.allocate(nbytes, stream, tag)
+            except (ContextLost, ContextPoisoned) as exc:
+                self._cell.report_failure(exc, ctx.generation)
+                raise
+            except BaseException:
+                if ctx.is_current():
+                    raise
+                # A rebuild took the context away under this call: the error belongs to it.
+            else:
+                if ctx.is_current():
+                    return ref
+                # Allocated in a context a rebuild took away meanwhile (its memory went with it).
+        return self._ask(Allocate(nbytes, stream, tag))  # type: ignore[no-any-return]
 
     def allocate_many(
         self, sizes: list[int] | tuple[int, ...], stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> list[GpuRef]:
-        ctx = self._context()
-        try:
-            return ctx.allocate_many(sizes, stream, tag)
-        except (ContextLost, ContextPoisoned) as exc:
-            self._cell.report_failure(exc, ctx.generation)
-            raise
+        ctx = self._current()
+        if ctx is not None:
+            try:
+                refs = ctx.allocate_many(sizes, stream, tag)
+            except (ContextLost, ContextPoisoned) as exc:
+                self._cell.report_failure(exc, ctx.generation)
+                raise
+            except BaseException:
+                if ctx.is_current():
+                    raise
+            else:
+                if ctx.is_current():
+                    return refs
+        return self._ask(AllocateMany(sizes, stream, tag))  # type: ignore[no-any-return]
 
     def free(self, ref: GpuRef) -> None:
         """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message."""
         if not isinstance(ref, GpuRef):
             raise InvalidRequest(f"free needs a GpuRef, got {type(ref).__name__}")
-        ctx = self._cell.ctx
+        ctx = self._current()
         if ctx is None or ref.context is not ctx:
             # Another generation (its memory went with its context) or another device: the
             # actor sorts it out with the same rules as a Free message.
-            self._cell.actor_ref.ask(Free(ref))
+            if ref.context.actor_ref.actor_urn != self._cell.actor_ref.actor_urn:
+                raise InvalidRequest(
+                    f"free: {ref!r} belongs to another device actor (device {ref.block.device_ordinal}), "
+                    f"not to device {self._cell.ordinal}"
+                )
+            if not self._cell.actor_ref.is_alive():
+                ref._mark_released()  # the stopped device freed its memory
+                return
+            self._ask(Free(ref))
             return
         if ref._mark_released():
             try:
                 ctx.free(ref.block)
             except BaseException as exc:
+                if not ctx.is_current() and not isinstance(exc, (ContextLost, ContextPoisoned)):
+                    return  # a rebuild took the context, and the memory, away under this call
                 ref._unmark_released()
                 if isinstance(exc, (ContextLost, ContextPoisoned)):
                     self._cell.report_failure(exc, ctx.generation)

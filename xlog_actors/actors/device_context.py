@@ -74,6 +74,12 @@ class DeviceContext:
         if state.generation != self.generation or not self.open:
             raise GpuRefStale("context rebuilt", f"device {self.ordinal} moved to generation {state.generation}")
 
+    def is_current(self) -> bool:
+        """True while this is the device's usable context: open, and the state unchanged since
+        it was built (no rebuild, shutdown or poisoning)."""
+        state = self.state_ref()
+        return self.open and state is not None and state.token is self.token
+
     def check_ref(self, ref: GpuRef) -> DeviceBlock:
         """Validate ``ref`` and that it belongs to this device; its block."""
         block = ref.access()

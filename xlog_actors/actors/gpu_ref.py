@@ -46,7 +46,7 @@ class GpuRef:
     _last_write: StreamId | None
     _released: bool
 
-    def __new__(cls, *_args: object, **_kwargs: object) -> NoReturn:
+    def __new__(cls, *_args: object, **_kwargs: object) -> GpuRef:
         # Refused in __new__, not __init__: an object that __init__ refused would still exist,
         # with empty slots, and its __del__ would fail on them.
         raise TypeError("GpuRef is made by a DeviceActor (Allocate) or a DeviceClient, not directly")

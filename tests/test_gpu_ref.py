@@ -1,0 +1,295 @@
+"""GpuRef and DeviceState (SPEC section 6; issue 5) on the host driver.
+
+Every test stops the actors it starts (``stop_all`` fixture) and the ``host_driver`` fixture
+closes its driver.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.errors import STALE_REASONS
+
+
+@pytest.fixture(autouse=True)
+def stop_all(host_driver: xa.HostDriver) -> Iterator[None]:
+    # Depends on host_driver so that the actors stop before the driver closes.
+    yield
+    pykka.ActorRegistry.stop_all()
+
+
+@pytest.fixture
+def device(host_driver: xa.HostDriver) -> Iterator[pykka.ActorRef[Any]]:
+    ref = xa.DeviceActor.start(0, driver=host_driver)
+    yield ref
+    ref.stop()
+
+
+def reason_of(ref: xa.GpuRef) -> str:
+    with pytest.raises(xa.GpuRefStale) as info:
+        ref.access()
+    assert info.value.reason in STALE_REASONS
+    return info.value.reason
+
+
+# -- DeviceState ------------------------------------------------------------------------------
+
+
+def test_device_state_counters_and_flags() -> None:
+    state = xa.DeviceState(3)
+    assert (state.device_id, state.generation, state.accepting_ops) == (3, 0, True)
+    assert state.bump_generation() == 1
+    assert state.bump_generation() == 2
+    assert state.generation == 2
+    state.begin_shutdown()
+    assert state.accepting_ops is False
+    state.begin_shutdown()  # idempotent
+    assert state.accepting_ops is False
+
+
+def test_bump_generation_is_thread_safe() -> None:
+    state = xa.DeviceState(0)
+    seen: list[int] = []
+
+    def bump() -> None:
+        for _ in range(1000):
+            seen.append(state.bump_generation())
+
+    threads = [threading.Thread(target=bump) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert state.generation == 8000
+    assert sorted(seen) == list(range(1, 8001))
+
+
+# -- the handle as a value --------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_not_constructible_directly() -> None:
+    with pytest.raises(TypeError):
+        xa.GpuRef()
+    gc.collect()  # a half-made handle must not fail in __del__
+
+
+def test_immutable(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(1024))
+    for name in ("_block", "_generation", "_released", "_last_write", "nbytes", "generation", "anything"):
+        with pytest.raises(AttributeError):
+            setattr(ref, name, 1)
+        with pytest.raises(AttributeError):
+            delattr(ref, name)
+    with pytest.raises(AttributeError):
+        object.__setattr__(ref, "new_attribute", 1)  # slotted: no __dict__ to sneak into
+    assert ref.access().nbytes == 1024
+
+
+def test_copy_returns_same_object_and_pickle_refused(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(512))
+    assert copy.copy(ref) is ref
+    assert copy.deepcopy(ref) is ref
+    assert copy.deepcopy({"a": [ref]})["a"][0] is ref
+    with pytest.raises(TypeError, match="process-local"):
+        pickle.dumps(ref)
+
+
+def test_facts(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(1000, tag=xa.AllocTag("weights")))
+    assert len(ref) == ref.nbytes == 1000
+    assert ref.tag == xa.AllocTag("weights") and isinstance(ref.tag, xa.AllocTag)
+    assert ref.generation == 0
+    assert ref.device_id == 0
+    assert ref.alloc_stream == xa.StreamId.DEFAULT
+    assert ref.last_write_stream is None
+    block = ref.access()
+    assert isinstance(block, xa.DeviceBlock)
+    assert block.device_ordinal == 0 and block.nbytes == 1000
+    assert ref.raw_device_ptr() == block.ptr
+    assert "nbytes=1000" in repr(ref)
+
+
+def test_cuda_array_interface_absent_on_host_driver(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(64))
+    assert not hasattr(ref, "__cuda_array_interface__")
+    with pytest.raises(AttributeError, match="CUDA driver"):
+        ref.__dlpack__()
+
+
+# -- access(): the five reasons and their order ----------------------------------------------
+
+
+def test_reason_released_and_release_idempotent(host_driver: xa.HostDriver, device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(4096))
+    other = device.ask(xa.Allocate(4096))
+    assert device.ask(xa.GetStats()).bytes_outstanding == 8192
+    ref.release()
+    ref.release()
+    assert reason_of(ref) == "released"
+    with pytest.raises(xa.GpuRefStale, match="released"):
+        ref.raw_device_ptr()
+    assert ref.released
+    device.ask(xa.Free(ref))  # a released ref: no-op
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 4096 and stats.live_blocks == 1
+    assert host_driver.live_allocations(0) == 1
+    assert other.access().nbytes == 4096
+    del ref
+    gc.collect()
+    assert device.ask(xa.GetStats()).bytes_outstanding == 4096
+
+
+def test_release_from_many_threads_frees_once(device: pykka.ActorRef[Any]) -> None:
+    refs = device.ask(xa.AllocateMany([256] * 200))
+    keep = device.ask(xa.Allocate(256))
+    barrier = threading.Barrier(8)
+
+    def release_all() -> None:
+        barrier.wait()
+        for ref in refs:
+            ref.release()
+
+    threads = [threading.Thread(target=release_all) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 256 and stats.live_blocks == 1
+    assert keep.access().nbytes == 256
+
+
+def test_reason_context_rebuilt(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(128))
+    assert device.ask(xa.Rebuild("test")) == 1
+    assert reason_of(ref) == "context rebuilt"
+    with pytest.raises(xa.GpuRefStale, match="context rebuilt"):
+        ref.raw_device_ptr()
+    assert ref.generation == 0 and ref.device_id == 0
+    new = device.ask(xa.Allocate(128))
+    assert new.generation == 1 and new.access().nbytes == 128
+
+
+def test_reason_context_poisoned(host_driver: xa.HostDriver, device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(128))
+    host_driver.inject_fault(0, "sticky")
+    with pytest.raises(xa.ContextPoisoned):
+        device.ask(xa.Allocate(128))
+    assert reason_of(ref) == "context poisoned"
+
+
+def test_reason_device_shutting_down_by_begin_shutdown(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(128))
+    state = ref.context.state_ref()
+    assert isinstance(state, xa.DeviceState) and state.device_id == 0
+    state.begin_shutdown()
+    assert reason_of(ref) == "device shutting down"
+
+
+def test_reasons_after_stop_then_collect(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(128))
+    state = ref.context.state_ref()
+    device.stop()
+    assert reason_of(ref) == "device shutting down"  # the state is still reachable (we hold it)
+    assert ref.device_id == 0
+    del state, device
+    gc.collect()
+    assert reason_of(ref) == "device state dropped"
+    assert ref.device_id is None
+    assert ref.nbytes == 128 and len(ref) == 128 and ref.generation == 0  # facts survive
+    ref.release()  # nothing to free into any more: a no-op, never an error
+    del ref
+    gc.collect()
+
+
+def test_validation_order(host_driver: xa.HostDriver, device: pykka.ActorRef[Any]) -> None:
+    released_old = device.ask(xa.Allocate(64))
+    released_old.release()
+    assert reason_of(released_old) == "released"
+    device.ask(xa.Rebuild())
+    # generation is checked before released
+    assert reason_of(released_old) == "context rebuilt"
+    current = device.ask(xa.Allocate(64))
+    host_driver.inject_fault(0, "sticky")
+    with pytest.raises(xa.ContextPoisoned):
+        device.ask(xa.Allocate(64))
+    # poisoned is checked before generation
+    assert reason_of(released_old) == "context poisoned"
+    assert reason_of(current) == "context poisoned"
+    state = current.context.state_ref()
+    state.begin_shutdown()
+    # shutting down is checked before poisoned
+    assert reason_of(current) == "device shutting down"
+    assert reason_of(released_old) == "device shutting down"
+
+
+def test_access_revalidates_after_unrelated_token_change(device: pykka.ActorRef[Any]) -> None:
+    # A handle of the current generation stays valid however many times others go stale.
+    ref = device.ask(xa.Allocate(64))
+    for _ in range(3):
+        other = device.ask(xa.Allocate(64))
+        other.release()
+        assert ref.access().nbytes == 64
+
+
+# -- the shared cell ----------------------------------------------------------------------------
+
+
+def test_record_write_seen_by_every_holder_across_threads(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(256))
+    holders = [ref, copy.copy(ref), copy.deepcopy(ref), [ref][0]]
+    seen: list[xa.StreamId | None] = []
+    t = threading.Thread(target=lambda: ref.record_write(xa.StreamId(7)))
+    t.start()
+    t.join()
+    t = threading.Thread(target=lambda: seen.append(holders[2].last_write_stream))
+    t.start()
+    t.join()
+    assert seen == [xa.StreamId(7)]
+    assert all(h.last_write_stream == 7 for h in holders)
+    assert type(ref.last_write_stream) is xa.StreamId
+    ref.record_write(3)  # a plain int is accepted and stored as a StreamId
+    assert type(holders[1].last_write_stream) is xa.StreamId and holders[1].last_write_stream == 3
+
+
+# -- lifetime ---------------------------------------------------------------------------------
+
+
+def test_memory_lives_while_any_holder_can_reach_it(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(2048))
+    box = {"ref": ref}
+    del ref
+    gc.collect()
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 2048 and stats.live_blocks == 1
+    assert box["ref"].access().nbytes == 2048
+    box.clear()
+    gc.collect()
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 0 and stats.live_blocks == 0
+
+
+def test_dropping_the_last_reference_frees_through_the_device(
+    host_driver: xa.HostDriver, device: pykka.ActorRef[Any]
+) -> None:
+    # Dropped in another thread: the free is handed to the actor, never made there.
+    ref = device.ask(xa.Allocate(1 << 20))
+    holder = [ref]
+    del ref
+    t = threading.Thread(target=holder.clear)
+    t.start()
+    t.join()
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 0
+    assert host_driver.live_allocations(0) == 0
+    assert host_driver.mem_info(0)[0] == host_driver.mem_info(0)[1]
