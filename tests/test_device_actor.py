@@ -324,7 +324,9 @@ def test_get_stats(device: pykka.ActorRef[Any]) -> None:
     assert isinstance(stats, xa.DeviceStats)
     assert (stats.device_id, stats.generation, stats.restarts, stats.status, stats.driver) == (0, 0, 0, "running", "host")
     assert stats.bytes_outstanding == 600 and stats.live_blocks == 3
-    assert stats.report["by_tag"] == {"a": {"blocks": 1, "bytes": 100}, "b": {"blocks": 2, "bytes": 500}}
+    by_tag = {tag: (g["count"], g["nbytes"]) for tag, g in stats.report["by_tag"].items()}
+    assert by_tag == {"a": (1, 100), "b": (2, 500)}
+    assert stats.report["by_stream"]["0"]["count"] == 3
     assert stats.mem_total == 64 << 20 and stats.mem_free is not None and stats.mem_free < stats.mem_total
     assert a.nbytes + sum(r.nbytes for r in b) == 600
 

@@ -24,6 +24,7 @@ from .actors import (
     Free,
     GenerationChanged,
     GetClient,
+    GetReport,
     GetStats,
     GpuRef,
     In,
@@ -75,6 +76,14 @@ from .memory import (
     StreamId,
     StreamPool,
 )
+from .memory.adaptors import (
+    BudgetResource,
+    GuardResource,
+    LoggingResource,
+    ResourceAdaptor,
+    StatisticsResource,
+)
+from .memory.report import MemoryReport, enrich_out_of_memory, memory_report
 from .memory.stack import build_resource
 from .runtime import MAX_DEVICE_ORDINALS, XlogDeviceRuntime
 

@@ -16,10 +16,12 @@ import pykka
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import (
+    CorruptionDetected,
     ContextPoisoned,
     DeviceUnavailable,
     InvalidRequest,
 )
+from ..memory.report import MemoryReport, memory_report
 from ..memory.resource import DeviceMemoryResource
 from ..memory.stream_pool import StreamPool
 from ..runtime.device_runtime import XlogDeviceRuntime, _check_ordinal
@@ -35,6 +37,7 @@ from .messages import (
     Free,
     GenerationChanged,
     GetClient,
+    GetReport,
     GetStats,
     Rebuild,
     Reclaim,
@@ -132,6 +135,7 @@ class DeviceActor(pykka.ThreadingActor):
             Unsubscribe: self._on_unsubscribe,
             GetStats: self._on_stats,
             GetClient: self._on_client,
+            GetReport: self._on_report,
             Attach: self._on_attach,
             Reclaim: self._on_reclaim,
             ReportFailure: self._on_report_failure,
@@ -385,6 +389,8 @@ class DeviceActor(pykka.ThreadingActor):
         if ref._mark_released():
             try:
                 ctx.free(ref.block)
+            except CorruptionDetected:
+                raise  # the guard freed the block before it reported: the handle stays released
             except BaseException:
                 ref._unmark_released()
                 raise
@@ -437,7 +443,8 @@ class DeviceActor(pykka.ThreadingActor):
             live = len(ctx.blocks)
             stack = ctx.runtime.describe()
             mem_free, mem_total = self._driver.mem_info(self._ordinal)
-            report = _memory_report(ctx)
+            report = memory_report(ctx.runtime.resource).as_dict()
+            del report["blocks"]  # the groups say it in a size that does not grow per block
         return DeviceStats(
             device_id=self._ordinal,
             generation=self._state.generation,
@@ -451,6 +458,11 @@ class DeviceActor(pykka.ThreadingActor):
             mem_total=mem_total,
             report=report,
         )
+
+    def _on_report(self, _msg: GetReport) -> MemoryReport:
+        ctx = self._context()
+        ctx.drain_reclaims()
+        return memory_report(ctx.runtime.resource)
 
     def _on_client(self, _msg: GetClient) -> DeviceClient:
         return DeviceClient(self._cell)
@@ -468,17 +480,3 @@ def _supervised(exc: BaseException) -> BaseException:
     """Mark ``exc`` as already acted on, so ``on_receive`` only passes it to the asker."""
     exc._xlog_supervised = True  # type: ignore[attr-defined]
     return exc
-
-
-def _memory_report(ctx: DeviceContext) -> dict[str, Any]:
-    """Live blocks by tag and by stream, for ``GetStats``."""
-    by_tag: dict[str, dict[str, int]] = {}
-    by_stream: dict[int, dict[str, int]] = {}
-    for block in ctx.blocks.values():
-        t = by_tag.setdefault(str(block.tag), {"blocks": 0, "bytes": 0})
-        t["blocks"] += 1
-        t["bytes"] += block.nbytes
-        s = by_stream.setdefault(int(block.alloc_stream), {"blocks": 0, "bytes": 0})
-        s["blocks"] += 1
-        s["bytes"] += block.nbytes
-    return {"by_tag": by_tag, "by_stream": by_stream}

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import pykka
 
-from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, InvalidRequest
+from ..errors import ContextLost, CorruptionDetected, ContextPoisoned, DeviceUnavailable, InvalidRequest
 from ..memory.block import AllocTag, StreamId
 from .gpu_ref import GpuRef
 from .messages import Allocate, AllocateMany, Free
@@ -111,6 +111,8 @@ class DeviceClient:
             try:
                 ctx.free(ref.block)
             except BaseException as exc:
+                if isinstance(exc, CorruptionDetected):
+                    raise  # the guard freed the block before it reported: the handle stays released
                 if not ctx.is_current() and not isinstance(exc, (ContextLost, ContextPoisoned)):
                     return  # a rebuild took the context, and the memory, away under this call
                 ref._unmark_released()

@@ -7,8 +7,10 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
+from ..errors import ContextPoisoned, CorruptionDetected, DeviceUnavailable, GpuRefStale, InvalidRequest
+from ..errors import OutOfMemory
 from ..memory.block import AllocTag, DeviceBlock, StreamId
+from ..memory.report import enrich_out_of_memory
 from ..runtime.device_runtime import XlogDeviceRuntime
 from .device_state import DeviceState
 from .messages import Reclaim
@@ -93,7 +95,10 @@ class DeviceContext:
     def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef:
         from .gpu_ref import GpuRef
 
-        block = self.runtime.allocate(nbytes, stream, tag)
+        try:
+            block = self.runtime.allocate(nbytes, stream, tag)
+        except OutOfMemory as exc:
+            raise enrich_out_of_memory(exc, self.runtime.resource)
         with self._table_lock:
             self.blocks[block.ptr] = block
         return GpuRef._new(block, self)
@@ -111,9 +116,11 @@ class DeviceContext:
         try:
             for size in sizes:
                 blocks.append(allocate(size, stream, tag))
-        except BaseException:
+        except BaseException as exc:
             for block in blocks:
                 self.runtime.deallocate(block)
+            if isinstance(exc, OutOfMemory):
+                raise enrich_out_of_memory(exc, self.runtime.resource)
             raise
         table = self.blocks
         with self._table_lock:
@@ -126,13 +133,22 @@ class DeviceContext:
         live = self.blocks.get(block.ptr)
         if live is None or live.generation != block.generation or not self.open:
             return False
-        self.runtime.deallocate(block)
-        # Only after the resource took it back: a failed deallocate leaves the block ours. Only
-        # our own entry: the address may already be live again for another thread.
+        try:
+            self.runtime.deallocate(block)
+        except CorruptionDetected:
+            # A guard found the canaries overwritten: raised after the block was freed, so it is
+            # no longer ours either way.
+            self._forget(block, live)
+            raise
+        # Only after the resource took it back: a failed deallocate leaves the block ours.
+        self._forget(block, live)
+        return True
+
+    def _forget(self, block: DeviceBlock, live: DeviceBlock) -> None:
+        # Only our own entry: the address may already be live again for another thread.
         with self._table_lock:
             if self.blocks.get(block.ptr) is live:
                 del self.blocks[block.ptr]
-        return True
 
     def reclaim(self, block: DeviceBlock) -> None:
         """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
@@ -149,6 +165,8 @@ class DeviceContext:
             block = reclaims.popleft()
             try:
                 self.free(block)
+            except CorruptionDetected:
+                raise  # freed all the same: reported, not retried
             except BaseException:
                 reclaims.appendleft(block)
                 raise

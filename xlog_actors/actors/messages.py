@@ -22,6 +22,7 @@ __all__ = [
     "GenerationChanged",
     "GetStats",
     "GetClient",
+    "GetReport",
     "DeviceStats",
 ]
 
@@ -87,6 +88,12 @@ class GetStats:
 
 
 @dataclass(frozen=True, slots=True)
+class GetReport:
+    """Reply: a ``MemoryReport`` of the device's stack, listing every live block with its tag,
+    stream and age (``.format()`` renders it; ``.as_dict()`` is JSON-ready)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GetClient:
     """Reply: a ``DeviceClient`` for direct, thread-safe allocation without a round trip."""
 
@@ -103,6 +110,8 @@ class DeviceStats:
     stack: str
     mem_free: int | None = None
     mem_total: int | None = None
+    #: the memory report without its per-block list: statistics, budget, live blocks grouped by
+    #: tag and by stream with the oldest age (``GetReport`` has every block)
     report: dict[str, Any] = field(default_factory=dict)
 
 

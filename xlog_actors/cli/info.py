@@ -7,6 +7,7 @@ from importlib import metadata
 
 from ..driver.open import open_driver
 from ..errors import XlogError
+from ..memory.report import memory_report
 from ..memory.stack import default_description
 from ..runtime.device_runtime import XlogDeviceRuntime
 
@@ -40,7 +41,7 @@ def run_info(kind: str | None) -> int:
         if count:
             try:
                 runtime = XlogDeviceRuntime.build(driver, 0)
-                print(f"  [0] stack    {runtime.describe()}")
+                print("memory report  " + memory_report(runtime.resource).format().replace("\n", "\n               "))
                 runtime.close()
             except XlogError as exc:
                 print(f"  [0] stack    could not be built: {exc}")

@@ -65,5 +65,6 @@ class DeviceMemoryResource(abc.ABC):
         raise self._unsupported("finish_block_use")
 
     def describe(self) -> str:
-        """A short name of the stack, outermost first (``"stats+budget:8GiB+async"``)."""
+        """The stack as a description, innermost first (``"async+stats+budget:8GiB"``): the
+        grammar ``build_resource`` reads."""
         return type(self).__name__

@@ -16,7 +16,7 @@ from .direct import DirectCudaResource
 from .resource import DeviceMemoryResource
 from .stream_pool import StreamPool
 
-__all__ = ["RESOURCE_ENV", "build_resource", "default_description", "BASES", "ADAPTORS"]
+__all__ = ["LOG_ENV", "RESOURCE_ENV", "build_resource", "default_description", "BASES", "ADAPTORS"]
 
 RESOURCE_ENV = "XLOG_ACTORS_RESOURCE"
 
@@ -32,8 +32,18 @@ BASES: dict[str, BaseFactory] = {
 ADAPTORS: dict[str, AdaptorFactory] = {}
 
 
+LOG_ENV = "XLOG_ACTORS_LOG"
+
+
 def default_description() -> str:
-    return os.environ.get(RESOURCE_ENV, "").strip() or "async"
+    """``XLOG_ACTORS_RESOURCE`` (else ``"async"``), with ``+log`` appended when
+    ``XLOG_ACTORS_LOG`` names a log path and the description has no ``log`` adaptor yet."""
+    description = os.environ.get(RESOURCE_ENV, "").strip() or "async"
+    if os.environ.get(LOG_ENV, "").strip() and not any(
+        part.strip().lower().partition(":")[0] == "log" for part in description.split("+")[1:]
+    ):
+        description += "+log"
+    return description
 
 
 def build_resource(
@@ -61,3 +71,7 @@ def build_resource(
     for factory, arg in wrappers:
         resource = factory(resource, arg)
     return resource
+
+
+# Last: the adaptors package imports this module and registers itself in ADAPTORS.
+from . import adaptors as _adaptors  # noqa: F401

@@ -1,0 +1,91 @@
+"""The memory report and adaptors as the device actor exposes them (issue 8)."""
+
+from __future__ import annotations
+
+import csv
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+
+
+@pytest.fixture
+def driver() -> Iterator[xa.HostDriver]:
+    drv = xa.HostDriver(memory_per_device=64 << 20)
+    yield drv
+    pykka.ActorRegistry.stop_all()
+    drv.close()
+
+
+def test_stats_and_report_list_live_blocks_by_tag_and_stream(driver: xa.HostDriver) -> None:
+    device = xa.DeviceActor.start(0, driver, resource="async+stats")
+    client = device.ask(xa.GetClient())
+    a = [client.allocate(1024, tag=xa.AllocTag("weights")) for _ in range(3)]
+    b = device.ask(xa.Allocate(4096, tag=xa.AllocTag("activations")))
+    stats = device.ask(xa.GetStats())
+    assert stats.stack == "async+stats"
+    assert stats.report["by_tag"]["weights"]["count"] == 3
+    assert stats.report["by_tag"]["activations"]["nbytes"] == 4096
+    assert stats.report["statistics"]["current_count"] == 4
+    assert "blocks" not in stats.report
+    report = device.ask(xa.GetReport())
+    assert len(report.blocks) == 4 and all(blk.age_s is not None and blk.age_s >= 0 for blk in report.blocks)
+    assert "weights: 3 blocks" in report.format()
+    del a, b
+    gc.collect()
+    stats = device.ask(xa.GetStats())
+    assert stats.report["statistics"]["current_count"] == 0 and stats.report["by_tag"] == {}
+
+
+def test_out_of_memory_says_what_was_asked_what_is_free_and_the_largest_tags(driver: xa.HostDriver) -> None:
+    device = xa.DeviceActor.start(0, driver)
+    held = device.ask(xa.Allocate(40 << 20, tag=xa.AllocTag("big-cache")))
+    with pytest.raises(xa.OutOfMemory) as info:
+        device.ask(xa.Allocate(48 << 20))
+    message = str(info.value)
+    assert info.value.requested == 48 << 20
+    assert "asked for 48.0 MiB" in message and "device free" in message and "big-cache 40.0 MiB" in message
+    assert device.ask(xa.GetStats()).bytes_outstanding == 40 << 20
+    del held
+
+
+def test_budget_exceeded_through_the_actor_changes_nothing(driver: xa.HostDriver) -> None:
+    device = xa.DeviceActor.start(0, driver, resource="async+budget:1MiB")
+    keep = device.ask(xa.Allocate(768 << 10))
+    with pytest.raises(xa.BudgetExceeded):
+        device.ask(xa.Allocate(512 << 10))
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 768 << 10 and stats.live_blocks == 1 and stats.status == "running"
+    del keep
+
+
+def test_guard_corruption_through_the_actor_frees_the_block_and_reports_it(driver: xa.HostDriver) -> None:
+    device = xa.DeviceActor.start(0, driver, resource="async+guard")
+    ref = device.ask(xa.Allocate(1000, tag=xa.AllocTag("victim")))
+    block = ref.access()
+    stream = ref.context.runtime.stream_pool.resolve(xa.StreamId.DEFAULT)
+    driver.fill(block.ptr + 1024, 0x00, 1, stream)  # one byte past the 1024-byte rounded end
+    with pytest.raises(xa.CorruptionDetected, match="victim"):
+        device.ask(xa.Free(ref))
+    assert ref.released
+    stats = device.ask(xa.GetStats())
+    assert stats.live_blocks == 0 and stats.bytes_outstanding == 0
+    device.ask(xa.Free(ref))  # idempotent: nothing more to free
+
+
+def test_logging_is_switched_on_by_the_environment(driver: xa.HostDriver, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "alloc.csv"
+    monkeypatch.setenv("XLOG_ACTORS_LOG", str(path))
+    device = xa.DeviceActor.start(0, driver)
+    assert device.ask(xa.GetStats()).stack == f"async+log:{path}"
+    ref = device.ask(xa.Allocate(256, tag=xa.AllocTag("logged")))
+    device.ask(xa.Free(ref))
+    device.stop()
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    assert [r["action"] for r in rows][:2] == ["allocate", "free"]
+    assert rows[0]["tag"] == "logged" and int(rows[0]["size"]) == 256

@@ -1,0 +1,161 @@
+"""``BudgetResource``: a hard cap on what a stack holds, refused before the driver is called
+(RMM's ``limiting_resource_adaptor``, with pending frees counted correctly)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from ...errors import BudgetExceeded, InvalidRequest
+from ..block import AllocTag, DeviceBlock, StreamId
+from ..report import human_bytes
+from ..resource import DeviceMemoryResource
+from ..validate import check_nbytes
+from .upstream import ResourceAdaptor
+
+__all__ = ["BudgetResource", "format_size", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``"8GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` -> bytes.
+
+    Binary units (``KiB MiB GiB TiB``, and ``K M G T`` as their shorthands) and decimal ones
+    (``KB MB GB TB``), case-insensitive. The result must be a positive whole number of bytes;
+    anything else raises :class:`~xlog_actors.errors.InvalidRequest`.
+    """
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise InvalidRequest(
+            f"size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
+    number = match.group(1)
+    # Exact arithmetic: "0.5GiB" is 536870912 bytes, not a float's approximation of it.
+    whole, _, frac = number.partition(".")
+    scale: int = 10 ** len(frac)
+    numerator = (int(whole) * scale + int(frac or 0)) * unit
+    if numerator % scale or numerator == 0:
+        raise InvalidRequest(f"size {text!r} is not a positive whole number of bytes")
+    return numerator // scale
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact rendering ``parse_size`` reads back: ``8589934592`` -> ``"8GiB"``."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % factor == 0:
+            return f"{nbytes // factor}{unit}"
+    return str(nbytes)
+
+
+class BudgetResource(ResourceAdaptor):
+    """Refuses, with :class:`~xlog_actors.errors.BudgetExceeded`, any request that would take
+    the stack past ``limit_bytes``, before the upstream (and so the driver) is called.
+
+    What counts: the upstream's ``bytes_outstanding()``, which includes frees that are queued
+    but not yet reaped (RMM's limiting adaptor forgets those and so lets a stack overshoot while
+    frees are in flight), plus requests admitted and still inside the upstream's ``allocate``.
+    A request that does not fit first asks the upstream to ``reap_pending()``, then is checked
+    once more; only then is it refused. A request larger than the whole budget is refused at once.
+
+    Invariants: a refused or failed request changes nothing (its reservation is released
+    whatever the upstream raised); ``outstanding + admitted-in-flight <= limit_bytes`` at every
+    admission, so the stack never holds more than the budget, only what its upstream counts
+    (over a ``GuardResource`` that includes the canaries).
+
+    Thread rules: one lock guards the in-flight reservations and each admission decision; the
+    upstream's ``allocate`` and ``reap_pending`` run outside it. Under concurrency the check is
+    conservative: an allocation that has entered the upstream's count but not yet left the
+    reservations is counted twice for an instant, so a racing request at the very edge of the
+    budget can be refused; the budget is never overshot.
+    """
+
+    __slots__ = ("_in_flight", "_limit", "_lock")
+
+    def __init__(self, upstream: DeviceMemoryResource, limit_bytes: int) -> None:
+        super().__init__(upstream)
+        self._limit = check_nbytes(limit_bytes, "budget limit")
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def limit_bytes(self) -> int:
+        return self._limit
+
+    def available(self) -> int:
+        """Bytes a request could be granted now without reaping (never negative)."""
+        with self._lock:
+            return max(0, self._limit - self._upstream.bytes_outstanding() - self._in_flight)
+
+    def label(self) -> str:
+        return f"budget:{format_size(self._limit)}"
+
+    def _admit(self, nbytes: int) -> int | None:
+        """Reserve ``nbytes`` and return None, or return what is outstanding when it does not fit."""
+        with self._lock:
+            used = self._upstream.bytes_outstanding() + self._in_flight
+            if used + nbytes > self._limit:
+                return used
+            self._in_flight += nbytes
+            return None
+
+    def _exceeded(
+        self, nbytes: int, stream: StreamId, tag: AllocTag, outstanding: int, why: str
+    ) -> BudgetExceeded:
+        return BudgetExceeded(
+            f"budget of {human_bytes(self._limit)} ({self._limit} bytes) on device "
+            f"{self.device_ordinal} ({self.describe()}): {nbytes} bytes requested for {tag} on "
+            f"stream {int(stream)}, {outstanding} bytes outstanding ({why})",
+            requested=nbytes,
+            limit=self._limit,
+            outstanding=outstanding,
+        )
+
+    def allocate(
+        self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
+    ) -> DeviceBlock:
+        nbytes = check_nbytes(nbytes)
+        if nbytes > self._limit:
+            raise self._exceeded(
+                nbytes,
+                stream,
+                tag,
+                self._upstream.bytes_outstanding(),
+                "larger than the whole budget",
+            )
+        used = self._admit(nbytes)
+        if used is not None:
+            # Memory whose free is queued but not yet known complete still counts; waiting for
+            # those frees may be all it takes.
+            self._upstream.reap_pending()
+            used = self._admit(nbytes)
+            if used is not None:
+                raise self._exceeded(
+                    nbytes,
+                    stream,
+                    tag,
+                    used,
+                    "live blocks plus queued frees, after reaping the completed ones",
+                )
+        try:
+            return self._upstream.allocate(nbytes, stream, tag)
+        finally:
+            with self._lock:
+                self._in_flight -= nbytes

@@ -1,0 +1,141 @@
+"""``LoggingResource``: one CSV row per allocate, allocate failure and free (RMM's
+``logging_resource_adaptor``), to a file or a text stream."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import sys
+import threading
+import time
+from typing import TextIO
+
+from ...errors import CorruptionDetected
+from ..block import AllocTag, DeviceBlock, StreamId
+from ..resource import DeviceMemoryResource
+from ..stack import LOG_ENV
+from .upstream import ResourceAdaptor
+
+__all__ = ["LOG_ENV", "LOG_HEADER", "LoggingResource"]
+
+LOG_HEADER = ("thread", "time", "action", "pointer", "size", "stream", "tag")
+
+
+class LoggingResource(ResourceAdaptor):
+    """Writes a CSV log of what goes through it.
+
+    Columns (:data:`LOG_HEADER`): ``thread`` (``threading.get_ident()`` of the caller), ``time``
+    (Unix time in seconds, microsecond resolution), ``action``, ``pointer`` (hex; empty on an
+    allocate failure), ``size`` (bytes), ``stream`` (the allocation stream's id), ``tag``.
+    Actions: ``allocate`` and ``allocate failure`` (written after the upstream answered);
+    ``free`` (written before the upstream frees, so that no free happens unlogged), followed by
+    ``free failure`` when the upstream refused it and the block stays live (not after a
+    :class:`~xlog_actors.errors.CorruptionDetected`, which a guard raises once it freed the
+    block).
+
+    ``path_or_stream``: a text stream (written as given, flushed after each row, never closed
+    here), ``"-"`` for ``sys.stderr``, or a path. A path is opened for appending and the header
+    is written only when the file is empty, so several resources (one per device) may log to one
+    file; each row is one ``write`` of a whole line, so rows never interleave.
+
+    Invariant: a call that raises leaves the upstream as it was, a failing log write included
+    (an allocation whose row cannot be written is given back before the error propagates).
+    ``close()`` ends the log (and closes a file the adaptor opened): the resource stays usable
+    and later calls are forwarded unlogged, so a stack can still be drained at shutdown.
+
+    Thread rules: one lock serializes the rows; the upstream is called outside it, so rows of
+    concurrent calls appear in the order they were written, not necessarily in call order.
+    """
+
+    __slots__ = ("_closed", "_lock", "_owned", "_sink", "_target")
+
+    def __init__(
+        self, upstream: DeviceMemoryResource, path_or_stream: str | os.PathLike[str] | TextIO
+    ) -> None:
+        super().__init__(upstream)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owned = False
+        self._target: str | None = None
+        if isinstance(path_or_stream, str) and path_or_stream == "-":
+            self._sink: TextIO = sys.stderr
+            self._target = "-"
+        elif isinstance(path_or_stream, (str, os.PathLike)):
+            self._target = os.fspath(path_or_stream)
+            self._sink = open(self._target, "a", newline="", encoding="utf-8")  # noqa: SIM115 - closed by close()
+            self._owned = True
+        else:
+            self._sink = path_or_stream
+        if not self._owned or self._sink.tell() == 0:
+            self._write(LOG_HEADER)
+
+    def label(self) -> str:
+        return "log" if self._target is None else f"log:{self._target}"
+
+    def close(self) -> None:
+        """End the log; close the file if the adaptor opened it. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._owned:
+                self._sink.close()
+
+    def __del__(self) -> None:
+        # A file the adaptor opened must not stay open (and unflushed) after it is gone.
+        if getattr(self, "_owned", False) and not self._sink.closed:
+            self._sink.close()
+
+    def _write(self, row: tuple[object, ...]) -> None:
+        line = io.StringIO()
+        csv.writer(line).writerow(row)
+        with self._lock:
+            if self._closed:
+                return
+            self._sink.write(line.getvalue())
+            self._sink.flush()
+
+    def _row(
+        self, action: str, pointer: str, size: object, stream: object, tag: object
+    ) -> tuple[object, ...]:
+        # int(): StreamId's str() is its repr; anything else (an invalid argument being logged
+        # as an allocate failure) is written as given.
+        if isinstance(stream, int):
+            stream = int(stream)
+        return (threading.get_ident(), f"{time.time():.6f}", action, pointer, size, stream, tag)
+
+    def allocate(
+        self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
+    ) -> DeviceBlock:
+        try:
+            block = self._upstream.allocate(nbytes, stream, tag)
+        except BaseException:
+            self._write(self._row("allocate failure", "", nbytes, stream, tag))
+            raise
+        try:
+            self._write(
+                self._row(
+                    "allocate", f"{block.ptr:#x}", block.nbytes, block.alloc_stream, block.tag
+                )
+            )
+        except BaseException:
+            self._upstream.deallocate(block)
+            raise
+        return block
+
+    def deallocate(self, block: DeviceBlock) -> None:
+        self._write(
+            self._row("free", f"{block.ptr:#x}", block.nbytes, block.alloc_stream, block.tag)
+        )
+        try:
+            self._upstream.deallocate(block)
+        except CorruptionDetected:
+            raise  # a guard below freed the block before reporting: the "free" row stands
+        except BaseException:
+            self._write(
+                self._row(
+                    "free failure", f"{block.ptr:#x}", block.nbytes, block.alloc_stream, block.tag
+                )
+            )
+            raise
