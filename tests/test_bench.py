@@ -1,0 +1,101 @@
+"""``xlog-actors bench``: the command runs end to end on the host driver and writes well-formed
+JSON. Benchmarks are not tests: nothing here asserts a target or a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from xlog_actors.cli import main
+from xlog_actors.cli.bench_rows import RowResult, Target, percentile, row_names
+
+ROW_KEYS = {"name", "median", "p99", "reference", "ratio", "target", "direction", "unit"}
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    assert main(["bench", "--driver", "host", "--quick", "--json", str(path)]) == 0
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_quick_host_json_header(quick_doc: dict) -> None:
+    assert quick_doc["driver"] == "host"
+    assert isinstance(quick_doc["device"], str) and quick_doc["device"]
+    assert isinstance(quick_doc["versions"], dict) and "python" in quick_doc["versions"]
+    assert isinstance(quick_doc["date"], str) and quick_doc["date"][:2] == "20"
+    assert quick_doc["quick"] is True
+    assert quick_doc["errors"] == []
+
+
+def test_quick_host_json_rows(quick_doc: dict) -> None:
+    rows = quick_doc["rows"]
+    assert rows, "no rows measured"
+    for row in rows:
+        assert ROW_KEYS <= set(row), f"{row.get('name')}: missing {ROW_KEYS - set(row)}"
+        for key in ("median", "p99", "ratio"):
+            assert _positive_finite(row[key]), f"{row['name']}: {key} = {row[key]!r}"
+        ref = row["reference"]
+        assert isinstance(ref["name"], str) and ref["name"]
+        assert _positive_finite(ref["median"]) and _positive_finite(ref["p99"])
+        assert row["direction"] in ("lower_is_better", "higher_is_better")
+        assert row["unit"] in ("us", "GB/s")
+        assert (row["unit"] == "us") == (row["direction"] == "lower_is_better")
+        if row["target"] is None:
+            assert row["pass"] is None and row["informational"]
+        else:
+            assert set(row["target"]) >= {"metric", "op", "value", "text"}
+            assert isinstance(row["pass"], bool)
+
+
+def test_quick_host_covers_every_row(quick_doc: dict) -> None:
+    """Every row is either measured or skipped with a reason (the peers' allocators and the
+    driver-layer rows are CUDA-only)."""
+    seen = {r["name"] for r in quick_doc["rows"]} | {s["name"] for s in quick_doc["skipped"]}
+    assert seen == set(row_names())
+    assert all(s["reason"] for s in quick_doc["skipped"])
+    targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
+    assert len(targeted) == 10  # the issue's ten targets
+
+
+def test_only_selects_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "only.json"
+    assert main(["bench", "--driver", "host", "--quick", "--only", "GpuRef.access", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert [r["name"] for r in doc["rows"]] == ["GpuRef.access"]
+    assert "GpuRef.access" in capsys.readouterr().out
+
+
+def test_only_unknown_row_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--driver", "host", "--quick", "--only", "no such row"]) == 2
+    assert "matches no row" in capsys.readouterr().err
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([2.0, 1.0], 99) == 2.0
+
+
+def test_ratio_directions() -> None:
+    time_row = RowResult("t", "", "r", ours=[2000.0, 2000.0], ref=[1000.0, 1000.0], ops_per_sample=1,
+                         target=Target("ratio", "<=", 1.5))
+    assert time_row.ratio == pytest.approx(2.0)
+    assert time_row.median == pytest.approx(2.0)  # µs
+    assert time_row.passed is False
+    rate_row = RowResult("b", "", "r", ours=[2e6], ref=[1e6], ops_per_sample=1, kind="rate",
+                         bytes_per_op=1 << 30, target=Target("ratio", ">=", 0.95))
+    assert rate_row.ratio == pytest.approx(0.5)  # half the reference's bandwidth
+    assert rate_row.median == pytest.approx((1 << 30) / 2e6)  # GB/s
+    assert rate_row.passed is False
+    absolute = RowResult("a", "", "r", ours=[100.0], ref=[50.0], ops_per_sample=1, target=Target("median", "<", 0.5))
+    assert absolute.passed is True
