@@ -55,6 +55,7 @@ class DeviceContext:
         # queue before every GetStats, so a handle dropped before a GetStats was sent is freed
         # before it reports (a tell alone could queue behind that GetStats).
         self.reclaims: deque[DeviceBlock] = deque()
+        self.wake_pending = False
         self.open = True
         self._lock = threading.Lock()
         # Makes "insert a new block" and "remove the block just freed" atomic with respect to
@@ -155,11 +156,17 @@ class DeviceContext:
         queue it and wake the actor with a ``Reclaim``."""
         if self.open:
             self.reclaims.append(block)
-            self.actor_ref.tell(Reclaim(block, self.generation))
+            # One wake-up for many reclaims (dropping a batch of 64 handles costs one tell, not
+            # 64): ``drain_reclaims`` clears the flag *before* it empties the queue, so a block
+            # appended after that is either drained by it or wakes the actor again.
+            if not self.wake_pending:
+                self.wake_pending = True
+                self.actor_ref.tell(Reclaim(block, self.generation))
 
     def drain_reclaims(self) -> None:
         """Free every block ``reclaim`` queued. The actor's thread only. A free that fails puts
         its block back at the head of the queue for the next drain and raises."""
+        self.wake_pending = False
         reclaims = self.reclaims
         while reclaims:
             block = reclaims.popleft()

@@ -24,9 +24,10 @@ What it is made of, and why:
   (``cuMemAllocFromPoolAsync``): the same as ``cuMemAllocAsync`` while the device's current pool
   is the default one, and still right if another library in the process switches the device's
   current pool.
-* **Host buffers of async copies.** ``copy_to_device`` snapshots its source into an immutable
-  ``bytes`` (a ``bytes`` argument is used as is): the protocol lets the caller reuse its buffer at
-  once, and ``cuMemcpyHtoDAsync`` may read pageable memory after returning. The snapshot, and the
+* **Host buffers of async copies.** ``copy_to_device`` does not copy its source: from pageable
+  memory ``cuMemcpyHtoDAsync`` returns once the bytes are staged (the caller may reuse its buffer
+  at once), from page-locked memory it is truly asynchronous and the caller leaves the bytes alone
+  until the copy ran, as with ``cudaMemcpyAsync``. The source, and the
   destination of ``copy_to_host``/``copy_to_host_into``, stay referenced by the stream until an
   event recorded right after the copy has fired (checked on later copies and at
   ``synchronize``), so no DMA ever touches freed host memory and the list stays short without a
@@ -303,6 +304,7 @@ class _CudaDevice:
     def __init__(self, ordinal: int, cudev: Any) -> None:
         self.ordinal = ordinal
         self.cudev = cudev
+        self.owner: object = None  # the CudaDriver this device belongs to
         self.lock = threading.RLock()
         self.ctx: Any = None
         self.token: object | None = None
@@ -604,6 +606,14 @@ class CudaEvent:
 
     def _enter(self) -> _CudaDevice:
         dev = self._dev
+        token = dev.token
+        if (  # hot path: see CudaStream._enter
+            self._epoch == dev.epoch
+            and dev.poisoned is None
+            and token is not None
+            and getattr(_tls, "token", None) is token
+        ):
+            return dev
         if self._epoch != dev.epoch:
             if dev.poisoned is not None:
                 raise dev.poisoned_error()
@@ -694,6 +704,17 @@ class CudaStream:
 
     def _enter(self) -> _CudaDevice:
         dev = self._dev
+        token = dev.token
+        # Hot path, the checks below and ``dev.enter()`` in one expression: a live stream of a
+        # healthy context already current in this thread.
+        if (
+            self._epoch == dev.epoch
+            and self._closed is None
+            and dev.poisoned is None
+            and token is not None
+            and getattr(_tls, "token", None) is token
+        ):
+            return dev
         if self._epoch != dev.epoch or self._closed is not None:
             if dev.poisoned is not None:
                 raise dev.poisoned_error()
@@ -889,6 +910,8 @@ class CudaDriver:
                 devices.append(_CudaDevice(ordinal, cudev))
             except XlogError as exc:
                 raise DeviceUnavailable(f"device {ordinal} cannot be queried: {exc}") from None
+        for dev in devices:
+            dev.owner = self
         self._devices: list[_CudaDevice] = devices
         self._closed = False
         self._close_lock = threading.Lock()
@@ -907,6 +930,24 @@ class CudaDriver:
         if self._closed:
             raise DriverError("the CUDA driver is closed", code="CUDA_ERROR_DEINITIALIZED")
         return self._devices[ordinal]
+
+    def _hot(self, stream: object) -> tuple[CudaStream, _CudaDevice]:
+        """``_stream`` and ``CudaStream._enter`` in one call for the allocation hot path; anything
+        unusual goes through them for the precise error."""
+        if type(stream) is CudaStream:
+            dev = stream._dev
+            token = dev.token
+            if (
+                dev.owner is self
+                and stream._epoch == dev.epoch
+                and stream._closed is None
+                and dev.poisoned is None
+                and token is not None
+                and getattr(_tls, "token", None) is token
+            ):
+                return stream, dev
+        s = self._stream(stream)
+        return s, s._enter()
 
     def _stream(self, stream: object) -> CudaStream:
         if type(stream) is not CudaStream:
@@ -991,9 +1032,9 @@ class CudaDriver:
 
     # -- stream-ordered allocation ----------------------------------------------------------
     def alloc_async(self, nbytes: int, stream: CudaStream) -> int:  # type: ignore[override]
-        nbytes = check_nbytes(nbytes)
-        s = self._stream(stream)
-        dev = s._enter()
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+        s, dev = self._hot(stream)
         pool = dev.pool
         if pool is None:
             raise DriverError(
@@ -1006,28 +1047,30 @@ class CudaDriver:
         return int(ptr)
 
     def free_async(self, ptr: int, stream: CudaStream) -> None:  # type: ignore[override]
-        s = self._stream(stream)
-        _check_ptr(ptr, f"device {s.ordinal}: stream-ordered free")
-        dev = s._enter()
+        s, dev = self._hot(stream)
+        if type(ptr) is not int or ptr <= 0:
+            _check_ptr(ptr, f"device {s.ordinal}: stream-ordered free")
         (err,) = cu.cuMemFreeAsync(ptr, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemFreeAsync({ptr:#x}, stream {s._id})")
 
     # -- copies and work --------------------------------------------------------------------
     def copy_to_device(self, ptr: int, data: Buffer, stream: CudaStream) -> None:  # type: ignore[override]
-        # Snapshot first (the caller may reuse its buffer as soon as we return); bytes are
-        # immutable already.
-        snapshot = data if type(data) is bytes else bytes(memoryview(data).cast("B"))
+        # No snapshot: from pageable memory cuMemcpyHtoDAsync returns only once the bytes are
+        # staged, so the caller may reuse its buffer at once; from page-locked memory the copy is
+        # truly asynchronous and, as with cudaMemcpyAsync, the caller leaves the bytes alone until
+        # the copy ran. Either way the buffer stays referenced until then.
+        view = memoryview(data).cast("B")
         s = self._stream(stream)
         _check_ptr(ptr, f"device {s.ordinal}: copy to device")
         dev = s._enter()
-        nbytes = len(snapshot)
+        nbytes = len(view)
         if nbytes == 0:
             return
-        (err,) = cu.cuMemcpyHtoDAsync(ptr, _address(snapshot), nbytes, s._cu)
+        (err,) = cu.cuMemcpyHtoDAsync(ptr, _address(view), nbytes, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemcpyHtoDAsync({nbytes} bytes to {ptr:#x}, stream {s._id})")
-        s._keep_until_done(snapshot)
+        s._keep_until_done((view, data))
 
     def copy_to_host(self, ptr: int, nbytes: int, stream: CudaStream) -> bytearray:  # type: ignore[override]
         nbytes = check_nbytes(nbytes, "copy size")

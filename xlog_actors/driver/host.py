@@ -283,7 +283,10 @@ class HostDriver:
     def create_stream(self, ordinal: int) -> HostStream:
         dev = self._gate(ordinal)
         stream = HostStream(self, ordinal, dev.epoch)
-        dev.streams.add(stream)
+        # Under the device lock: ``free`` and ``close`` iterate the set from other threads, and a
+        # WeakSet that grows while iterated raises "Set changed size during iteration".
+        with dev.lock:
+            dev.streams.add(stream)
         return stream
 
     def create_event(self, ordinal: int) -> HostEvent:
@@ -311,8 +314,11 @@ class HostDriver:
                     f"device {ordinal}: free of {ptr!r}, which is not a live allocation",
                     code="CUDA_ERROR_INVALID_VALUE",
                 )
-        # cuMemFree synchronizes with the device before the memory goes back.
-        for stream in list(dev.streams):
+        # cuMemFree synchronizes with the device before the memory goes back. The set is copied
+        # under the lock (see create_stream); the waits run outside it.
+        with dev.lock:
+            streams = list(dev.streams)
+        for stream in streams:
             if stream.epoch == dev.epoch and not stream.closed:
                 stream._wait_idle()
         with dev.lock:

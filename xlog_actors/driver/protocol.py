@@ -119,8 +119,10 @@ class Driver(Protocol):
     def free_async(self, ptr: int, stream: Stream) -> None: ...
 
     def copy_to_device(self, ptr: int, data: Buffer, stream: Stream) -> None:
-        """Enqueue a host-to-device copy of ``data``. The driver keeps ``data`` alive (and, on
-        the host driver, snapshots it) until the copy ran; the caller may reuse its buffer."""
+        """Enqueue a host-to-device copy of ``data``; the driver keeps ``data`` referenced until
+        the copy ran. A pageable buffer may be reused as soon as the call returns (CUDA stages
+        it; the host driver snapshots it); a page-locked buffer must keep its bytes until the
+        copy ran, as with ``cudaMemcpyAsync``."""
         ...
 
     def copy_to_host(self, ptr: int, nbytes: int, stream: Stream) -> bytearray:

@@ -309,11 +309,12 @@ class AsyncCudaResource(DeviceMemoryResource):
                     event = self._events.get()
                     try:
                         alloc_stream.record(event)
+                        stream.wait(event)
                     except BaseException:
+                        # Nobody waits on it: back to the pool, and the block stays as it was.
                         self._events.put(event)
                         raise
                     entry.last_write = (entry.stream, event)
-                    stream.wait(event)
             elif last_write[0] != use_stream:
                 stream.wait(last_write[1])
             if access is not _READ and entry.reads:
@@ -328,6 +329,10 @@ class AsyncCudaResource(DeviceMemoryResource):
         with self._lock:
             entry = self._checked_entry("AsyncCudaResource.finish_block_use", block_id)
             if access is _READ:
+                if entry.last_write is None and use_stream == entry.stream:
+                    # Still only on its own stream: the free is queued there, and the lazy fence a
+                    # later cross-stream user records there will cover this read too. No event.
+                    return
                 reads = entry.reads
                 if reads is None:
                     reads = entry.reads = {}

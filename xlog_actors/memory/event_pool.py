@@ -28,8 +28,9 @@ class EventPool:
     def get(self) -> Event:
         if self._free:
             return self._free.pop()
-        self.created += 1
-        return self._driver.create_event(self._ordinal)
+        event = self._driver.create_event(self._ordinal)
+        self.created += 1  # after the driver call: a failed creation made no event
+        return event
 
     def put(self, event: Event) -> None:
         self._free.append(event)

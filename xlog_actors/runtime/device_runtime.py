@@ -20,10 +20,34 @@ __all__ = ["XlogDeviceRuntime", "MAX_DEVICE_ORDINALS"]
 MAX_DEVICE_ORDINALS = 16
 
 _table_lock = threading.Lock()
-# driver -> one slot per ordinal. Weak on the driver: a closed and dropped driver takes its
-# runtimes with it.
-_runtimes: weakref.WeakKeyDictionary[Driver, list[XlogDeviceRuntime | None]] = weakref.WeakKeyDictionary()
-_init_locks: weakref.WeakKeyDictionary[Driver, list[threading.Lock]] = weakref.WeakKeyDictionary()
+# Each driver's table, (one slot per ordinal, one init lock per ordinal), hangs off the driver
+# itself (attribute ``_TABLE_ATTR``), so a dropped driver takes its runtimes with it: the cycle
+# driver -> table -> runtime -> driver is collected with the driver. (A WeakKeyDictionary keyed by
+# the driver cannot do that: its values, the runtimes, refer to their driver, and an entry whose
+# value refers to its key is never dropped.) A driver without a ``__dict__`` falls back to
+# ``_fallback``, which keeps it alive for the life of the process.
+_TABLE_ATTR = "_xlog_runtime_table"
+_Table = tuple[list["XlogDeviceRuntime | None"], list[threading.Lock]]
+_fallback: weakref.WeakKeyDictionary[Driver, _Table] = weakref.WeakKeyDictionary()
+
+
+def _table(driver: Driver) -> _Table | None:
+    try:
+        return vars(driver).get(_TABLE_ATTR)  # type: ignore[no-any-return]
+    except TypeError:  # no __dict__
+        return _fallback.get(driver)
+
+
+def _new_table(driver: Driver) -> _Table:
+    """The driver's table, created if missing. Call under ``_table_lock``."""
+    table = _table(driver)
+    if table is None:
+        table = ([None] * MAX_DEVICE_ORDINALS, [threading.Lock() for _ in range(MAX_DEVICE_ORDINALS)])
+        try:
+            vars(driver)[_TABLE_ATTR] = table
+        except TypeError:
+            _fallback[driver] = table
+    return table
 
 
 def _check_ordinal(ordinal: object, driver: Driver) -> int:
@@ -105,18 +129,15 @@ class XlogDeviceRuntime:
     def try_get(cls, ordinal: int, driver: Driver | None = None) -> XlogDeviceRuntime:
         if driver is None:
             driver = default_driver()
-        slots = _runtimes.get(driver)
-        if slots is not None and type(ordinal) is int and 0 <= ordinal < MAX_DEVICE_ORDINALS:
-            runtime = slots[ordinal]
+        table = _table(driver)
+        if table is not None and type(ordinal) is int and 0 <= ordinal < MAX_DEVICE_ORDINALS:
+            runtime = table[0][ordinal]
             if runtime is not None:
                 return runtime
         ordinal = _check_ordinal(ordinal, driver)
         with _table_lock:
-            slots = _runtimes.get(driver)
-            if slots is None:
-                slots = _runtimes[driver] = [None] * MAX_DEVICE_ORDINALS
-                _init_locks[driver] = [threading.Lock() for _ in range(MAX_DEVICE_ORDINALS)]
-            lock = _init_locks[driver][ordinal]
+            slots, locks = _new_table(driver)
+            lock = locks[ordinal]
         with lock:
             runtime = slots[ordinal]
             if runtime is None:
