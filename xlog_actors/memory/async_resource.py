@@ -48,6 +48,7 @@ from .block import (
     DeviceBlock,
     Generation,
     StreamId,
+    generation_counter,
     make_block,
 )
 from .event_pool import EventPool
@@ -117,6 +118,7 @@ class AsyncCudaResource(DeviceMemoryResource):
         self._driver = driver
         self._ordinal = ordinal
         self._pool = stream_pool
+        self._streams = stream_pool.streams
         self._events = EventPool(driver, ordinal)
         self._lock = threading.Lock()
         self._live: dict[int, _Entry] = {}
@@ -184,11 +186,11 @@ class AsyncCudaResource(DeviceMemoryResource):
     ) -> DeviceBlock:
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
-        cu_stream = self._pool.resolve(stream)
+        cu_stream = self._streams.get(stream)
         if cu_stream is None:
             raise unknown_stream("AsyncCudaResource.allocate", self._ordinal, stream)
         ptr = self._driver.alloc_async(nbytes, cu_stream)
-        generation = Generation.next()
+        generation = Generation(next(generation_counter))
         entry = _Entry(generation, nbytes, stream, tag)
         with self._lock:
             live = self._live
@@ -203,7 +205,8 @@ class AsyncCudaResource(DeviceMemoryResource):
         )
 
     def deallocate(self, block: DeviceBlock) -> None:
-        check_device("AsyncCudaResource.deallocate", self._ordinal, block)
+        if block.device_ordinal != self._ordinal:
+            check_device("AsyncCudaResource.deallocate", self._ordinal, block)
         with self._lock:
             entry = self._live.get(block.ptr)
             if entry is None or entry.generation != block.generation:
@@ -214,7 +217,7 @@ class AsyncCudaResource(DeviceMemoryResource):
                     None if entry is None else int(entry.generation),
                 )
             alloc_sid = entry.stream
-            alloc_stream = self._pool.resolve(alloc_sid)
+            alloc_stream = self._streams.get(alloc_sid)
             if alloc_stream is None:
                 raise unknown_stream("AsyncCudaResource.deallocate", self._ordinal, alloc_sid)
             # Fence the free behind every cross-stream use. If a wait or the free fails, the
@@ -232,7 +235,8 @@ class AsyncCudaResource(DeviceMemoryResource):
             del self._live[block.ptr]
             nbytes = entry.nbytes
             self._live_bytes -= nbytes
-            self._pending[alloc_sid] = self._pending.get(alloc_sid, 0) + nbytes
+            pending = self._pending
+            pending[alloc_sid] = pending.get(alloc_sid, 0) + nbytes
             self._pending_bytes += nbytes
             if last_write is not None:
                 self._events.put(last_write[1])
@@ -287,8 +291,9 @@ class AsyncCudaResource(DeviceMemoryResource):
         return entry
 
     def _resolve_use(self, owner: str, block_id: BlockId | DeviceBlock, use_stream: StreamId) -> Stream:
-        check_device(owner, self._ordinal, block_id)
-        stream = self._pool.resolve(use_stream)
+        if block_id.device_ordinal != self._ordinal:
+            check_device(owner, self._ordinal, block_id)
+        stream = self._streams.get(use_stream)
         if stream is None:
             raise unknown_stream(owner, self._ordinal, use_stream)
         return stream
@@ -303,7 +308,7 @@ class AsyncCudaResource(DeviceMemoryResource):
             if last_write is None:
                 if entry.stream != use_stream:
                     # First cross-stream consumer: materialize the allocation-ready fence.
-                    alloc_stream = self._pool.resolve(entry.stream)
+                    alloc_stream = self._streams.get(entry.stream)
                     if alloc_stream is None:
                         raise unknown_stream("AsyncCudaResource.prepare_block_use", self._ordinal, entry.stream)
                     event = self._events.get()

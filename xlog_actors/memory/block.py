@@ -18,6 +18,7 @@ __all__ = [
     "BlockState",
     "DeviceBlock",
     "BlockId",
+    "generation_counter",
     "make_block",
 ]
 
@@ -71,7 +72,7 @@ class Access(enum.Enum):
 # itertools.count.__next__ is a single C call and so atomic under the GIL; on a free-threaded
 # build it is also internally locked. That makes Generation.next() thread-safe without a lock on
 # the allocation hot path.
-_generation_counter = itertools.count(1)
+generation_counter = itertools.count(1)
 
 
 class Generation(int):
@@ -83,7 +84,7 @@ class Generation(int):
 
     @staticmethod
     def next() -> Generation:
-        return Generation(next(_generation_counter))
+        return Generation(next(generation_counter))
 
     def __repr__(self) -> str:
         return f"Generation({int(self)})"

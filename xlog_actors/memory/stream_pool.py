@@ -49,6 +49,12 @@ class StreamPool:
     def resolve(self, stream_id: StreamId) -> Stream | None:
         return self._streams.get(stream_id)
 
+    @property
+    def streams(self) -> dict[int, Stream]:
+        """The id -> stream map itself (read-only by convention): hot paths look streams up in
+        it directly. It is the same dict for the life of the pool."""
+        return self._streams
+
     def ids(self) -> list[StreamId]:
         return [StreamId(i) for i in self._streams]
 
@@ -56,7 +62,8 @@ class StreamPool:
         """Close every stream of the pool (after their queued work). Idempotent."""
         with self._lock:
             streams = list(self._streams.values())
-            self._streams = {}
+            # In place: resources hold this very dict for their lock-free lookups.
+            self._streams.clear()
         for stream in streams:
             try:
                 stream.close()
