@@ -67,6 +67,15 @@ class _LoggedPool:
     def acquire(self) -> StreamId:
         return self.real.acquire()
 
+    @property
+    def streams(self) -> _LoggedPool:
+        # The resource looks streams up with ``pool.streams.get(sid)``: route that through
+        # ``resolve`` too.
+        return self
+
+    def get(self, sid: StreamId) -> _LoggedStream | None:
+        return self.resolve(sid)
+
     def resolve(self, sid: StreamId) -> _LoggedStream | None:
         real = self.real.resolve(sid)
         if real is None:
