@@ -11,6 +11,8 @@ import xlog_actors as xa
 from xlog_actors.cli import main
 from xlog_actors.cli.pipeline import PipelineConfig, run_pipeline
 
+from conftest import needs_concurrent_streams
+
 
 def test_pipeline_is_correct_with_no_explicit_synchronization(driver: xa.Driver) -> None:
     result = run_pipeline(driver, PipelineConfig(batches=12, batch_bytes=1 << 18))
@@ -23,6 +25,7 @@ def test_pipeline_is_correct_with_a_slow_producer(driver: xa.Driver) -> None:
     assert result.ok, result
 
 
+@needs_concurrent_streams
 def test_pipeline_fails_when_tracking_is_switched_off(driver: xa.Driver) -> None:
     """The same slow producer without the library actors' tracking: the transformer's kernel
     reads the input before the copy landed, and verification catches it."""

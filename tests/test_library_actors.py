@@ -10,6 +10,7 @@ import pykka
 import pytest
 
 import xlog_actors as xa
+from conftest import needs_concurrent_streams
 from xlog_actors.driver.kernel_library import AXPY_F32, FILL_F32, SCALE_ADD_F32, SUM_F32, launch_shape
 
 
@@ -69,7 +70,9 @@ def test_kernel_library_matches_host_reference(device: pykka.ActorRef) -> None:
     assert rout.last_write_stream == kernels.proxy().stream_id.get()
 
 
-@pytest.mark.parametrize("track", [True, False], ids=["tracked", "untracked"])
+@pytest.mark.parametrize(
+    "track", [True, pytest.param(False, marks=needs_concurrent_streams)], ids=["tracked", "untracked"]
+)
 def test_slow_writer_hazard_through_library_actors(driver: xa.Driver, track: bool) -> None:
     """A copy queued behind slow work on the writer's stream, read by a kernel on another
     stream: correct with tracking, stale without (the test proves it can fail)."""

@@ -123,15 +123,23 @@ class LibraryActor(pykka.ThreadingActor):
         assert stream is not None and driver is not None
         merged = _merge_uses(blocks, [a for _, a in uses])
         runtime = ctx.runtime
-        if self._tracking:
-            for block_id, access in merged:
-                runtime.prepare_block_use(block_id, sid, access)
-        enqueue(driver, stream, blocks)
-        if self._tracking:
-            for block_id, access in merged:
-                runtime.finish_block_use(block_id, sid, access)
-        elif self._track:
-            stream.synchronize()  # an untracked stack: finish the work before anyone else sees it
+        try:
+            if self._tracking:
+                for block_id, access in merged:
+                    runtime.prepare_block_use(block_id, sid, access)
+            enqueue(driver, stream, blocks)
+            if self._tracking:
+                for block_id, access in merged:
+                    runtime.finish_block_use(block_id, sid, access)
+            elif self._track:
+                stream.synchronize()  # an untracked stack: finish the work before anyone sees it
+        except XlogError as exc:
+            # A rebuild that ran on the device actor's thread between the validation above and
+            # this work took the context (its streams, its blocks) away: that is a stale handle,
+            # whatever the dead context's streams answered.
+            if not ctx.is_current() and not isinstance(exc, GpuRefStale):
+                raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the work") from exc
+            raise
         for ref, access in uses:
             if access.writes:
                 ref.record_write(sid)

@@ -312,6 +312,9 @@ class _CudaDevice:
         self.closed = False
         self.poisoned: str | None = None
         self.pool: Any = None
+        # Stream-ordered allocations not yet freed: the default pool is a device object that a
+        # primary-context reset does not empty, so a rebuild frees these itself.
+        self.pool_live: set[int] = set()
         self.streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self.modules: list[Any] = []
         self.functions: dict[Kernel, Any] = {}
@@ -507,6 +510,22 @@ class _CudaDevice:
             with contextlib.suppress(Exception):
                 cu.cuMemPoolTrimTo(pool, 0)
 
+    def _free_pool_leftovers(self) -> None:
+        """Free the stream-ordered allocations still live when the context goes. A primary-context
+        reset frees ``cuMemAlloc`` memory but not the default pool's blocks (seen on an H200: a
+        1 GiB ``cuMemAllocFromPoolAsync`` block stayed taken after the reset, trim or not), so a
+        rebuild would leak every async block its resource still held. Best effort: in a lost
+        context the frees may fail, and then there is nothing more to do."""
+        live, self.pool_live = self.pool_live, set()
+        if not live:
+            return
+        legacy = cu.CUstream(0)
+        for ptr in live:
+            with contextlib.suppress(Exception):
+                cu.cuMemFreeAsync(ptr, legacy)
+        with contextlib.suppress(Exception):
+            cu.cuCtxSynchronize()
+
     def _sync_quietly(self) -> None:
         """Synchronize the context, ignoring non-sticky failures (a lost context has nothing to
         wait for); a sticky one poisons the device and raises."""
@@ -527,7 +546,8 @@ class _CudaDevice:
             if had_context:
                 try:
                     self._sync_quietly()
-                    self._trim_pool()  # what was freed already; the reset frees the rest
+                    self._free_pool_leftovers()
+                    self._trim_pool()  # the pool keeps freed memory cached: give it back
                 finally:
                     streams = self._teardown("context rebuilt")
                     for stream in streams:
@@ -560,6 +580,7 @@ class _CudaDevice:
                 if self.poisoned is None:
                     self.bury()
                     self._sync_quietly()
+                    self._free_pool_leftovers()
                     self._trim_pool()
             streams = self._teardown("driver closed")
             with contextlib.suppress(Exception):  # best effort
@@ -1044,7 +1065,9 @@ class CudaDriver:
         err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {s._id})", nbytes)
-        return int(ptr)
+        ptr = int(ptr)
+        dev.pool_live.add(ptr)
+        return ptr
 
     def free_async(self, ptr: int, stream: CudaStream) -> None:  # type: ignore[override]
         s, dev = self._hot(stream)
@@ -1053,6 +1076,7 @@ class CudaDriver:
         (err,) = cu.cuMemFreeAsync(ptr, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemFreeAsync({ptr:#x}, stream {s._id})")
+        dev.pool_live.discard(ptr)
 
     # -- copies and work --------------------------------------------------------------------
     def copy_to_device(self, ptr: int, data: Buffer, stream: CudaStream) -> None:  # type: ignore[override]
