@@ -89,3 +89,39 @@ def test_logging_is_switched_on_by_the_environment(driver: xa.HostDriver, tmp_pa
     rows = list(csv.DictReader(path.read_text().splitlines()))
     assert [r["action"] for r in rows][:2] == ["allocate", "free"]
     assert rows[0]["tag"] == "logged" and int(rows[0]["size"]) == 256
+
+
+def _wait_for(predicate, timeout: float = 2.0) -> bool:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_dropped_handles_are_freed_in_batches_and_large_ones_at_once(driver: xa.HostDriver) -> None:
+    """Small dropped handles ride along with the device's next message (or a full batch); a
+    large one, or release(), wakes the idle device at once."""
+    from xlog_actors.actors.device_context import RECLAIM_BATCH, RECLAIM_WAKE_BYTES
+
+    device = xa.DeviceActor.start(0, driver)
+    small = device.ask(xa.Allocate(4096))
+    del small
+    gc.collect()
+    assert not _wait_for(lambda: driver.live_allocations(0) == 0, timeout=0.2), "a small free waits for a message"
+    device.ask(xa.GetStats())
+    assert driver.live_allocations(0) == 0
+    large = device.ask(xa.Allocate(RECLAIM_WAKE_BYTES))
+    del large
+    gc.collect()
+    assert _wait_for(lambda: driver.live_allocations(0) == 0), "a large free wakes the device"
+    refs = device.ask(xa.AllocateMany([4096] * RECLAIM_BATCH))
+    del refs
+    gc.collect()
+    assert _wait_for(lambda: driver.live_allocations(0) == 0), "a full batch wakes the device"
+    released = device.ask(xa.Allocate(4096))
+    released.release()
+    assert _wait_for(lambda: driver.live_allocations(0) == 0), "release() frees at once"

@@ -239,6 +239,16 @@ class DeviceActor(pykka.ThreadingActor):
 
     # -- dispatch and supervision -----------------------------------------------------------------
     def on_receive(self, message: Any) -> Any:
+        ctx = self._cell.ctx
+        if ctx is not None and ctx.reclaims:
+            # Frees of dropped handles ride along with whatever message comes next (see
+            # DeviceContext.reclaim); one that fails is the supervisor's business, not this
+            # message's.
+            try:
+                ctx.drain_reclaims()
+            except Exception as exc:  # noqa: BLE001 - logged and routed to the supervisor
+                logger.warning("device %d: freeing dropped handles failed: %r", self._ordinal, exc, exc_info=exc)
+                self._after_failure(exc, counting=True)
         handler = self._handlers.get(type(message))
         if handler is None:
             raise InvalidRequest(f"DeviceActor {self._ordinal} does not understand {type(message).__name__} messages")

@@ -20,7 +20,12 @@ if TYPE_CHECKING:
 
     from .gpu_ref import GpuRef
 
-__all__ = ["DeviceContext"]
+__all__ = ["DeviceContext", "RECLAIM_BATCH", "RECLAIM_WAKE_BYTES"]
+
+#: A dropped handle of at least this many bytes wakes its device actor at once.
+RECLAIM_WAKE_BYTES = 1 << 20
+#: This many dropped handles waiting wake the device actor.
+RECLAIM_BATCH = 32
 
 
 class DeviceContext:
@@ -151,15 +156,22 @@ class DeviceContext:
             if self.blocks.get(block.ptr) is live:
                 del self.blocks[block.ptr]
 
-    def reclaim(self, block: DeviceBlock) -> None:
+    def reclaim(self, block: DeviceBlock, wake: bool = False) -> None:
         """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
         queue it and wake the actor with a ``Reclaim``."""
         if self.open:
-            self.reclaims.append(block)
-            # One wake-up for many reclaims (dropping a batch of 64 handles costs one tell, not
-            # 64): ``drain_reclaims`` clears the flag *before* it empties the queue, so a block
-            # appended after that is either drained by it or wakes the actor again.
-            if not self.wake_pending:
+            reclaims = self.reclaims
+            reclaims.append(block)
+            # Frees are batched like a caching allocator's: the actor drains the queue before
+            # every message it handles and every GetStats, so a small block waits at most for
+            # the device's next message, and a wake-up ``tell`` (which costs the actor a whole
+            # message) is sent only for a large block or a full batch. That bounds what waits to
+            # RECLAIM_BATCH blocks under RECLAIM_WAKE_BYTES each. ``drain_reclaims`` clears
+            # ``wake_pending`` *before* it empties the queue, so a block appended after that is
+            # either drained by it or sends a new wake-up.
+            if not self.wake_pending and (
+                wake or block.nbytes >= RECLAIM_WAKE_BYTES or len(reclaims) >= RECLAIM_BATCH
+            ):
                 self.wake_pending = True
                 self.actor_ref.tell(Reclaim(block, self.generation))
 

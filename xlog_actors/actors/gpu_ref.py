@@ -158,7 +158,7 @@ class GpuRef:
         """Free the memory now rather than when the last reference goes. Idempotent; every
         holder's ``access()`` then raises ``GpuRefStale("released")``."""
         if self._mark_released():
-            self._context.reclaim(self._block)
+            self._context.reclaim(self._block, wake=True)
 
     def _mark_released(self) -> bool:
         """True for the one caller that flips the handle to released. Atomic: holders in many
