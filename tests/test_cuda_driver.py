@@ -638,7 +638,11 @@ def test_rebuild_context_in_a_subprocess() -> None:
             else:
                 raise AssertionError(what + " still usable after the rebuild")
         free2, _ = drv.mem_info(0)
-        assert free2 >= free0 - (128 << 20), (free0, free2)
+        # Under compute-sanitizer the tool's own device allocations move cuMemGetInfo; the plain
+        # GPU run is the one that checks the baseline.
+        import os
+        if os.environ.get("XLOG_ACTORS_SANITIZER") != "1":
+            assert free2 >= free0 - (128 << 20), (free0, free2)
 
         s2 = drv.create_stream(0)
         x = np.arange(64, dtype=np.float32)

@@ -193,3 +193,41 @@ def test_inputs_stay_alive_until_the_work_is_done(driver: xa.Driver) -> None:
         assert reader.ask(xa.CopyToHost(fresh)) == b"\x11" * (1 << 16)
     finally:
         pykka.ActorRegistry.stop_all()
+
+
+@pytest.mark.parametrize(("fault", "status", "reason"), [
+    ("context_lost", "running", "context rebuilt"),
+    ("sticky", "poisoned", "context poisoned"),
+])
+def test_a_context_failure_met_by_a_library_actor_reaches_the_supervisor(fault: str, status: str, reason: str) -> None:
+    driver = xa.HostDriver(memory_per_device=16 << 20)
+    hook: list[tuple[int, str]] = []
+    try:
+        device = xa.DeviceActor.start(
+            0, driver, supervisor=xa.Supervisor(on_poisoned=lambda d, e: hook.append((d, type(e).__name__)))
+        )
+        copy = xa.CopyActor.start(device)
+        ref = device.ask(xa.Allocate(4096))
+        driver.inject_fault(0, fault)  # type: ignore[arg-type]
+        with pytest.raises((xa.ContextLost, xa.ContextPoisoned)):
+            copy.ask(xa.Fill(ref, 1))
+        import time
+
+        deadline = time.monotonic() + 2
+        while device.ask(xa.GetStats()).status != status or (
+            fault == "context_lost" and device.ask(xa.GetStats()).generation != 1
+        ):
+            assert time.monotonic() < deadline, device.ask(xa.GetStats())
+            time.sleep(0.01)
+        with pytest.raises(xa.GpuRefStale) as info:
+            ref.access()
+        assert info.value.reason == reason
+        if fault == "sticky":
+            assert hook == [(0, "ContextPoisoned")]
+        else:
+            fresh = device.ask(xa.Allocate(4096))
+            copy.ask(xa.Fill(fresh, 7))
+            assert copy.ask(xa.CopyToHost(fresh, nbytes=4)) == b"\x07" * 4
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()

@@ -59,11 +59,13 @@ _registry: weakref.WeakKeyDictionary[Driver, dict[int, str]] = weakref.WeakKeyDi
 
 
 class ReportFailure:
-    """Internal: a ``DeviceClient`` met a context failure in another thread."""
+    """Internal: a ``DeviceClient`` or a library actor met a context failure in another
+    thread. ``generation`` is the context it met it in (None: the current one); a report about
+    an older context is ignored, since a rebuild already replaced it."""
 
     __slots__ = ("error", "generation")
 
-    def __init__(self, error: BaseException, generation: int) -> None:
+    def __init__(self, error: BaseException, generation: int | None) -> None:
         self.error = error
         self.generation = generation
 
@@ -482,7 +484,7 @@ class DeviceActor(pykka.ThreadingActor):
 
     def _on_report_failure(self, msg: ReportFailure) -> None:
         ctx = self._cell.ctx
-        if ctx is not None and msg.generation == ctx.generation:
+        if ctx is not None and msg.generation in (None, ctx.generation):
             self._after_failure(msg.error, counting=True)
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import pykka
 
 from ..driver.protocol import Driver, Stream
-from ..errors import GpuRefStale, InvalidRequest, XlogError
+from ..errors import ContextLost, ContextPoisoned, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
+from .device_actor import ReportFailure
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
 from .messages import Attach, GenerationChanged, Subscribe, Unsubscribe
@@ -95,7 +96,19 @@ class LibraryActor(pykka.ThreadingActor):
         handler = self._handler(message)
         if handler is None:
             raise InvalidRequest(f"{type(self).__name__} does not understand {type(message).__name__} messages")
-        return handler(message)
+        ctx = self._ctx
+        try:
+            return handler(message)
+        except (ContextLost, ContextPoisoned) as exc:
+            # The device actor's supervisor decides what a lost or poisoned context means; the
+            # asker gets the error either way.
+            ctx = self._ctx or ctx
+            try:
+                # No context yet (the failure hit while attaching): the device's current one.
+                self._device.tell(ReportFailure(exc, None if ctx is None else ctx.generation))
+            except pykka.ActorDeadError:
+                pass  # the device is gone: nothing left to supervise
+            raise
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         raise NotImplementedError

@@ -73,6 +73,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import (
+    ContextLost,
     ContextPoisoned,
     DeviceUnavailable,
     DriverError,
@@ -338,6 +339,16 @@ class _CudaDevice:
     def fail(self, err: object, what: str, requested: int = 0) -> NoReturn:
         """Raise the typed error for ``err``; remember a sticky one."""
         exc = error_for(err, f"device {self.ordinal}: {what}", requested=requested)
+        if getattr(exc, "code", None) == "CUDA_ERROR_INVALID_HANDLE":
+            # Every handle this driver passes to CUDA is one it made and believes live (handles
+            # of an older context are refused before CUDA sees them). CUDA refusing one means
+            # the context was reset under us, by foreign code: the context is lost.
+            exc = ContextLost(
+                f"device {self.ordinal}: {what}: CUDA refused a live handle "
+                "(CUDA_ERROR_INVALID_HANDLE): the context was reset from outside; rebuild it",
+                code="CUDA_ERROR_INVALID_HANDLE",
+            )
+            _tls.token = None
         if isinstance(exc, ContextPoisoned):
             self.poisoned = exc.code
         elif isinstance(exc, OutOfMemory):
@@ -1178,7 +1189,9 @@ class CudaDriver:
         dev = stream._enter()
         (err,) = cu.cuStreamWaitEvent(cu.CUstream(int(handle)), event._cu, 0)
         if err != _SUCCESS:
-            dev.fail(err, f"cuStreamWaitEvent(foreign stream {int(handle):#x})")
+            # Not dev.fail: the foreign handle is not ours, so a refusal says nothing about our
+            # context.
+            raise error_for(err, f"device {dev.ordinal}: cuStreamWaitEvent(foreign stream {int(handle):#x})")
 
     def rebuild_context(self, ordinal: int) -> None:
         """Synchronize what can be, destroy this driver's streams (and with the context every
