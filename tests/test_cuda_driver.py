@@ -625,8 +625,11 @@ def test_rebuild_context_in_a_subprocess() -> None:
         ev = s.record_event()
         s.synchronize()
         free1, _ = drv.mem_info(0)
-        # At least one GiB shows as taken (a driver may map cuMemAlloc memory lazily).
-        assert free1 <= free0 - (1 << 30), (free0, free1)
+        # At least one GiB shows as taken (a driver may map cuMemAlloc memory lazily). Under
+        # compute-sanitizer the tool's own allocations move cuMemGetInfo: the plain run checks.
+        import os
+        if os.environ.get("XLOG_ACTORS_SANITIZER") != "1":
+            assert free1 <= free0 - (1 << 30), (free0, free1)
 
         drv.rebuild_context(0)
         for what, call in (("stream", s.synchronize), ("event", ev.query),
@@ -638,9 +641,6 @@ def test_rebuild_context_in_a_subprocess() -> None:
             else:
                 raise AssertionError(what + " still usable after the rebuild")
         free2, _ = drv.mem_info(0)
-        # Under compute-sanitizer the tool's own device allocations move cuMemGetInfo; the plain
-        # GPU run is the one that checks the baseline.
-        import os
         if os.environ.get("XLOG_ACTORS_SANITIZER") != "1":
             assert free2 >= free0 - (128 << 20), (free0, free2)
 

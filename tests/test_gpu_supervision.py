@@ -42,7 +42,7 @@ def reason(ref):
 """
 
 
-def _child(body: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _child(body: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run(
@@ -99,7 +99,8 @@ def test_rebuild_recovers_in_process_with_memory_back_to_baseline() -> None:
             copy.ask(xa.Fill(ref, 3))
         assert copy.ask(xa.CopyToHost(refs[-1], nbytes=4)) == b"\\x03" * 4
         free1, _ = driver.mem_info(0)
-        assert free1 <= free0 - (1 << 30), (free0, free1)
+        if os.environ.get("XLOG_ACTORS_SANITIZER") != "1":  # the tool's own allocations move it
+            assert free1 <= free0 - (1 << 30), (free0, free1)
         assert device.ask(xa.Rebuild("test")) == 1
         assert [reason(r) for r in refs] == ["context rebuilt"] * 4
         stats = device.ask(xa.GetStats())
@@ -135,6 +136,7 @@ def test_a_primary_context_reset_from_outside_leads_to_a_rebuild() -> None:
         err, dev = cu.cuDeviceGet(0)
         (err,) = cu.cuDevicePrimaryCtxReset(dev)
         assert int(err) == 0, err
+        print("primary context state after the reset:", cu.cuDevicePrimaryCtxGetState(dev), flush=True)
         seen = None
         for _ in range(3):
             try:

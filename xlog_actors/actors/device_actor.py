@@ -16,6 +16,7 @@ import pykka
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import (
+    XlogError,
     CorruptionDetected,
     ContextPoisoned,
     DeviceUnavailable,
@@ -241,6 +242,14 @@ class DeviceActor(pykka.ThreadingActor):
 
     # -- dispatch and supervision -----------------------------------------------------------------
     def on_receive(self, message: Any) -> Any:
+        if self._cell.status == "running":
+            # A context reset from outside (another library) is found here, before a dangling
+            # handle reaches the driver: the supervisor rebuilds, and this message is served by
+            # the new context.
+            try:
+                self._driver.check_context(self._ordinal)
+            except XlogError as exc:
+                self._after_failure(exc, counting=True)
         ctx = self._cell.ctx
         if ctx is not None and ctx.reclaims:
             # Frees of dropped handles ride along with whatever message comes next (see

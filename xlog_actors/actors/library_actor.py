@@ -128,6 +128,7 @@ class LibraryActor(pykka.ThreadingActor):
         refs = [ref for ref, _ in uses]
         self._check_refs(*refs)
         ctx = self._context_for(refs)
+        ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
         blocks = [ctx.check_ref(ref) for ref in refs]
         for ref in refs:
             if ref.context is not ctx:

@@ -1180,6 +1180,25 @@ class CudaDriver:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")
 
     # -- context lifetime -------------------------------------------------------------------
+    def check_context(self, ordinal: int) -> None:
+        """Raise ``ContextLost`` when ``ordinal``'s primary context was reset behind this driver's
+        back (by another library's ``cuDevicePrimaryCtxReset``), before any of its now dangling
+        handles reaches CUDA: CUDA does not report such a use, it may crash the process (seen on
+        an H200: a segfault). One driver call on the *device* handle, which stays valid: after a
+        reset the primary context is inactive until someone retains it again. A context that a
+        foreign library already re-created cannot be told apart this way; see
+        docs/fault-model.md."""
+        dev = self._device(ordinal)
+        if dev.token is None or dev.poisoned is not None:
+            return  # not retained yet (nothing to lose), or poisoned (every call says so)
+        err, _flags, active = cu.cuDevicePrimaryCtxGetState(dev.cudev)
+        if err == _SUCCESS and not active:
+            _tls.token = None
+            raise ContextLost(
+                f"device {ordinal}: the primary context was reset from outside this driver; rebuild it",
+                code="CUDA_ERROR_CONTEXT_IS_DESTROYED",
+            )
+
     def order_foreign_stream(self, handle: int, after: CudaStream) -> None:
         """Make a stream this driver does not own (``handle``: a raw ``CUstream``, or 1/2 for
         the legacy/per-thread default streams) wait for everything queued on ``after`` so far.

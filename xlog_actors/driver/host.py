@@ -260,6 +260,13 @@ class HostDriver:
     def make_current(self, ordinal: int) -> None:
         self._device(ordinal)
 
+    def check_context(self, ordinal: int) -> None:
+        """``ContextLost``/``ContextPoisoned`` when the device's context is gone; no fault is
+        counted (the CUDA twin detects a reset made from outside the driver)."""
+        dev = self._device(ordinal)
+        if dev.state != "ok":
+            self._raise_state(dev)
+
     def inject_fault(self, ordinal: int, kind: FaultKind, after_calls: int = 0) -> None:
         """Make device ``ordinal`` fail on a later driver call: the one after ``after_calls``
         more calls. ``"oom"``: that call raises ``OutOfMemory``; ``"error"``: ``DriverError``,

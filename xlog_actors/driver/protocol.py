@@ -153,6 +153,12 @@ class Driver(Protocol):
         """Enqueue ``kernel`` with already-resolved arguments (pointers as ints, scalars)."""
         ...
 
+    def check_context(self, ordinal: int) -> None:
+        """Raise ``ContextLost`` (or ``ContextPoisoned``) when ``ordinal``'s context is gone,
+        including a reset made by foreign code behind the driver's back. Cheap; called once per
+        actor message, not per allocation."""
+        ...
+
     def rebuild_context(self, ordinal: int) -> None:
         """Destroy ``ordinal``'s context (every allocation, stream and event of it) and make a new
         one. Raises ``ContextPoisoned`` where a sticky error makes that impossible in-process."""
