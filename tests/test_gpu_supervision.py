@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 
 PRELUDE = """
-import time
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it is, then ends the child
 import pykka
 import xlog_actors as xa
 from xlog_actors.driver.cuda import CudaDriver
@@ -66,11 +67,14 @@ def test_a_real_illegal_address_poisons_the_device_actor() -> None:
                         source='extern "C" __global__ void xlog_write_to_16(unsigned long long p) '
                                '{ *(volatile int*)p = 1; }')
         kernels.ask(xa.Launch(bad, 1, 1, [16]))
+        print("launched", flush=True)
         try:
             copy.ask(xa.CopyToHost(refs[0], nbytes=4))  # the sticky error surfaces at the sync
         except xa.ContextPoisoned as exc:
             print("copy saw", exc.code)
+        print("after copy", flush=True)
         stats = wait_status(device, "poisoned")
+        print("poisoned", flush=True)
         assert [reason(r) for r in refs] == ["context poisoned"] * 4, [reason(r) for r in refs]
         assert hook == [(0, "ContextPoisoned", "CUDA_ERROR_ILLEGAL_ADDRESS")], hook
         try:
@@ -80,8 +84,9 @@ def test_a_real_illegal_address_poisons_the_device_actor() -> None:
         else:
             raise AssertionError("a poisoned device allocated")
         assert device.is_alive()
-        print("POISONED-OK", stats.status, hook)
+        print("POISONED-OK", stats.status, hook, flush=True)
         pykka.ActorRegistry.stop_all()
+        print("stopped", flush=True)
     """)
     assert proc.returncode == 0 and "POISONED-OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
 

@@ -521,6 +521,13 @@ class _CudaDevice:
             with contextlib.suppress(Exception):
                 cu.cuMemPoolTrimTo(pool, 0)
 
+    def primary_active(self) -> bool:
+        """Whether the primary context is active. False after a ``cuDevicePrimaryCtxReset``
+        until someone retains it again: how a reset from outside is noticed. Uses only the
+        device handle, which a reset leaves valid."""
+        err, _flags, active = cu.cuDevicePrimaryCtxGetState(self.cudev)
+        return err != _SUCCESS or bool(active)
+
     def _free_pool_leftovers(self) -> None:
         """Free the stream-ordered allocations still live when the context goes. A primary-context
         reset frees ``cuMemAlloc`` memory but not the default pool's blocks (seen on an H200: a
@@ -554,7 +561,17 @@ class _CudaDevice:
             if self.poisoned is not None:
                 raise self.poisoned_error()
             had_context = self.ctx is not None
-            if had_context:
+            reset_outside = had_context and not self.primary_active()
+            if reset_outside:
+                # Foreign code reset the primary context: every handle of ours dangles, and
+                # CUDA may crash on one rather than report it (seen on an H200). Touch none of
+                # them: forget them, give our retain back, and retain a fresh context below.
+                self._teardown("context reset from outside")
+                self.modules = []
+                self.drop_orphans(destroy=False)
+                cu.cuDevicePrimaryCtxRelease(self.cudev)
+                self.ctx = None
+            elif had_context:
                 try:
                     self._sync_quietly()
                     self._free_pool_leftovers()
@@ -576,6 +593,11 @@ class _CudaDevice:
             self.drop_orphans(destroy=False)
             _tls.token = None
             self.retain()
+            if reset_outside:
+                # The pool is a device object: its blocks outlived the foreign reset. Free them
+                # from the new context (best effort).
+                self.set_current()
+                self._free_pool_leftovers()
             self._trim_pool()  # the blocks the reset freed went back to the (device-wide) pool
 
     def close(self) -> None:
@@ -587,15 +609,17 @@ class _CudaDevice:
             self.closed = True
             if self.ctx is None:
                 return
+            # After a reset from outside every handle dangles: touch none of them.
+            usable = self.poisoned is None and self.primary_active()
             with contextlib.suppress(Exception):  # best effort
-                if self.poisoned is None:
+                if usable:
                     self.bury()
                     self._sync_quietly()
                     self._free_pool_leftovers()
                     self._trim_pool()
             streams = self._teardown("driver closed")
             with contextlib.suppress(Exception):  # best effort
-                if self.poisoned is None:
+                if usable:
                     for stream in streams:
                         stream._destroy_handles()
                     for module in self.modules:
@@ -1191,8 +1215,7 @@ class CudaDriver:
         dev = self._device(ordinal)
         if dev.token is None or dev.poisoned is not None:
             return  # not retained yet (nothing to lose), or poisoned (every call says so)
-        err, _flags, active = cu.cuDevicePrimaryCtxGetState(dev.cudev)
-        if err == _SUCCESS and not active:
+        if not dev.primary_active():
             _tls.token = None
             raise ContextLost(
                 f"device {ordinal}: the primary context was reset from outside this driver; rebuild it",
