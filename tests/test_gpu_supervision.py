@@ -46,8 +46,16 @@ def reason(ref):
 def _child(body: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    # The body runs in main(), and every actor is stopped whatever happens: pykka's threads are
+    # not daemons, so a child whose body raised would otherwise never exit.
+    script = (
+        PRELUDE
+        + "\ndef main():\n"
+        + textwrap.indent(textwrap.dedent(body), "    ")
+        + "\ntry:\n    main()\nfinally:\n    pykka.ActorRegistry.stop_all()\n"
+    )
     return subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+        [sys.executable, "-c", script],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO), check=False,
     )
 
@@ -71,7 +79,7 @@ def test_a_real_illegal_address_poisons_the_device_actor() -> None:
         try:
             copy.ask(xa.CopyToHost(refs[0], nbytes=4))  # the sticky error surfaces at the sync
         except xa.ContextPoisoned as exc:
-            print("copy saw", exc.code)
+            print("copy saw", exc.code)  # or it ran before the fault: then GetStats meets it
         print("after copy", flush=True)
         stats = wait_status(device, "poisoned")
         print("poisoned", flush=True)

@@ -17,6 +17,7 @@ from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import (
     XlogError,
+    ContextLost,
     CorruptionDetected,
     ContextPoisoned,
     DeviceUnavailable,
@@ -458,14 +459,20 @@ class DeviceActor(pykka.ThreadingActor):
         stack = ""
         report: dict[str, Any] = {}
         if ctx is not None and status == "running":
-            ctx.drain_reclaims()
-            ctx.runtime.reap_pending()
-            outstanding = ctx.runtime.bytes_outstanding()
-            live = len(ctx.blocks)
-            stack = ctx.runtime.describe()
-            mem_free, mem_total = self._driver.mem_info(self._ordinal)
-            report = memory_report(ctx.runtime.resource).as_dict()
-            del report["blocks"]  # the groups say it in a size that does not grow per block
+            try:
+                ctx.drain_reclaims()
+                ctx.runtime.reap_pending()
+                outstanding = ctx.runtime.bytes_outstanding()
+                live = len(ctx.blocks)
+                stack = ctx.runtime.describe()
+                mem_free, mem_total = self._driver.mem_info(self._ordinal)
+                report = memory_report(ctx.runtime.resource).as_dict()
+                del report["blocks"]  # the groups say it in a size that does not grow per block
+            except (ContextLost, ContextPoisoned) as exc:
+                # A report is what a caller asks for to learn the device's state: act on the
+                # failure, then report the state it left.
+                self._after_failure(exc, counting=True)
+                return self._on_stats(_msg)
         return DeviceStats(
             device_id=self._ordinal,
             generation=self._state.generation,
