@@ -844,6 +844,8 @@ class CudaStream:
             dev.streams.discard(self)
             if self._epoch != dev.epoch or dev.token is None:
                 return  # its context is gone, and the handles with it
+            if not dev.primary_active():
+                return  # reset from outside: the handles dangle, and CUDA may crash on them
             with self._lock:
                 keep, self._keep = self._keep, deque()
                 spare, self._spare = self._spare, []
