@@ -207,6 +207,7 @@ def test_a_context_failure_met_by_a_library_actor_reaches_the_supervisor(fault: 
             0, driver, supervisor=xa.Supervisor(on_poisoned=lambda d, e: hook.append((d, type(e).__name__)))
         )
         copy = xa.CopyActor.start(device)
+        copy.proxy().stream_id.get()  # on_start (and its attach) ran before the fault
         ref = device.ask(xa.Allocate(4096))
         driver.inject_fault(0, fault)  # type: ignore[arg-type]
         with pytest.raises((xa.ContextLost, xa.ContextPoisoned)):

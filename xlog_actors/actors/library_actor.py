@@ -57,8 +57,11 @@ class LibraryActor(pykka.ThreadingActor):
             self._attach()  # so ``stream_id`` names this actor's stream from the start
         except XlogError as exc:
             # A device that is not running yet: attach on the first piece of work instead,
-            # which then answers with the device's typed error.
+            # which then answers with the device's typed error. A context failure met here is
+            # still the device's supervisor's business.
             logger.info("%s: device not ready at start (%r); attaching later", type(self).__name__, exc)
+            if isinstance(exc, (ContextLost, ContextPoisoned)):
+                self._report(exc, None)
 
     def on_stop(self) -> None:
         try:
@@ -103,12 +106,16 @@ class LibraryActor(pykka.ThreadingActor):
             # The device actor's supervisor decides what a lost or poisoned context means; the
             # asker gets the error either way.
             ctx = self._ctx or ctx
-            try:
-                # No context yet (the failure hit while attaching): the device's current one.
-                self._device.tell(ReportFailure(exc, None if ctx is None else ctx.generation))
-            except pykka.ActorDeadError:
-                pass  # the device is gone: nothing left to supervise
+            self._report(exc, None if ctx is None else ctx.generation)
             raise
+
+    def _report(self, exc: BaseException, generation: int | None) -> None:
+        """Tell the device actor's supervisor about a context failure met here (``generation``
+        None: in the device's current context, as when it hit while attaching)."""
+        try:
+            self._device.tell(ReportFailure(exc, generation))
+        except pykka.ActorDeadError:
+            pass  # the device is gone: nothing left to supervise
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         raise NotImplementedError
