@@ -6,12 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs_concurrent_streams
 
 import xlog_actors as xa
 from xlog_actors.cli import main
 from xlog_actors.cli.pipeline import PipelineConfig, run_pipeline
-
-from conftest import needs_concurrent_streams
 
 
 def test_pipeline_is_correct_with_no_explicit_synchronization(driver: xa.Driver) -> None:

@@ -8,10 +8,16 @@ from collections.abc import Iterator
 import numpy as np
 import pykka
 import pytest
+from conftest import needs_concurrent_streams
 
 import xlog_actors as xa
-from conftest import needs_concurrent_streams
-from xlog_actors.driver.kernel_library import AXPY_F32, FILL_F32, SCALE_ADD_F32, SUM_F32, launch_shape
+from xlog_actors.driver.kernel_library import (
+    AXPY_F32,
+    FILL_F32,
+    SCALE_ADD_F32,
+    SUM_F32,
+    launch_shape,
+)
 
 
 @pytest.fixture

@@ -13,20 +13,20 @@ from __future__ import annotations
 from typing import Any, Final, Literal
 
 __all__ = [
-    "XlogError",
-    "ResourceError",
-    "InvalidRequest",
-    "OutOfMemory",
+    "STALE_REASONS",
     "BudgetExceeded",
-    "UseAfterFree",
-    "StreamMisuse",
-    "DriverError",
     "ContextLost",
     "ContextPoisoned",
-    "GpuRefStale",
-    "DeviceUnavailable",
     "CorruptionDetected",
-    "STALE_REASONS",
+    "DeviceUnavailable",
+    "DriverError",
+    "GpuRefStale",
+    "InvalidRequest",
+    "OutOfMemory",
+    "ResourceError",
+    "StreamMisuse",
+    "UseAfterFree",
+    "XlogError",
 ]
 
 

@@ -9,7 +9,16 @@ from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
 from .kernel_actor import KernelActor
-from .library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Out
+from .library_messages import (
+    CopyDeviceToDevice,
+    CopyToDevice,
+    CopyToHost,
+    Fill,
+    In,
+    InOut,
+    Launch,
+    Out,
+)
 from .messages import (
     Allocate,
     AllocateMany,
@@ -26,31 +35,31 @@ from .messages import (
 from .supervisor import EXIT_POISONED, Directive, Supervisor, exit_process, stop_device
 
 __all__ = [
+    "EXIT_POISONED",
+    "Allocate",
+    "AllocateMany",
     "CopyActor",
     "CopyDeviceToDevice",
     "CopyToDevice",
     "CopyToHost",
-    "Fill",
-    "In",
-    "InOut",
-    "KernelActor",
-    "Launch",
-    "Out",
-    "Allocate",
-    "AllocateMany",
     "DeviceActor",
     "DeviceClient",
     "DeviceContext",
     "DeviceState",
     "DeviceStats",
     "Directive",
-    "EXIT_POISONED",
+    "Fill",
     "Free",
     "GenerationChanged",
     "GetClient",
     "GetReport",
     "GetStats",
     "GpuRef",
+    "In",
+    "InOut",
+    "KernelActor",
+    "Launch",
+    "Out",
     "Rebuild",
     "Subscribe",
     "Supervisor",

@@ -16,12 +16,12 @@ import pykka
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import (
-    XlogError,
     ContextLost,
-    CorruptionDetected,
     ContextPoisoned,
+    CorruptionDetected,
     DeviceUnavailable,
     InvalidRequest,
+    XlogError,
 )
 from ..memory.report import MemoryReport, memory_report
 from ..memory.resource import DeviceMemoryResource
@@ -48,7 +48,7 @@ from .messages import (
 )
 from .supervisor import Directive, Supervisor
 
-__all__ = ["DeviceActor", "ContextCell", "ResourceSpec", "ReportFailure"]
+__all__ = ["ContextCell", "DeviceActor", "ReportFailure", "ResourceSpec"]
 
 logger = logging.getLogger("xlog_actors.device")
 pykka_logger = logging.getLogger("pykka")  # where pykka's own loop logs
@@ -76,7 +76,7 @@ class ContextCell:
     """What a ``DeviceClient`` shares with its actor: the current context and status.
     Swapped by the actor only; read by clients with single attribute loads."""
 
-    __slots__ = ("ctx", "status", "ordinal", "actor_ref")
+    __slots__ = ("actor_ref", "ctx", "ordinal", "status")
 
     def __init__(self, ordinal: int, actor_ref: pykka.ActorRef[Any]) -> None:
         self.ctx: DeviceContext | None = None
@@ -258,7 +258,7 @@ class DeviceActor(pykka.ThreadingActor):
             # message's.
             try:
                 ctx.drain_reclaims()
-            except Exception as exc:  # noqa: BLE001 - logged and routed to the supervisor
+            except Exception as exc:
                 logger.warning("device %d: freeing dropped handles failed: %r", self._ordinal, exc, exc_info=exc)
                 self._after_failure(exc, counting=True)
         handler = self._handlers.get(type(message))

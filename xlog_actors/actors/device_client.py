@@ -6,7 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 import pykka
 
-from ..errors import ContextLost, CorruptionDetected, ContextPoisoned, DeviceUnavailable, InvalidRequest
+from ..errors import (
+    ContextLost,
+    ContextPoisoned,
+    CorruptionDetected,
+    DeviceUnavailable,
+    InvalidRequest,
+)
 from ..memory.block import AllocTag, StreamId
 from .gpu_ref import GpuRef
 from .messages import Allocate, AllocateMany, Free

@@ -7,8 +7,14 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ContextPoisoned, CorruptionDetected, DeviceUnavailable, GpuRefStale, InvalidRequest
-from ..errors import OutOfMemory
+from ..errors import (
+    ContextPoisoned,
+    CorruptionDetected,
+    DeviceUnavailable,
+    GpuRefStale,
+    InvalidRequest,
+    OutOfMemory,
+)
 from ..memory.block import AllocTag, DeviceBlock, StreamId
 from ..memory.report import enrich_out_of_memory
 from ..runtime.device_runtime import XlogDeviceRuntime
@@ -20,7 +26,7 @@ if TYPE_CHECKING:
 
     from .gpu_ref import GpuRef
 
-__all__ = ["DeviceContext", "RECLAIM_BATCH", "RECLAIM_WAKE_BYTES"]
+__all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "DeviceContext"]
 
 #: A dropped handle of at least this many bytes wakes its device actor at once.
 RECLAIM_WAKE_BYTES = 1 << 20

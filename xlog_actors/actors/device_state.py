@@ -18,7 +18,7 @@ class DeviceState:
     Thread rules: writes take a lock; reads are single attribute loads.
     """
 
-    __slots__ = ("_device_id", "_generation", "_accepting", "_poisoned", "token", "_lock", "__weakref__")
+    __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "token")
 
     def __init__(self, device_id: int) -> None:
         self._device_id = device_id

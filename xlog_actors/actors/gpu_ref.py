@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -36,7 +37,7 @@ class GpuRef:
     * Copying returns the same handle; pickling is refused (a handle is process-local).
     """
 
-    __slots__ = ("_block", "_generation", "_state", "_token", "_context", "_last_write", "_released", "__weakref__")
+    __slots__ = ("__weakref__", "_block", "_context", "_generation", "_last_write", "_released", "_state", "_token")
 
     _block: DeviceBlock
     _generation: int
@@ -46,7 +47,7 @@ class GpuRef:
     _last_write: StreamId | None
     _released: bool
 
-    def __new__(cls, *_args: object, **_kwargs: object) -> GpuRef:
+    def __new__(cls, *_args: object, **_kwargs: object) -> GpuRef:  # noqa: PYI034 - it only raises
         # Refused in __new__, not __init__: an object that __init__ refused would still exist,
         # with empty slots, and its __del__ would fail on them.
         raise TypeError("GpuRef is made by a DeviceActor (Allocate) or a DeviceClient, not directly")
@@ -177,10 +178,9 @@ class GpuRef:
 
     def __del__(self) -> None:
         if not self._released:
-            try:
+            # At interpreter exit pykka may be gone: nothing leaks then, the process ends.
+            with contextlib.suppress(Exception):
                 self._context.reclaim(self._block)
-            except Exception:  # noqa: BLE001 - at interpreter exit pykka may be gone; nothing leaks then
-                pass
 
     # -- interop (CUDA driver only) -------------------------------------------------------------
     @property

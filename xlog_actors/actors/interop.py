@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .device_context import DeviceContext
     from .gpu_ref import GpuRef
 
-__all__ = ["export_dlpack", "consumer_stream_handle"]
+__all__ = ["consumer_stream_handle", "export_dlpack"]
 
 
 def consumer_stream_handle(stream: Any) -> int | None:

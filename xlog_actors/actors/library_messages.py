@@ -11,15 +11,15 @@ from ..memory.block import Access
 from .gpu_ref import GpuRef
 
 __all__ = [
+    "BufferArg",
+    "CopyDeviceToDevice",
     "CopyToDevice",
     "CopyToHost",
-    "CopyDeviceToDevice",
     "Fill",
-    "Launch",
     "In",
-    "Out",
     "InOut",
-    "BufferArg",
+    "Launch",
+    "Out",
 ]
 
 
@@ -62,17 +62,17 @@ class BufferArg:
     access: Access
 
 
-def In(ref: GpuRef) -> BufferArg:  # noqa: N802 - reads like a type at call sites
+def In(ref: GpuRef) -> BufferArg:
     """A kernel argument the kernel only reads."""
     return BufferArg(ref, Access.READ)
 
 
-def Out(ref: GpuRef) -> BufferArg:  # noqa: N802
+def Out(ref: GpuRef) -> BufferArg:
     """A kernel argument the kernel only writes."""
     return BufferArg(ref, Access.WRITE)
 
 
-def InOut(ref: GpuRef) -> BufferArg:  # noqa: N802
+def InOut(ref: GpuRef) -> BufferArg:
     """A kernel argument the kernel reads and writes."""
     return BufferArg(ref, Access.READ_WRITE)
 

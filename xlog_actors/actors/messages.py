@@ -15,15 +15,15 @@ if TYPE_CHECKING:
 __all__ = [
     "Allocate",
     "AllocateMany",
+    "DeviceStats",
     "Free",
+    "GenerationChanged",
+    "GetClient",
+    "GetReport",
+    "GetStats",
     "Rebuild",
     "Subscribe",
     "Unsubscribe",
-    "GenerationChanged",
-    "GetStats",
-    "GetClient",
-    "GetReport",
-    "DeviceStats",
 ]
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from ..errors import ContextLost, ContextPoisoned, InvalidRequest, OutOfMemory, XlogError
 
-__all__ = ["Supervisor", "Directive", "stop_device", "exit_process", "EXIT_POISONED"]
+__all__ = ["EXIT_POISONED", "Directive", "Supervisor", "exit_process", "stop_device"]
 
 logger = logging.getLogger("xlog_actors.supervisor")
 

@@ -19,11 +19,11 @@ import pykka
 
 from ..actors import (
     Allocate,
-    GetStats,
     CopyActor,
     CopyToDevice,
     CopyToHost,
     DeviceActor,
+    GetStats,
     In,
     KernelActor,
     Launch,
@@ -35,7 +35,7 @@ from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
 
-__all__ = ["PipelineConfig", "PipelineResult", "run_pipeline", "make_batch", "ALPHA", "BETA"]
+__all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "make_batch", "run_pipeline"]
 
 ALPHA = 3.0
 BETA = 0.5

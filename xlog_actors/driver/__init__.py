@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from .cuda import CudaDriver
 
 __all__ = [
-    "CudaDriver",
     "DRIVER_ENV",
+    "CudaDriver",
     "DeviceMemoryView",
     "Driver",
     "DriverKind",

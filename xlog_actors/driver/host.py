@@ -24,6 +24,7 @@ holding a device lock.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import time
 import weakref
@@ -40,12 +41,12 @@ from ..errors import (
     InvalidRequest,
     OutOfMemory,
 )
-from .host_memory import ALIGNMENT, AddressSpace, DeviceArena, align_up
+from .host_memory import AddressSpace, DeviceArena, align_up
 from .host_stream import HostEvent, HostStream
 from .kernel import Kernel
 from .protocol import Buffer
 
-__all__ = ["HostDriver", "FaultKind"]
+__all__ = ["FaultKind", "HostDriver"]
 
 FaultKind = Literal["oom", "error", "context_lost", "sticky"]
 _FAULT_KINDS = ("oom", "error", "context_lost", "sticky")
@@ -526,7 +527,5 @@ class HostDriver:
         _live_drivers.discard(self)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
             self.close()
-        except Exception:  # noqa: BLE001
-            pass

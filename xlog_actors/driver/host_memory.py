@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import mmap
 
-__all__ = ["ALIGNMENT", "AddressSpace", "DeviceArena", "POISON_BYTE"]
+__all__ = ["ALIGNMENT", "POISON_BYTE", "AddressSpace", "DeviceArena"]
 
 ALIGNMENT = 256
 # What a freed byte reads as: a use after free sees garbage, not the old data.

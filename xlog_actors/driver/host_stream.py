@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .host import HostDriver
 
-__all__ = ["HostStream", "HostEvent"]
+__all__ = ["HostEvent", "HostStream"]
 
 _stream_ids = itertools.count(1)
 _HANDLE_BASE = 0x5_0000_0000
@@ -28,7 +28,7 @@ class HostEvent:
     """See the module docstring. Thread rules: ``record`` swaps the marker atomically (one
     attribute store); readers take one load, so no lock is needed."""
 
-    __slots__ = ("_driver", "_ordinal", "_marker", "__weakref__")
+    __slots__ = ("__weakref__", "_driver", "_marker", "_ordinal")
 
     def __init__(self, driver: HostDriver, ordinal: int) -> None:
         self._driver = driver

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Kernel", "DeviceMemoryView", "ParamKind", "PARAM_DTYPES"]
+__all__ = ["PARAM_DTYPES", "DeviceMemoryView", "Kernel", "ParamKind"]
 
 ParamKind = Literal["ptr", "i32", "u32", "i64", "u64", "f32", "f64"]
 

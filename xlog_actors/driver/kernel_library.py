@@ -14,7 +14,7 @@ import numpy as np
 
 from .kernel import DeviceMemoryView, Kernel
 
-__all__ = ["FILL_F32", "SCALE_ADD_F32", "AXPY_F32", "SUM_F32", "launch_shape"]
+__all__ = ["AXPY_F32", "FILL_F32", "SCALE_ADD_F32", "SUM_F32", "launch_shape"]
 
 
 def launch_shape(n: int, block: int = 256, max_blocks: int = 1024) -> tuple[int, int]:

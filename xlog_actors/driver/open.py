@@ -9,7 +9,7 @@ from ..errors import DeviceUnavailable, InvalidRequest
 from .host import HostDriver
 from .protocol import Driver
 
-__all__ = ["open_driver", "DRIVER_ENV", "default_driver"]
+__all__ = ["DRIVER_ENV", "default_driver", "open_driver"]
 
 DRIVER_ENV = "XLOG_ACTORS_DRIVER"
 _KINDS = ("auto", "cuda", "host")

@@ -23,7 +23,7 @@ if sys.version_info >= (3, 12):
 else:  # pragma: no cover - the buffer protocol has no ABC before 3.12
     Buffer = Any
 
-__all__ = ["Driver", "Stream", "Event", "DriverKind", "Buffer"]
+__all__ = ["Buffer", "Driver", "DriverKind", "Event", "Stream"]
 
 DriverKind = Literal["cuda", "host"]
 

@@ -64,7 +64,7 @@ _READ = Access.READ
 class _Entry:
     """Tracking state of one live block."""
 
-    __slots__ = ("generation", "nbytes", "stream", "tag", "created", "last_write", "reads")
+    __slots__ = ("created", "generation", "last_write", "nbytes", "reads", "stream", "tag")
 
     def __init__(self, generation: Generation, nbytes: int, stream: StreamId, tag: AllocTag) -> None:
         self.generation = generation

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 __all__ = [
-    "StreamId",
-    "AllocTag",
     "Access",
-    "Generation",
+    "AllocTag",
+    "BlockId",
     "BlockState",
     "DeviceBlock",
-    "BlockId",
+    "Generation",
+    "StreamId",
     "generation_counter",
     "make_block",
 ]

@@ -26,7 +26,7 @@ class DirectCudaResource(DeviceMemoryResource):
     outside it.
     """
 
-    __slots__ = ("_driver", "_ordinal", "_lock", "_live", "_bytes")
+    __slots__ = ("_bytes", "_driver", "_live", "_lock", "_ordinal")
 
     def __init__(self, driver: Driver, ordinal: int) -> None:
         self._driver = driver

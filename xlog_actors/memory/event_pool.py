@@ -17,7 +17,7 @@ class EventPool:
     GIL; the owning resource calls them under its own lock anyway.
     """
 
-    __slots__ = ("_driver", "_ordinal", "_free", "created")
+    __slots__ = ("_driver", "_free", "_ordinal", "created")
 
     def __init__(self, driver: Driver, ordinal: int) -> None:
         self._driver = driver

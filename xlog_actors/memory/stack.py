@@ -16,7 +16,7 @@ from .direct import DirectCudaResource
 from .resource import DeviceMemoryResource
 from .stream_pool import StreamPool
 
-__all__ = ["LOG_ENV", "RESOURCE_ENV", "build_resource", "default_description", "BASES", "ADAPTORS"]
+__all__ = ["ADAPTORS", "BASES", "LOG_ENV", "RESOURCE_ENV", "build_resource", "default_description"]
 
 RESOURCE_ENV = "XLOG_ACTORS_RESOURCE"
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 
 from ..driver.protocol import Driver, Stream
 from .block import StreamId
 
 __all__ = ["StreamPool"]
+
+logger = logging.getLogger("xlog_actors.memory")
 
 
 class StreamPool:
@@ -67,5 +70,5 @@ class StreamPool:
         for stream in streams:
             try:
                 stream.close()
-            except Exception:  # noqa: BLE001 - a stream of a dead context has nothing to close
-                pass
+            except Exception as exc:  # noqa: BLE001 - a stream of a dead context has nothing to close
+                logger.debug("device %d: closing %r: %r", self._ordinal, stream, exc)

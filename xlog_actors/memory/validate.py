@@ -7,7 +7,7 @@ from ..driver.host import check_nbytes
 from ..errors import InvalidRequest, StreamMisuse, UseAfterFree
 from .block import BlockId, DeviceBlock
 
-__all__ = ["check_nbytes", "check_device", "unknown_block", "unknown_stream"]
+__all__ = ["check_device", "check_nbytes", "unknown_block", "unknown_stream"]
 
 
 def check_device(owner: str, ordinal: int, block: DeviceBlock | BlockId) -> None:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
-from ..memory.block import Access, AllocTag, BlockId, DeviceBlock, StreamId
+from ..memory.block import Access, BlockId, DeviceBlock, StreamId
 from ..memory.resource import DeviceMemoryResource
 from ..memory.stack import build_resource, default_description
 from ..memory.stream_pool import StreamPool
 
-__all__ = ["XlogDeviceRuntime", "MAX_DEVICE_ORDINALS"]
+__all__ = ["MAX_DEVICE_ORDINALS", "XlogDeviceRuntime"]
 
 MAX_DEVICE_ORDINALS = 16
 
