@@ -26,7 +26,7 @@ from ..errors import (
 from ..memory.report import MemoryReport, memory_report
 from ..memory.resource import DeviceMemoryResource
 from ..memory.stream_pool import StreamPool
-from ..runtime.device_runtime import XlogDeviceRuntime, _check_ordinal
+from ..runtime.device_runtime import XlogDeviceRuntime, check_device_ordinal
 from .device_client import DeviceClient
 from .device_context import DeviceContext
 from .device_state import DeviceState
@@ -112,7 +112,7 @@ class DeviceActor(pykka.ThreadingActor):
     ) -> None:
         super().__init__()
         self._driver: Driver = driver if driver is not None else default_driver()
-        self._ordinal = _check_ordinal(ordinal, self._driver)
+        self._ordinal = check_device_ordinal(ordinal, self._driver)
         if resource is not None and not isinstance(resource, str) and not callable(resource):
             raise InvalidRequest(f"resource must be a stack description or a factory, got {resource!r}")
         self._resource_spec = resource

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pykka
@@ -60,30 +61,25 @@ class DeviceClient:
             raise DeviceUnavailable(f"device {self._cell.ordinal}: its DeviceActor was stopped") from exc
 
     def allocate(self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED) -> GpuRef:
-        ctx = self._current()
-        if ctx is not None:
-            try:
-                ref = ctx.allocate(nbytes, stream, tag)
-            except (ContextLost, ContextPoisoned) as exc:
-                self._cell.report_failure(exc, ctx.generation)
-                raise
-            except BaseException:
-                if ctx.is_current():
-                    raise
-                # A rebuild took the context away under this call: the error belongs to it.
-            else:
-                if ctx.is_current():
-                    return ref
-                # Allocated in a context a rebuild took away meanwhile (its memory went with it).
-        return self._ask(Allocate(nbytes, stream, tag))  # type: ignore[no-any-return]
+        return self._direct(  # type: ignore[no-any-return]
+            lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)
+        )
 
     def allocate_many(
         self, sizes: list[int] | tuple[int, ...], stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> list[GpuRef]:
+        return self._direct(  # type: ignore[no-any-return]
+            lambda ctx: ctx.allocate_many(sizes, stream, tag), AllocateMany(sizes, stream, tag)
+        )
+
+    def _direct(self, work: Callable[[DeviceContext], Any], fallback: Any) -> Any:
+        """``work`` on the current context in this thread; the actor serves ``fallback`` when
+        there is no running context, or when a rebuild took the context away during ``work``
+        (the result, or the error, belonged to the old context)."""
         ctx = self._current()
         if ctx is not None:
             try:
-                refs = ctx.allocate_many(sizes, stream, tag)
+                result = work(ctx)
             except (ContextLost, ContextPoisoned) as exc:
                 self._cell.report_failure(exc, ctx.generation)
                 raise
@@ -92,8 +88,8 @@ class DeviceClient:
                     raise
             else:
                 if ctx.is_current():
-                    return refs
-        return self._ask(AllocateMany(sizes, stream, tag))  # type: ignore[no-any-return]
+                    return result
+        return self._ask(fallback)
 
     def free(self, ref: GpuRef) -> None:
         """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message."""

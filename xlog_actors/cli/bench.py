@@ -343,7 +343,7 @@ def decompose(kind: str | None, number: int = 20_000) -> list[tuple[str, float]]
 
         ns.update(cu=cu, h=cu.CUstream(stream.handle), h2=cu.CUstream(st2.handle),
                   cuev=cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))[1])
-        from ..driver.host import check_nbytes
+        from ..driver.checks import check_nbytes
 
         ns.update(check_nbytes=check_nbytes, cupool=stream._dev.pool, custream=stream._cu,
                   dptr=cu.cuMemAllocAsync(4096, cu.CUstream(stream.handle))[1])

@@ -81,8 +81,8 @@ from ..errors import (
     OutOfMemory,
     XlogError,
 )
+from .checks import check_nbytes, check_ordinal
 from .cuda_errors import STICKY_CODES, error_for, result_name
-from .host import check_nbytes
 from .kernel import PARAM_DTYPES, Kernel
 from .protocol import Buffer
 
@@ -979,12 +979,7 @@ class CudaDriver:
 
     # -- gates ------------------------------------------------------------------------------
     def _device(self, ordinal: object) -> _CudaDevice:
-        if type(ordinal) is not int and (not isinstance(ordinal, int) or isinstance(ordinal, bool)):
-            raise InvalidRequest(f"device ordinal must be an int, got {ordinal!r}")
-        if not 0 <= ordinal < len(self._devices):
-            raise InvalidRequest(
-                f"device ordinal {ordinal} out of range: the CUDA driver sees {len(self._devices)} device(s)"
-            )
+        ordinal = check_ordinal(ordinal, len(self._devices), "the CUDA driver")
         if self._closed:
             raise DriverError("the CUDA driver is closed", code="CUDA_ERROR_DEINITIALIZED")
         return self._devices[ordinal]

@@ -41,6 +41,7 @@ from ..errors import (
     InvalidRequest,
     OutOfMemory,
 )
+from .checks import check_nbytes, check_ordinal
 from .host_memory import AddressSpace, DeviceArena, align_up
 from .host_stream import HostEvent, HostStream
 from .kernel import Kernel
@@ -54,15 +55,6 @@ _FAULT_KINDS = ("oom", "error", "context_lost", "sticky")
 # never collide and a pointer names its device.
 _DEVICE_WINDOW = 1 << 40
 _BASE = 0x7F00_0000_0000
-
-
-def check_nbytes(nbytes: object, what: str = "allocation size") -> int:
-    """``nbytes`` as an int, or ``InvalidRequest`` for anything but a positive int."""
-    if type(nbytes) is not int and (not isinstance(nbytes, int) or isinstance(nbytes, bool)):
-        raise InvalidRequest(f"{what} must be a positive int, got {nbytes!r} ({type(nbytes).__name__})")
-    if nbytes <= 0:
-        raise InvalidRequest(f"{what} must be a positive int, got {nbytes}")
-    return int(nbytes)
 
 
 class _Fault:
@@ -147,12 +139,7 @@ class HostDriver:
 
     # -- gates ------------------------------------------------------------------------------
     def _device(self, ordinal: object) -> _HostDevice:
-        if type(ordinal) is not int and (not isinstance(ordinal, int) or isinstance(ordinal, bool)):
-            raise InvalidRequest(f"device ordinal must be an int, got {ordinal!r}")
-        if not 0 <= ordinal < len(self._devices):
-            raise InvalidRequest(
-                f"device ordinal {ordinal} out of range: the host driver has {len(self._devices)} device(s)"
-            )
+        ordinal = check_ordinal(ordinal, len(self._devices), "the host driver")
         if self._closed:
             raise DriverError("the host driver is closed", code="CUDA_ERROR_DEINITIALIZED")
         return self._devices[ordinal]

@@ -3,7 +3,7 @@ any state is touched."""
 
 from __future__ import annotations
 
-from ..driver.host import check_nbytes
+from ..driver.checks import check_nbytes
 from ..errors import InvalidRequest, StreamMisuse, UseAfterFree
 from .block import BlockId, DeviceBlock
 

@@ -7,6 +7,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from ..driver.checks import check_ordinal
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
@@ -50,17 +51,10 @@ def _new_table(driver: Driver) -> _Table:
     return table
 
 
-def _check_ordinal(ordinal: object, driver: Driver) -> int:
-    if type(ordinal) is not int and (not isinstance(ordinal, int) or isinstance(ordinal, bool)):
-        raise InvalidRequest(f"device ordinal must be an int, got {ordinal!r}")
-    if not 0 <= ordinal < MAX_DEVICE_ORDINALS:
-        raise InvalidRequest(
-            f"device ordinal {ordinal} out of range: MAX_DEVICE_ORDINALS is {MAX_DEVICE_ORDINALS}"
-        )
-    count = driver.device_count()
-    if ordinal >= count:
-        raise InvalidRequest(f"device ordinal {ordinal} out of range: the {driver.kind} driver has {count} device(s)")
-    return int(ordinal)
+def check_device_ordinal(ordinal: object, driver: Driver) -> int:
+    """``ordinal`` checked against ``MAX_DEVICE_ORDINALS`` and then against ``driver``'s devices."""
+    ordinal = check_ordinal(ordinal, MAX_DEVICE_ORDINALS, "the runtime table (MAX_DEVICE_ORDINALS)")
+    return check_ordinal(ordinal, driver.device_count(), f"the {driver.kind} driver")
 
 
 class XlogDeviceRuntime:
@@ -115,7 +109,7 @@ class XlogDeviceRuntime:
     def build(cls, driver: Driver, ordinal: int, description: str | None = None) -> XlogDeviceRuntime:
         """An owned runtime with a fresh stream pool and the stack ``description`` names
         (default: ``XLOG_ACTORS_RESOURCE``, else ``"async"``)."""
-        ordinal = _check_ordinal(ordinal, driver)
+        ordinal = check_device_ordinal(ordinal, driver)
         driver.make_current(ordinal)
         pool = StreamPool(driver, ordinal)
         try:
@@ -134,7 +128,7 @@ class XlogDeviceRuntime:
             runtime = table[0][ordinal]
             if runtime is not None:
                 return runtime
-        ordinal = _check_ordinal(ordinal, driver)
+        ordinal = check_device_ordinal(ordinal, driver)
         with _table_lock:
             slots, locks = _new_table(driver)
             lock = locks[ordinal]

@@ -1,0 +1,32 @@
+"""Argument checks every driver (and the layers above) share. Each raises ``InvalidRequest`` and
+runs before any state is touched."""
+
+from __future__ import annotations
+
+from ..errors import InvalidRequest
+
+__all__ = ["check_nbytes", "check_ordinal"]
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def check_nbytes(nbytes: object, what: str = "allocation size") -> int:
+    """``nbytes`` as an int, or ``InvalidRequest`` for anything but a positive int (0, negative,
+    float, bool, None, str...)."""
+    if not _is_int(nbytes):
+        raise InvalidRequest(f"{what} must be a positive int, got {nbytes!r} ({type(nbytes).__name__})")
+    if nbytes <= 0:  # type: ignore[operator]
+        raise InvalidRequest(f"{what} must be a positive int, got {nbytes}")
+    return int(nbytes)  # type: ignore[call-overload]
+
+
+def check_ordinal(ordinal: object, count: int, who: str) -> int:
+    """``ordinal`` as an int in ``0..count-1``, else ``InvalidRequest`` naming ``who`` (which
+    driver, or which table) and how many devices it has."""
+    if not _is_int(ordinal):
+        raise InvalidRequest(f"device ordinal must be an int, got {ordinal!r}")
+    if not 0 <= ordinal < count:  # type: ignore[operator]
+        raise InvalidRequest(f"device ordinal {ordinal} out of range: {who} has {count} device(s)")
+    return int(ordinal)  # type: ignore[call-overload]
