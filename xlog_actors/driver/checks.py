@@ -3,9 +3,15 @@ runs before any state is touched."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..errors import InvalidRequest
 
-__all__ = ["check_nbytes", "check_ordinal"]
+if TYPE_CHECKING:
+    from .kernel import Kernel
+
+__all__ = ["check_kernel_args", "check_microseconds", "check_nbytes", "check_ordinal"]
 
 
 def _is_int(value: object) -> bool:
@@ -30,3 +36,18 @@ def check_ordinal(ordinal: object, count: int, who: str) -> int:
     if not 0 <= ordinal < count:  # type: ignore[operator]
         raise InvalidRequest(f"device ordinal {ordinal} out of range: {who} has {count} device(s)")
     return int(ordinal)  # type: ignore[call-overload]
+
+
+def check_microseconds(microseconds: object) -> float:
+    """A non-negative number of microseconds for ``sleep``."""
+    if isinstance(microseconds, bool) or not isinstance(microseconds, (int, float)) or microseconds < 0:
+        raise InvalidRequest(f"sleep needs a non-negative number of microseconds, got {microseconds!r}")
+    return float(microseconds)
+
+
+def check_kernel_args(kernel: Kernel, args: Sequence[object]) -> None:
+    """One argument per declared parameter of ``kernel``."""
+    if len(args) != len(kernel.params):
+        raise InvalidRequest(
+            f"kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}"
+        )

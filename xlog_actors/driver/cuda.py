@@ -81,7 +81,7 @@ from ..errors import (
     OutOfMemory,
     XlogError,
 )
-from .checks import check_nbytes, check_ordinal
+from .checks import check_kernel_args, check_microseconds, check_nbytes, check_ordinal
 from .cuda_errors import STICKY_CODES, error_for, result_name
 from .kernel import PARAM_DTYPES, Kernel
 from .protocol import Buffer
@@ -1172,8 +1172,7 @@ class CudaDriver:
             dev.fail(err, f"cuMemsetD8Async({nbytes} bytes at {ptr:#x}, stream {s._id})")
 
     def sleep(self, stream: CudaStream, microseconds: int) -> None:  # type: ignore[override]
-        if isinstance(microseconds, bool) or not isinstance(microseconds, (int, float)) or microseconds < 0:
-            raise InvalidRequest(f"sleep needs a non-negative number of microseconds, got {microseconds!r}")
+        microseconds = check_microseconds(microseconds)
         self.launch(SLEEP_KERNEL, 1, 1, (int(microseconds * 1000),), stream)
 
     def launch(
@@ -1184,10 +1183,7 @@ class CudaDriver:
         args: Sequence[object],
         stream: CudaStream,  # type: ignore[override]
     ) -> None:
-        if len(args) != len(kernel.params):
-            raise InvalidRequest(
-                f"kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}"
-            )
+        check_kernel_args(kernel, args)
         g = _dims(grid, "grid")
         b = _dims(block, "block")
         slots, pointers = _pack_args(kernel, args)

@@ -41,7 +41,7 @@ from ..errors import (
     InvalidRequest,
     OutOfMemory,
 )
-from .checks import check_nbytes, check_ordinal
+from .checks import check_kernel_args, check_microseconds, check_nbytes, check_ordinal
 from .host_memory import AddressSpace, DeviceArena, align_up
 from .host_stream import HostEvent, HostStream
 from .kernel import Kernel
@@ -461,8 +461,7 @@ class HostDriver:
         stream.enqueue(run)
 
     def sleep(self, stream: HostStream, microseconds: int) -> None:  # type: ignore[override]
-        if not isinstance(microseconds, (int, float)) or microseconds < 0:
-            raise InvalidRequest(f"sleep needs a non-negative number of microseconds, got {microseconds!r}")
+        microseconds = check_microseconds(microseconds)
         self._gate_stream(stream)
         seconds = microseconds / 1e6
         stream.enqueue(lambda: time.sleep(seconds))
@@ -475,10 +474,7 @@ class HostDriver:
         args: Sequence[object],
         stream: HostStream,  # type: ignore[override]
     ) -> None:
-        if len(args) != len(kernel.params):
-            raise InvalidRequest(
-                f"kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}"
-            )
+        check_kernel_args(kernel, args)
         dev = self._gate_stream(stream)
         mem = _HostMemory(dev.arena)
         values = tuple(args)
