@@ -128,6 +128,11 @@ class _Tally:
             if self.remaining == 0:
                 self.done.set()
 
+    def stale(self) -> None:
+        """A stage met a stale handle: its batch is produced again."""
+        with self.lock:
+            self.stale_retries += 1
+
     def fail(self, message: str) -> None:
         with self.lock:
             self.errors.append(message)
@@ -167,7 +172,7 @@ class _Producer(pykka.ThreadingActor):
                     self.driver.sleep(stream, self.cfg.producer_delay_us)
             self.copy.ask(CopyToDevice(ref, make_batch(index, self.n)))
         except GpuRefStale:
-            self.tally.stale_retries += 1
+            self.tally.stale()
             self.actor_ref.tell(_Produce(index))
             return
         except XlogError as exc:
@@ -195,7 +200,7 @@ class _Transformer(pykka.ThreadingActor):
             grid, block = launch_shape(self.n)
             self.kernels.ask(Launch(SCALE_ADD_F32, grid, block, [Out(out), In(message.ref), ALPHA, BETA, self.n]))
         except GpuRefStale:
-            self.tally.stale_retries += 1
+            self.tally.stale()
             self.producer.tell(_Produce(message.index))
             return
         except XlogError as exc:
@@ -217,7 +222,7 @@ class _Consumer(pykka.ThreadingActor):
         try:
             data = self.copy.ask(CopyToHost(message.ref))
         except GpuRefStale:
-            self.tally.stale_retries += 1
+            self.tally.stale()
             self.producer.tell(_Produce(message.index))
             return
         except XlogError as exc:
