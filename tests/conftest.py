@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
+from typing import Any
 
+import pykka
 import pytest
 
 import xlog_actors as xa
@@ -60,6 +62,22 @@ def driver(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
     drv: xa.Driver = xa.open_driver(request.param)
     yield drv
     drv.close()
+
+
+@pytest.fixture
+def stop_actors(host_driver: xa.HostDriver) -> Iterator[None]:
+    """Stops every actor after the test; depends on ``host_driver`` so that the actors stop
+    before the driver closes."""
+    yield
+    pykka.ActorRegistry.stop_all()
+
+
+@pytest.fixture
+def host_device(host_driver: xa.HostDriver) -> Iterator[pykka.ActorRef[Any]]:
+    """A ``DeviceActor`` on device 0 of ``host_driver``."""
+    ref = xa.DeviceActor.start(0, driver=host_driver)
+    yield ref
+    ref.stop()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import copy
 import gc
 import pickle
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pykka
@@ -19,19 +18,12 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.errors import STALE_REASONS
 
-
-@pytest.fixture(autouse=True)
-def stop_all(host_driver: xa.HostDriver) -> Iterator[None]:
-    # Depends on host_driver so that the actors stop before the driver closes.
-    yield
-    pykka.ActorRegistry.stop_all()
+pytestmark = pytest.mark.usefixtures("stop_actors")
 
 
 @pytest.fixture
-def device(host_driver: xa.HostDriver) -> Iterator[pykka.ActorRef[Any]]:
-    ref = xa.DeviceActor.start(0, driver=host_driver)
-    yield ref
-    ref.stop()
+def device(host_device: pykka.ActorRef[Any]) -> pykka.ActorRef[Any]:
+    return host_device
 
 
 def reason_of(ref: xa.GpuRef) -> str:

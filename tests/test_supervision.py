@@ -317,9 +317,8 @@ def test_fourth_failure_within_the_window_stops_the_device(host_driver: xa.HostD
     assert start(host_driver).ask(xa.Allocate(8)).access().nbytes == 8
 
 
-def test_crash_of_the_actors_own_code_rebuilds(host_driver: xa.HostDriver, monkeypatch: pytest.MonkeyPatch) -> None:
-    device = start(host_driver)
-    old = device.ask(xa.Allocate(64))
+def crash_next_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the next ``DeviceContext.allocate`` raise a bug of the actor's own code, once."""
     real = DeviceContext.allocate
     crashes = [1]
 
@@ -330,6 +329,12 @@ def test_crash_of_the_actors_own_code_rebuilds(host_driver: xa.HostDriver, monke
         return real(self, *args)
 
     monkeypatch.setattr(DeviceContext, "allocate", crashing)
+
+
+def test_crash_of_the_actors_own_code_rebuilds(host_driver: xa.HostDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = start(host_driver)
+    old = device.ask(xa.Allocate(64))
+    crash_next_allocation(monkeypatch)
     with pytest.raises(RuntimeError, match="a bug"):
         device.ask(xa.Allocate(64))
     s = stats(device)
@@ -356,16 +361,7 @@ def test_told_message_that_crashes_rebuilds_and_actor_lives_on(
     host_driver: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     device = start(host_driver)
-    real = DeviceContext.allocate
-    crashes = [1]
-
-    def crashing(self: DeviceContext, *args: Any) -> Any:
-        if crashes:
-            crashes.pop()
-            raise RuntimeError("a bug in the actor's code")
-        return real(self, *args)
-
-    monkeypatch.setattr(DeviceContext, "allocate", crashing)
+    crash_next_allocation(monkeypatch)
     device.tell(xa.Allocate(64))
     device.tell(xa.Free(object()))  # type: ignore[arg-type]
     device.tell(xa.Allocate(0))

@@ -4,14 +4,14 @@ runs before any state is touched."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequest
 
 if TYPE_CHECKING:
     from .kernel import Kernel
 
-__all__ = ["check_kernel_args", "check_microseconds", "check_nbytes", "check_ordinal"]
+__all__ = ["check_kernel_args", "check_microseconds", "check_nbytes", "check_ordinal", "writable_bytes"]
 
 
 def _is_int(value: object) -> bool:
@@ -51,3 +51,11 @@ def check_kernel_args(kernel: Kernel, args: Sequence[object]) -> None:
         raise InvalidRequest(
             f"kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}"
         )
+
+
+def writable_bytes(out: Any) -> memoryview:
+    """``out`` as a writable byte view: the destination of a device-to-host copy."""
+    target = memoryview(out).cast("B")
+    if target.readonly:
+        raise InvalidRequest("copy_to_host_into needs a writable buffer")
+    return target

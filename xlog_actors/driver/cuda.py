@@ -81,7 +81,13 @@ from ..errors import (
     OutOfMemory,
     XlogError,
 )
-from .checks import check_kernel_args, check_microseconds, check_nbytes, check_ordinal
+from .checks import (
+    check_kernel_args,
+    check_microseconds,
+    check_nbytes,
+    check_ordinal,
+    writable_bytes,
+)
 from .cuda_errors import STICKY_CODES, error_for, result_name
 from .kernel import PARAM_DTYPES, Kernel
 from .protocol import Buffer
@@ -1135,9 +1141,7 @@ class CudaDriver:
         return out
 
     def copy_to_host_into(self, ptr: int, out: Buffer, stream: CudaStream) -> None:  # type: ignore[override]
-        target = memoryview(out).cast("B")
-        if target.readonly:
-            raise InvalidRequest("copy_to_host_into needs a writable buffer")
+        target = writable_bytes(out)
         s = self._stream(stream)
         _check_ptr(ptr, f"device {s.ordinal}: copy to host")
         dev = s._enter()

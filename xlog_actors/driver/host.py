@@ -41,7 +41,13 @@ from ..errors import (
     InvalidRequest,
     OutOfMemory,
 )
-from .checks import check_kernel_args, check_microseconds, check_nbytes, check_ordinal
+from .checks import (
+    check_kernel_args,
+    check_microseconds,
+    check_nbytes,
+    check_ordinal,
+    writable_bytes,
+)
 from .host_memory import AddressSpace, DeviceArena, align_up
 from .host_stream import HostEvent, HostStream
 from .kernel import Kernel
@@ -422,9 +428,7 @@ class HostDriver:
         return out
 
     def copy_to_host_into(self, ptr: int, out: Buffer, stream: HostStream) -> None:  # type: ignore[override]
-        target = memoryview(out).cast("B")
-        if target.readonly:
-            raise InvalidRequest("copy_to_host_into needs a writable buffer")
+        target = writable_bytes(out)
         nbytes = len(target)
         dev = self._gate_stream(stream)
         offset = self._offset(dev, ptr, nbytes, "copy to host")
