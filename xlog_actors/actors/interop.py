@@ -1,14 +1,19 @@
 """Zero-copy export of a ``GpuRef`` to other CUDA libraries (CuPy, PyTorch, Numba): DLPack.
 
-cuda.core's ``Buffer`` builds the DLPack capsule (a 1-D byte tensor over the allocation, kept
-alive by the ``GpuRef`` as its owner). cuda.core ignores the consumer's ``stream`` argument, so
-the ordering the DLPack protocol asks of the producer is done here: the consumer's stream is
-made to wait for the handle's last write before the capsule is handed over.
+cuda.core builds the DLPack capsule: a ``Buffer`` over the allocation, kept alive by the
+``GpuRef`` as its owner, viewed through a ``StridedMemoryView`` as a 1-D ``uint8`` tensor. The
+view is needed for the dtype: a bare ``Buffer`` exports ``int8`` (PyTorch showed it on the H200),
+while ``__cuda_array_interface__`` says ``|u1``; both protocols must agree. cuda.core does not
+order the consumer's stream, so the ordering the DLPack protocol asks of the producer is done
+here: the consumer's stream is made to wait for the handle's last write before the capsule is
+handed over.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..errors import InvalidRequest
 
@@ -17,6 +22,8 @@ if TYPE_CHECKING:
     from .gpu_ref import GpuRef
 
 __all__ = ["consumer_stream_handle", "export_dlpack"]
+
+_BYTES = np.dtype(np.uint8)
 
 
 def consumer_stream_handle(stream: Any) -> int | None:
@@ -37,6 +44,7 @@ def consumer_stream_handle(stream: Any) -> int | None:
 
 def export_dlpack(ref: GpuRef, ctx: DeviceContext, stream: Any, kwargs: dict[str, Any]) -> Any:
     from cuda.core import Buffer
+    from cuda.core.utils import StridedMemoryView
 
     block = ref.access()
     consumer = consumer_stream_handle(stream)
@@ -46,4 +54,5 @@ def export_dlpack(ref: GpuRef, ctx: DeviceContext, stream: Any, kwargs: dict[str
         if producer_stream is not None and producer_stream.handle != consumer:
             ctx.driver.order_foreign_stream(consumer, producer_stream)  # type: ignore[attr-defined]
     buffer = Buffer.from_handle(block.ptr, block.nbytes, owner=ref)
-    return buffer.__dlpack__(**kwargs)
+    view = StridedMemoryView.from_buffer(buffer, (block.nbytes,), dtype=_BYTES)
+    return view.__dlpack__(**kwargs)
