@@ -1,0 +1,197 @@
+"""PyTorch and CuPy consuming a ``GpuRef``, each scenario run in a fresh process by
+``test_interop.py`` (``python interop_scenarios.py NAME [ARGS...]``; exit code 0 means it held).
+
+Why a process each: PyTorch and CuPy keep their own objects (caching allocators, loaded modules,
+cuBLAS handles) in the device's primary context, which ``Rebuild`` resets for the whole process,
+as ``cudaDeviceReset`` would. Sharing the test process with the rebuild tests leaves them with
+dangling handles, and the interpreter crashed at exit on the H200. A scenario ends by stopping
+its actors and closing its driver before the third-party library unloads, which is what a
+program that uses both should do too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pykka
+
+import xlog_actors as xa
+from xlog_actors.actors.device_context import DeviceContext
+
+SLOW_US = 200_000
+N = 1 << 20
+
+
+def _start() -> tuple[xa.CudaDriver, pykka.ActorRef[Any], pykka.ActorRef[Any]]:
+    driver = xa.CudaDriver()
+    device = xa.DeviceActor.start(0, driver)
+    return driver, device, xa.CopyActor.start(device)
+
+
+def _slow_fill(ref: xa.GpuRef, copy: pykka.ActorRef[Any], value: int) -> None:
+    """Zero ``ref`` and wait for it, then queue a fill of ``value`` behind a slow kernel on the
+    copy actor's stream: a consumer that does not wait for that stream reads zeros."""
+    copy.ask(xa.Fill(ref, 0))
+    copy.ask(xa.CopyToHost(ref, nbytes=1))  # the zero fill has landed
+    ctx = ref.context
+    stream = ctx.runtime.stream_pool.resolve(copy.proxy().stream_id.get())
+    ctx.driver.sleep(stream, SLOW_US)
+    copy.ask(xa.Fill(ref, value))
+
+
+def _warm_up(device: pykka.ActorRef[Any], copy: pykka.ActorRef[Any], consume: Callable[[xa.GpuRef], int]) -> None:
+    """Run the consumer's own path once on a scratch handle: its first use initializes the
+    library and loads (or compiles) its kernels, which takes longer than the slow kernel the
+    race below relies on."""
+    scratch = device.ask(xa.Allocate(N))
+    copy.ask(xa.Fill(scratch, 1))
+    copy.ask(xa.CopyToHost(scratch, nbytes=1))
+    assert consume(scratch) == N
+    scratch.release()
+
+
+def _untrack() -> None:
+    """What a producer that ignores the protocols' stream rules would do: no ``stream`` in the
+    CUDA Array Interface and no ordering of the DLPack consumer's stream."""
+    DeviceContext.stream_handle = lambda self, sid: None  # type: ignore[method-assign,assignment]
+    xa.CudaDriver.order_foreign_stream = lambda self, handle, after: None  # type: ignore[method-assign]
+
+
+def torch_reads_without_a_copy() -> None:
+    import torch
+
+    driver, device, copy = _start()
+    try:
+        ref = device.ask(xa.Allocate(N))
+        copy.ask(xa.CopyToDevice(ref, np.full(N, 5, np.uint8)))
+        tensor = torch.from_dlpack(ref)
+        assert tensor.data_ptr() == ref.raw_device_ptr()
+        assert tensor.device == torch.device("cuda", 0)
+        assert tensor.dtype == torch.uint8 and tensor.shape == (N,)
+        assert int(tensor.sum(dtype=torch.int64).item()) == 5 * N
+        tensor[:16] = 9  # a view, not a copy: torch's write is seen through the handle
+        torch.cuda.synchronize()
+        assert copy.ask(xa.CopyToHost(ref, nbytes=17)) == bytes([9] * 16 + [5])
+        del tensor
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+def cupy_reads_without_a_copy() -> None:
+    import cupy as cp
+
+    driver, device, copy = _start()
+    try:
+        ref = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(ref, 3))
+        for view in (cp.asarray(ref), cp.from_dlpack(ref)):
+            assert view.data.ptr == ref.raw_device_ptr()
+            assert view.dtype == cp.uint8 and view.shape == (N,)
+            assert int(view.sum(dtype=cp.int64)) == 3 * N
+        del view
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+def torch_waits_for_the_last_write(tracked: str) -> None:
+    import torch
+
+    driver, device, copy = _start()
+    try:
+        def consume(r: xa.GpuRef) -> int:
+            return int(torch.from_dlpack(r).sum(dtype=torch.int64).item())
+
+        _warm_up(device, copy, consume)
+        ref = device.ask(xa.Allocate(N))
+        if tracked != "tracked":
+            _untrack()
+        _slow_fill(ref, copy, 5)
+        total = consume(ref)
+        if tracked == "tracked":
+            assert total == 5 * N, total
+        else:
+            assert total != 5 * N, "without ordering torch read before the slow write landed"
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+def cupy_waits_for_the_last_write(tracked: str, protocol: str) -> None:
+    import cupy as cp
+
+    driver, device, copy = _start()
+    try:
+        def consume(r: xa.GpuRef) -> int:
+            view = cp.asarray(r) if protocol == "cuda_array_interface" else cp.from_dlpack(r)
+            return int(view.sum(dtype=cp.int64))
+
+        _warm_up(device, copy, consume)
+        ref = device.ask(xa.Allocate(N))
+        if tracked != "tracked":
+            _untrack()
+        _slow_fill(ref, copy, 5)
+        total = consume(ref)
+        if tracked == "tracked":
+            assert total == 5 * N, total
+        else:
+            assert total != 5 * N, "without ordering CuPy read before the slow write landed"
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+def torch_keeps_the_memory_alive() -> None:
+    """The tensor holds the GpuRef: with every other reference dropped, nothing is freed while
+    torch can still read it, and the memory goes back once the tensor goes."""
+    import gc
+
+    import torch
+
+    driver, device, copy = _start()
+    try:
+        ref = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(ref, 4))
+        tensor = torch.from_dlpack(ref)
+        del ref
+        gc.collect()
+        device.ask(xa.GetStats())  # drains dropped handles: a freed ref would go back here
+        other = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(other, 7))
+        copy.ask(xa.CopyToHost(other, nbytes=1))
+        assert other.raw_device_ptr() != tensor.data_ptr()
+        assert device.ask(xa.GetStats()).bytes_outstanding == 2 * N
+        assert int(tensor.sum(dtype=torch.int64).item()) == 4 * N
+        del tensor
+        gc.collect()
+        for _ in range(500):  # the free is stream-ordered: reaped once it completed
+            if device.ask(xa.GetStats()).bytes_outstanding == N:
+                break
+            time.sleep(0.01)
+        assert device.ask(xa.GetStats()).bytes_outstanding == N
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+SCENARIOS: dict[str, Callable[..., None]] = {
+    f.__name__: f
+    for f in (
+        torch_reads_without_a_copy,
+        cupy_reads_without_a_copy,
+        torch_waits_for_the_last_write,
+        cupy_waits_for_the_last_write,
+        torch_keeps_the_memory_alive,
+    )
+}
+
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    SCENARIOS[name](*args)
+    print(f"{name}{tuple(args)}: held")
