@@ -2,11 +2,11 @@
 ``test_interop.py`` (``python interop_scenarios.py NAME [ARGS...]``; exit code 0 means it held).
 
 Why a process each: PyTorch and CuPy keep their own objects (caching allocators, loaded modules,
-cuBLAS handles) in the device's primary context, which ``Rebuild`` resets for the whole process,
-as ``cudaDeviceReset`` would. Sharing the test process with the rebuild tests leaves them with
-dangling handles, and the interpreter crashed at exit on the H200. A scenario ends by stopping
-its actors and closing its driver before the third-party library unloads, which is what a
-program that uses both should do too.
+cuBLAS handles) in the device's primary context for the life of the process. When ``Rebuild``
+still reset that context, sharing the test process with the rebuild tests left them with
+dangling handles and the interpreter crashed at exit on the H200; a fresh process per scenario
+keeps any such fault inside the scenario that causes it, where its exit code reports it. A
+scenario ends by stopping its actors and closing its driver.
 """
 
 from __future__ import annotations
@@ -179,6 +179,62 @@ def torch_keeps_the_memory_alive() -> None:
         driver.close()
 
 
+def torch_lives_through_a_rebuild() -> None:
+    """PyTorch's own tensors, its caching allocator and cuBLAS keep working across a Rebuild of
+    the device actor: the rebuild frees only what xlog_actors made."""
+    import torch
+
+    driver, device, copy = _start()
+    try:
+        own = torch.arange(N, device="cuda", dtype=torch.float32)
+        m = torch.randn(256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        before = (m @ m).sum().item()
+        old = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(old, 1))
+        assert int(torch.from_dlpack(old).sum(dtype=torch.int64).item()) == N
+        assert device.ask(xa.Rebuild("test")) == 1
+        try:
+            old.access()
+        except xa.GpuRefStale as exc:
+            assert exc.reason == "context rebuilt"
+        else:
+            raise AssertionError("a handle of the old generation is still usable")
+        assert torch.equal(own, torch.arange(N, device="cuda", dtype=torch.float32))
+        assert (m @ m).sum().item() == before  # same cuBLAS handle, same kernels, same result
+        more = torch.ones(N, device="cuda")  # the caching allocator still works
+        fresh = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(fresh, 2))
+        assert int(torch.from_dlpack(fresh).sum(dtype=torch.int64).item()) == 2 * N
+        assert int(more.sum().item()) == N
+        torch.cuda.synchronize()
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+    assert torch.equal(own, torch.arange(N, device="cuda", dtype=torch.float32))  # and after close
+
+
+def cupy_lives_through_a_rebuild() -> None:
+    import cupy as cp
+
+    driver, device, copy = _start()
+    try:
+        own = cp.arange(N, dtype=cp.int64)
+        total = int(own.sum())  # loads CuPy's reduction kernel into the context
+        old = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(old, 1))
+        assert int(cp.asarray(old).sum(dtype=cp.int64)) == N
+        device.ask(xa.Rebuild("test"))
+        assert int(own.sum()) == total  # the same module, still loaded
+        fresh = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(fresh, 2))
+        assert int(cp.from_dlpack(fresh).sum(dtype=cp.int64)) == 2 * N
+        cp.cuda.Device(0).synchronize()
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+    assert int(own.sum()) == total
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
@@ -187,6 +243,8 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         torch_waits_for_the_last_write,
         cupy_waits_for_the_last_write,
         torch_keeps_the_memory_alive,
+        torch_lives_through_a_rebuild,
+        cupy_lives_through_a_rebuild,
     )
 }
 

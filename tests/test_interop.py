@@ -136,6 +136,16 @@ def test_a_tensor_keeps_the_memory_alive() -> None:
 
 
 @pytest.mark.gpu
+def test_torch_lives_through_a_rebuild() -> None:
+    _run_scenario("torch", "torch_lives_through_a_rebuild")
+
+
+@pytest.mark.gpu
+def test_cupy_lives_through_a_rebuild() -> None:
+    _run_scenario("cupy", "cupy_lives_through_a_rebuild")
+
+
+@pytest.mark.gpu
 def test_a_stale_handle_exports_nothing(cuda_device) -> None:  # type: ignore[no-untyped-def]
     device, _copy = cuda_device
     stale = device.ask(xa.Allocate(64))

@@ -52,8 +52,7 @@ What it is made of, and why:
 Thread rules: every method may be called from any thread. Each device has one re-entrant lock
 that guards its context's lifecycle (retain, rebuild, close), its stream registry and its loaded
 modules; the hot paths (allocation, copies, launches, event operations) take no lock: they read
-the device's context token and a stream's epoch, and a stream or event from an older context
-incarnation raises ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``) instead of reaching CUDA with a
+the device's context token and a stream's epoch, and a stream or event of an older epoch raises ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``) instead of reaching CUDA with a
 dead handle. As with CUDA itself, using a device from other threads *while* its context is being
 rebuilt is the caller's race to avoid.
 """
@@ -302,8 +301,11 @@ class _CudaDevice:
     """One ordinal of one :class:`CudaDriver`: its primary-context retain and what lives in it.
 
     Invariants: ``token is not None`` exactly while this driver holds a retain on the primary
-    context (``ctx``) and the device is usable; ``epoch`` changes whenever that context's
-    objects die (rebuild, close), so streams and events carry the epoch they were made in.
+    context (``ctx``) and the device is usable; ``epoch`` changes whenever this driver's objects
+    in that context die (rebuild, close), so streams and events carry the epoch they were made
+    in. ``incarnation`` changes only when the CUDA context itself goes (a reset from outside,
+    the last release): handles of an older epoch but the same incarnation are still valid CUDA
+    objects, which a garbage-collected event's finalizer relies on to have them destroyed.
     ``poisoned`` is the sticky code once seen; it never clears. Guarded by ``lock`` except for
     the reads the hot paths make (single attribute loads).
     """
@@ -316,12 +318,16 @@ class _CudaDevice:
         self.ctx: Any = None
         self.token: object | None = None
         self.epoch = 0
+        self.incarnation = 0
         self.closed = False
         self.poisoned: str | None = None
         self.pool: Any = None
         # Stream-ordered allocations not yet freed: the default pool is a device object that a
         # primary-context reset does not empty, so a rebuild frees these itself.
         self.pool_live: set[int] = set()
+        # cuMemAlloc allocations not yet freed: a rebuild frees them itself, as it does not reset
+        # the primary context (other libraries of the process live in it).
+        self.direct_live: set[int] = set()
         self.streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self.modules: list[Any] = []
         self.functions: dict[Kernel, Any] = {}
@@ -330,7 +336,7 @@ class _CudaDevice:
         self.orphan_lock = threading.Lock()
         # Handles of streams and events that were garbage-collected: finalizers never call
         # CUDA (they may run on any thread, inside any lock); the next create_* destroys them.
-        self.graveyard: deque[tuple[int, Any, Any]] = deque()
+        self.graveyard: deque[tuple[int, int, Any, Any]] = deque()
         major = self._attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
         minor = self._attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
         self.arch = f"sm_{major}{minor}"
@@ -414,19 +420,24 @@ class _CudaDevice:
                 self.fail(err, "cuDevicePrimaryCtxRetain")
             self.ctx = ctx
             try:
-                (err,) = cu.cuCtxSetCurrent(ctx)
-                if err != _SUCCESS:
-                    self.fail(err, "cuCtxSetCurrent")
-                self.pool = self._setup_pool()
+                return self._activate()
             except BaseException:
                 cu.cuDevicePrimaryCtxRelease(self.cudev)
                 self.ctx = None
                 _tls.token = None
                 raise
-            token = object()
-            self.token = token
-            _tls.token = token
-            return token
+
+    def _activate(self) -> object:
+        """Under ``lock``, ``ctx`` retained: make it current here, set its pool up, and issue the
+        token of a new epoch's objects."""
+        (err,) = cu.cuCtxSetCurrent(self.ctx)
+        if err != _SUCCESS:
+            self.fail(err, "cuCtxSetCurrent")
+        self.pool = self._setup_pool()
+        token = object()
+        self.token = token
+        _tls.token = token
+        return token
 
     def _setup_pool(self) -> Any:
         if not self._attribute("CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED"):
@@ -469,16 +480,21 @@ class _CudaDevice:
             return fn
 
     def bury(self) -> None:
-        """Destroy the handles finalizers left in ``graveyard`` (those of the current context;
-        older ones died with theirs). Called on ordinary call paths, never from a finalizer."""
+        """Destroy the handles finalizers left in ``graveyard``: events of the current context
+        incarnation (a rebuild keeps the context, so older epochs' events are still valid
+        handles), streams of the current epoch (a rebuild destroyed the others itself). Handles
+        of an older incarnation died with it. Called on ordinary call paths, never from a
+        finalizer."""
         with self.lock:
             graveyard = self.graveyard
             while graveyard:
-                epoch, handle, stream_state = graveyard.popleft()
-                if epoch != self.epoch or self.token is None:
+                incarnation, epoch, handle, stream_state = graveyard.popleft()
+                if incarnation != self.incarnation or self.ctx is None:
                     continue
                 if stream_state is None:
                     cu.cuEventDestroy(handle)
+                    continue
+                if epoch != self.epoch:
                     continue
                 keep, spare = stream_state
                 if keep:
@@ -504,15 +520,14 @@ class _CudaDevice:
                 orphans.clear()
 
     def _teardown(self, reason: str) -> list[CudaStream]:
-        """Under ``lock``: invalidate every object of the current context (epoch bump) and
-        forget its per-context state. Returns the streams that were live."""
+        """Under ``lock``: invalidate every object this driver made in the context (epoch bump)
+        and forget its per-context state. Returns the streams that were live."""
         self.epoch += 1
         self.token = None
         streams = list(self.streams)
         self.streams = weakref.WeakSet()
         self.functions = {}
         self.pool = None
-        self.graveyard.clear()  # their handles die with the context
         for stream in streams:
             stream._invalidate(reason)
         return streams
@@ -550,6 +565,36 @@ class _CudaDevice:
         with contextlib.suppress(Exception):
             cu.cuCtxSynchronize()
 
+    def _free_direct_leftovers(self) -> None:
+        """Free the ``cuMemAlloc`` allocations still live (the context is kept, so nothing else
+        would). Best effort, like :meth:`_free_pool_leftovers`."""
+        live, self.direct_live = self.direct_live, set()
+        for ptr in live:
+            with contextlib.suppress(Exception):
+                cu.cuMemFree(ptr)
+
+    def _release_everything(self, reason: str) -> None:
+        """Under ``lock``, the context usable: wait for its work, then free and destroy
+        everything this driver made in it (allocations, streams and their events, modules,
+        garbage-collected handles) and invalidate the wrappers with ``reason``. What other
+        users of the primary context made stays untouched. Best effort past the synchronize,
+        which raises ``ContextPoisoned`` on a sticky error (after the invalidation)."""
+        try:
+            self._sync_quietly()
+            self.bury()
+            self._free_pool_leftovers()
+            self._free_direct_leftovers()
+            self._trim_pool()  # the pool keeps freed memory cached: give it back
+        finally:
+            streams = self._teardown(reason)
+        with contextlib.suppress(Exception):  # best effort
+            for stream in streams:
+                stream._destroy_handles()
+            for module in self.modules:
+                cu.cuModuleUnload(module)
+            self.drop_orphans(destroy=True)
+        self.modules = []
+
     def _sync_quietly(self) -> None:
         """Synchronize the context, ignoring non-sticky failures (a lost context has nothing to
         wait for); a sticky one poisons the device and raises."""
@@ -566,45 +611,38 @@ class _CudaDevice:
                 raise DriverError("the CUDA driver is closed", code="CUDA_ERROR_DEINITIALIZED")
             if self.poisoned is not None:
                 raise self.poisoned_error()
-            had_context = self.ctx is not None
-            reset_outside = had_context and not self.primary_active()
-            if reset_outside:
+            if self.ctx is not None and not self.primary_active():
                 # Foreign code reset the primary context: every handle of ours dangles, and
                 # CUDA may crash on one rather than report it (seen on an H200). Touch none of
                 # them: forget them, give our retain back, and retain a fresh context below.
-                self._teardown("context reset from outside")
-                self.modules = []
-                self.drop_orphans(destroy=False)
-                cu.cuDevicePrimaryCtxRelease(self.cudev)
-                self.ctx = None
-            elif had_context:
-                try:
-                    self._sync_quietly()
-                    self._free_pool_leftovers()
-                    self._trim_pool()  # the pool keeps freed memory cached: give it back
-                finally:
-                    streams = self._teardown("context rebuilt")
-                    for stream in streams:
-                        stream._destroy_handles()
-                    self.modules = []  # the reset unloads them
-                (err,) = cu.cuDevicePrimaryCtxReset(self.cudev)
-                if err != _SUCCESS and result_name(err) in STICKY_CODES:
-                    self.fail(err, "cuDevicePrimaryCtxReset")
-                # "Resetting the primary context does not release it": give our retain back,
-                # then retain a fresh context below. The count stays balanced at one.
-                cu.cuDevicePrimaryCtxRelease(self.cudev)
-                self.ctx = None
-                if err != _SUCCESS:
-                    self.fail(err, "cuDevicePrimaryCtxReset")
-            self.drop_orphans(destroy=False)
-            _tls.token = None
-            self.retain()
-            if reset_outside:
+                self._forget_context("context reset from outside")
+                self.retain()
                 # The pool is a device object: its blocks outlived the foreign reset. Free them
                 # from the new context (best effort).
                 self.set_current()
                 self._free_pool_leftovers()
-            self._trim_pool()  # the blocks the reset freed went back to the (device-wide) pool
+                self._trim_pool()
+                return
+            if self.ctx is None:
+                self.retain()
+                return
+            # No primary-context reset: the context is the whole process's (PyTorch, CuPy and
+            # any other library keep their objects in it), so only what this driver made goes.
+            self._release_everything("context rebuilt")
+            self._activate()
+
+    def _forget_context(self, reason: str) -> None:
+        """Under ``lock``, after the primary context went without us (a reset from outside):
+        drop every handle of it unused, and our retain."""
+        self._teardown(reason)
+        self.incarnation += 1
+        self.modules = []
+        self.graveyard.clear()
+        self.direct_live = set()  # the reset freed cuMemAlloc memory; pool blocks outlive it
+        self.drop_orphans(destroy=False)
+        cu.cuDevicePrimaryCtxRelease(self.cudev)
+        self.ctx = None
+        _tls.token = None
 
     def close(self) -> None:
         """Wait for the context's work, destroy this driver's streams and modules, release the
@@ -615,26 +653,18 @@ class _CudaDevice:
             self.closed = True
             if self.ctx is None:
                 return
-            # After a reset from outside every handle dangles: touch none of them.
-            usable = self.poisoned is None and self.primary_active()
-            with contextlib.suppress(Exception):  # best effort
-                if usable:
-                    self.bury()
-                    self._sync_quietly()
-                    self._free_pool_leftovers()
-                    self._trim_pool()
-            streams = self._teardown("driver closed")
-            with contextlib.suppress(Exception):  # best effort
-                if usable:
-                    for stream in streams:
-                        stream._destroy_handles()
-                    for module in self.modules:
-                        cu.cuModuleUnload(module)
-                    self.drop_orphans(destroy=True)
-            self.modules = []
+            if self.poisoned is None and self.primary_active():
+                with contextlib.suppress(Exception):  # best effort
+                    self._release_everything("driver closed")
+            else:
+                # Poisoned, or reset from outside (every handle dangles): touch none of them.
+                self._teardown("driver closed")
+                self.modules = []
+            self.graveyard.clear()
             self.drop_orphans(destroy=False)
             with contextlib.suppress(Exception):  # best effort
                 cu.cuDevicePrimaryCtxRelease(self.cudev)
+            self.incarnation += 1  # perhaps the last release: the context may be gone
             self.ctx = None
             _tls.token = None
 
@@ -650,12 +680,13 @@ class CudaEvent:
     ``create_stream``/``create_event``/``record_event`` (finalizers never call CUDA).
     """
 
-    __slots__ = ("__weakref__", "_cu", "_dev", "_epoch")
+    __slots__ = ("__weakref__", "_cu", "_dev", "_epoch", "_incarnation")
 
     def __init__(self, dev: _CudaDevice, event: Any, epoch: int) -> None:
         self._dev = dev
         self._cu = event
         self._epoch = epoch
+        self._incarnation = dev.incarnation
 
     @property
     def ordinal(self) -> int:
@@ -706,11 +737,12 @@ class CudaEvent:
 
     def __del__(self) -> None:
         # No CUDA call here (any thread, perhaps inside one of our locks): the device destroys
-        # the handle on its next create_* call, if its context is still the one that made it.
+        # the handle on its next create_* call, if the context that made it still exists (a
+        # rebuild keeps it: the handle of an event of an older epoch is still valid).
         with contextlib.suppress(Exception):  # finalizers must not raise (interpreter exit)
             dev = self._dev
-            if self._epoch == dev.epoch:
-                dev.graveyard.append((self._epoch, self._cu, None))
+            if self._incarnation == dev.incarnation:
+                dev.graveyard.append((self._incarnation, self._epoch, self._cu, None))
 
 
 class CudaStream:
@@ -874,7 +906,7 @@ class CudaStream:
             dev = self._dev
             if self._closed is None and self._epoch == dev.epoch:
                 state = (list(self._keep), list(self._spare))
-                dev.graveyard.append((self._epoch, self._cu, state))
+                dev.graveyard.append((dev.incarnation, self._epoch, self._cu, state))
 
     # -- driver side ------------------------------------------------------------------------
     def _keep_until_done(self, obj: object) -> None:
@@ -1079,7 +1111,9 @@ class CudaDriver:
         err, ptr = cu.cuMemAlloc(nbytes)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemAlloc({nbytes} bytes)", nbytes)
-        return int(ptr)
+        ptr = int(ptr)
+        dev.direct_live.add(ptr)
+        return ptr
 
     def free(self, ordinal: int, ptr: int) -> None:
         dev = self._device(ordinal)
@@ -1088,6 +1122,7 @@ class CudaDriver:
         (err,) = cu.cuMemFree(ptr)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemFree({ptr:#x})")
+        dev.direct_live.discard(ptr)
 
     # -- stream-ordered allocation ----------------------------------------------------------
     def alloc_async(self, nbytes: int, stream: CudaStream) -> int:  # type: ignore[override]
@@ -1233,14 +1268,16 @@ class CudaDriver:
             raise error_for(err, f"device {dev.ordinal}: cuStreamWaitEvent(foreign stream {int(handle):#x})")
 
     def rebuild_context(self, ordinal: int) -> None:
-        """Synchronize what can be, destroy this driver's streams (and with the context every
-        event, module and allocation of it), ``cuDevicePrimaryCtxReset``, retain a fresh primary
-        context and set its pool up again. Old streams and events raise ``DriverError``
-        (``CUDA_ERROR_INVALID_HANDLE``) from then on. ``ContextPoisoned`` when a sticky error
-        was seen (or surfaces while synchronizing): CUDA cannot recover in-process.
+        """Synchronize what can be, then free and destroy everything this driver made in the
+        context (allocations, pool blocks, streams, events, modules), give the pool's free memory
+        back, and start a new epoch in the same primary context. Old streams and events raise
+        ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``) from then on. ``ContextPoisoned`` when a
+        sticky error was seen (or surfaces while synchronizing): CUDA cannot recover in-process.
 
-        The primary context is shared by the whole process: other users of it (other drivers,
-        CuPy, PyTorch) lose their objects too, exactly as with ``cudaDeviceReset``."""
+        The primary context is not reset: it is the whole process's, and other users of it
+        (PyTorch, CuPy, other drivers) keep their objects and go on working. After a reset from
+        outside (the context already went, and our handles with it), nothing old is touched and
+        a fresh primary context is retained."""
         self._device(ordinal).rebuild()
 
     def close(self) -> None:
