@@ -308,7 +308,8 @@ class DeviceActor(pykka.ThreadingActor):
         generation = self._state.bump_generation()  # every older handle is stale from here on
         self._cell.status = "broken"
         if old is not None:
-            # No frees: the context reset below takes all of its memory.
+            # No frees block by block: the driver's rebuild below frees everything it allocated
+            # in the context at once (and after a reset from outside there is nothing to free).
             for error in old.close(free_blocks=False):
                 logger.debug("device %d: closing generation %d: %r", self._ordinal, old.generation, error)
         self._driver.rebuild_context(self._ordinal)

@@ -322,11 +322,10 @@ class _CudaDevice:
         self.closed = False
         self.poisoned: str | None = None
         self.pool: Any = None
-        # Stream-ordered allocations not yet freed: the default pool is a device object that a
-        # primary-context reset does not empty, so a rebuild frees these itself.
+        # Allocations not yet freed, which a rebuild or close frees itself: it keeps the primary
+        # context (other libraries of the process live in it), and even a primary-context reset
+        # from outside leaves the default pool's blocks taken (the pool is a device object).
         self.pool_live: set[int] = set()
-        # cuMemAlloc allocations not yet freed: a rebuild frees them itself, as it does not reset
-        # the primary context (other libraries of the process live in it).
         self.direct_live: set[int] = set()
         self.streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self.modules: list[Any] = []
@@ -534,9 +533,9 @@ class _CudaDevice:
 
     def _trim_pool(self) -> None:
         """Give the pool's unused memory back to the device. The release threshold keeps freed
-        memory cached, and the default pool is a device object that outlives a primary-context
-        reset: without a trim, memory of a dead context stays reserved (seen on an H200: a
-        rebuild left 1 GiB of freed pool memory taken). Best effort."""
+        memory cached, and the default pool is a device object that outlives every context:
+        without a trim, the memory a rebuild freed stays reserved (seen on an H200: 1 GiB of
+        freed pool memory stayed taken). Best effort."""
         pool = self.pool
         if pool is not None:
             with contextlib.suppress(Exception):
@@ -550,11 +549,11 @@ class _CudaDevice:
         return err != _SUCCESS or bool(active)
 
     def _free_pool_leftovers(self) -> None:
-        """Free the stream-ordered allocations still live when the context goes. A primary-context
-        reset frees ``cuMemAlloc`` memory but not the default pool's blocks (seen on an H200: a
-        1 GiB ``cuMemAllocFromPoolAsync`` block stayed taken after the reset, trim or not), so a
-        rebuild would leak every async block its resource still held. Best effort: in a lost
-        context the frees may fail, and then there is nothing more to do."""
+        """Free the stream-ordered allocations still live at a rebuild or close. Even a
+        primary-context reset frees ``cuMemAlloc`` memory but not the default pool's blocks
+        (seen on an H200: a 1 GiB ``cuMemAllocFromPoolAsync`` block stayed taken after the
+        reset, trim or not). Best effort: in a lost context the frees may fail, and then there
+        is nothing more to do."""
         live, self.pool_live = self.pool_live, set()
         if not live:
             return
