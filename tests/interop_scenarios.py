@@ -23,6 +23,9 @@ import xlog_actors as xa
 from xlog_actors.actors.device_context import DeviceContext
 
 SLOW_US = 200_000
+#: GPU clock cycles of ``torch.cuda._sleep``: about 200 ms at an H200's 1.98 GHz. It only has
+#: to outlast a CopyActor round trip.
+SLOW_CYCLES = 400_000_000
 N = 1 << 20
 
 
@@ -235,6 +238,41 @@ def cupy_lives_through_a_rebuild() -> None:
     assert int(own.sum()) == total
 
 
+def actors_wait_for_a_torch_write(tracked: str, which: str) -> None:
+    """PyTorch writes the memory behind a slow kernel on its own stream (a side stream, or its
+    default stream, handle 0); a CopyActor then reads it on another stream at once. Correct when
+    the write was declared with ``record_foreign_write``, stale when it was not."""
+    import torch
+
+    driver, device, copy = _start()
+    try:
+        ref = device.ask(xa.Allocate(N))
+        copy.ask(xa.Fill(ref, 0))
+        copy.ask(xa.CopyToHost(ref, nbytes=1))  # the zero fill has landed
+        tensor = torch.from_dlpack(ref)
+        stream = torch.cuda.Stream() if which == "side" else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1000)  # warm-up: load torch's kernels before the race
+            tensor.fill_(1)
+        stream.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLOW_CYCLES)
+            tensor.fill_(6)
+        if tracked == "tracked":
+            ref.record_foreign_write(stream)
+        got = copy.ask(xa.CopyToHost(ref))
+        torch.cuda.synchronize()
+        if tracked == "tracked":
+            assert got == bytes([6]) * N, sorted(set(got))
+            assert ref.last_write_stream == xa.StreamId.DEFAULT
+        else:
+            assert got != bytes([6]) * N, "without the declaration the copy read before torch's write"
+        del tensor
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
@@ -245,6 +283,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         torch_keeps_the_memory_alive,
         torch_lives_through_a_rebuild,
         cupy_lives_through_a_rebuild,
+        actors_wait_for_a_torch_write,
     )
 }
 

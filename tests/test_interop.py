@@ -15,7 +15,7 @@ import pytest
 from conftest import needs_concurrent_streams
 
 import xlog_actors as xa
-from xlog_actors.actors.interop import consumer_stream_handle
+from xlog_actors.actors.interop import consumer_stream_handle, foreign_stream_handle
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = Path(__file__).resolve().parent / "interop_scenarios.py"
@@ -133,6 +133,67 @@ def test_cupy_waits_for_the_last_write(tracked: str, protocol: str) -> None:
 @pytest.mark.gpu
 def test_a_tensor_keeps_the_memory_alive() -> None:
     _run_scenario("torch", "torch_keeps_the_memory_alive")
+
+
+@pytest.mark.gpu
+@TRACKED
+@pytest.mark.parametrize("which", ["side", "default"])
+def test_library_actors_wait_for_a_declared_torch_write(tracked: str, which: str) -> None:
+    """``record_foreign_write``: PyTorch writes behind a slow kernel on its own stream, a
+    CopyActor reads at once on another: correct when declared, stale when not."""
+    _run_scenario("torch", "actors_wait_for_a_torch_write", tracked, which)
+
+
+def test_foreign_stream_handle_rules() -> None:
+    class CoreLike:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, 0x1234)
+
+    class TorchLike:
+        cuda_stream = 0x5678
+
+    class CupyLike:
+        ptr = 0x9ABC
+
+    assert foreign_stream_handle(CoreLike()) == 0x1234
+    assert foreign_stream_handle(TorchLike()) == 0x5678
+    assert foreign_stream_handle(CupyLike()) == 0x9ABC
+    assert foreign_stream_handle(0) == 0  # the legacy default stream, as PyTorch's default names it
+    assert foreign_stream_handle(0xDEAD) == 0xDEAD
+    for bad in (-1, True, "0x10", None, 1.0):
+        with pytest.raises(xa.InvalidRequest, match="expected a CUDA stream"):
+            foreign_stream_handle(bad)
+
+
+def test_record_foreign_write_is_only_offered_on_cuda() -> None:
+    driver = xa.HostDriver(memory_per_device=16 << 20)
+    try:
+        device = xa.DeviceActor.start(0, driver)
+        ref = device.ask(xa.Allocate(64))
+        with pytest.raises(AttributeError, match="only offered on the CUDA driver"):
+            ref.record_foreign_write(0)
+        assert ref.last_write_stream is None  # nothing recorded
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+@pytest.mark.gpu
+def test_record_foreign_write_refuses_bad_input_and_changes_nothing(cuda_device) -> None:  # type: ignore[no-untyped-def]
+    device, copy = cuda_device
+    ref = device.ask(xa.Allocate(64))
+    copy.ask(xa.Fill(ref, 1))
+    before = ref.last_write_stream
+    with pytest.raises(xa.InvalidRequest):
+        ref.record_foreign_write("not a stream")
+    assert ref.last_write_stream == before
+    stale = device.ask(xa.Allocate(64))
+    stale.release()
+    with pytest.raises(xa.GpuRefStale, match="released"):
+        stale.record_foreign_write(0)
+    ref.record_foreign_write(0)  # a real one: the legacy default stream
+    assert ref.last_write_stream == xa.StreamId.DEFAULT
+    assert copy.ask(xa.CopyToHost(ref, nbytes=4)) == b"\x01" * 4
 
 
 @pytest.mark.gpu

@@ -255,6 +255,12 @@ class DeviceContext:
 
         return export_dlpack(ref, self, stream, kwargs)
 
+    def record_foreign_write(self, ref: GpuRef, stream: Any) -> None:
+        self._require_cuda("record_foreign_write")
+        from .interop import import_foreign_write
+
+        import_foreign_write(ref, self, stream)
+
     def dlpack_device(self, ref: GpuRef) -> tuple[int, int]:
         self._require_cuda("__dlpack_device__")
         return (2, self.ordinal)  # kDLCUDA

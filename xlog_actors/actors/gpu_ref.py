@@ -195,6 +195,16 @@ class GpuRef:
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._context.dlpack_device(self)
 
+    def record_foreign_write(self, stream: Any) -> None:
+        """Declare that another library (PyTorch, CuPy, ...) wrote this memory on its own CUDA
+        ``stream``: a raw handle, or an object with ``__cuda_stream__``, ``.cuda_stream`` or
+        ``.ptr``. Every later consumer (library actors, other libraries through the export
+        protocols) then waits for that write, and ``last_write_stream`` names the device's
+        default stream, which waits for it. Call it after enqueuing the write, from any thread.
+        Only on the CUDA driver (``AttributeError`` elsewhere); a stale handle raises
+        ``GpuRefStale``, a stream that is none ``InvalidRequest``."""
+        self._context.record_foreign_write(self, stream)
+
     def __repr__(self) -> str:
         b = self._block
         return (

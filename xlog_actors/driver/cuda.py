@@ -1266,6 +1266,31 @@ class CudaDriver:
             # context.
             raise error_for(err, f"device {dev.ordinal}: cuStreamWaitEvent(foreign stream {int(handle):#x})")
 
+    def wait_foreign_stream(self, stream: CudaStream, handle: int) -> None:
+        """Make ``stream`` wait for everything queued so far on a stream this driver does not own
+        (``handle``: a raw ``CUstream``; 0 or 1 the legacy default stream, 2 the per-thread
+        default stream). The reverse of :meth:`order_foreign_stream`: what a consumer owes work
+        another library wrote on its own stream."""
+        s = self._stream(stream)
+        dev = s._enter()
+        if dev.graveyard:
+            dev.bury()
+        err, event = cu.cuEventCreate(_EVENT_FLAGS)
+        if err != _SUCCESS:
+            dev.fail(err, "cuEventCreate")
+        try:
+            (err,) = cu.cuEventRecord(event, cu.CUstream(int(handle)))
+            if err != _SUCCESS:
+                # Not dev.fail: the foreign handle is not ours (see order_foreign_stream).
+                raise error_for(err, f"device {dev.ordinal}: cuEventRecord(foreign stream {int(handle):#x})")
+            (err,) = cu.cuStreamWaitEvent(s._cu, event, 0)
+            if err != _SUCCESS:
+                dev.fail(err, f"cuStreamWaitEvent(stream {s._id})")
+        finally:
+            # The wait captured the event's state when it was enqueued; CUDA frees the event once
+            # the recorded work is done.
+            cu.cuEventDestroy(event)
+
     def rebuild_context(self, ordinal: int) -> None:
         """Synchronize what can be, then free and destroy everything this driver made in the
         context (allocations, pool blocks, streams, events, modules), give the pool's free memory
