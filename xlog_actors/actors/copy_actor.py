@@ -57,9 +57,7 @@ class CopyActor(LibraryActor):
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             out.append(driver.copy_to_host(blocks[0].ptr, nbytes, stream))
 
-        self._run([(msg.ref, Access.READ)], enqueue)
-        assert self._stream is not None
-        self._stream.synchronize()
+        self._run([(msg.ref, Access.READ)], enqueue, wait=True)
         return bytes(out[0])
 
     def _device_to_device(self, msg: CopyDeviceToDevice) -> None:

@@ -129,9 +129,13 @@ class LibraryActor(pykka.ThreadingActor):
         self,
         uses: Sequence[tuple[GpuRef, Access]],
         enqueue: Callable[[Driver, Stream, list[DeviceBlock]], None],
+        *,
+        wait: bool = False,
     ) -> None:
         """Validate every handle, queue the waits the work needs, enqueue it, record what it did.
-        ``enqueue`` gets the blocks in the order of ``uses``."""
+        ``enqueue`` gets the blocks in the order of ``uses``. ``wait``: also wait for the work to
+        finish (a copy to the host must hand over its bytes), inside the same guard, so a rebuild
+        that retires the stream meanwhile reads as a stale handle too."""
         refs = [ref for ref, _ in uses]
         self._check_refs(*refs)
         ctx = self._context_for(refs)
@@ -152,8 +156,8 @@ class LibraryActor(pykka.ThreadingActor):
             if self._tracking:
                 for block_id, access in merged:
                     runtime.finish_block_use(block_id, sid, access)
-            elif self._track:
-                stream.synchronize()  # an untracked stack: finish the work before anyone sees it
+            if wait or (self._track and not self._tracking):
+                stream.synchronize()  # asked for, or an untracked stack: finish before anyone sees it
         except XlogError as exc:
             # A rebuild that ran on the device actor's thread between the validation above and
             # this work took the context (its streams, its blocks) away: that is a stale handle,

@@ -479,21 +479,18 @@ class _CudaDevice:
             return fn
 
     def bury(self) -> None:
-        """Destroy the handles finalizers left in ``graveyard``: events of the current context
-        incarnation (a rebuild keeps the context, so older epochs' events are still valid
-        handles), streams of the current epoch (a rebuild destroyed the others itself). Handles
-        of an older incarnation died with it. Called on ordinary call paths, never from a
-        finalizer."""
+        """Destroy the handles finalizers left in ``graveyard``: those of the current context
+        incarnation (a rebuild keeps the context, so handles of older epochs are still valid;
+        a stream's finalizer enqueues it only when nothing else retired it). Handles of an older
+        incarnation died with it. Called on ordinary call paths, never from a finalizer."""
         with self.lock:
             graveyard = self.graveyard
             while graveyard:
-                incarnation, epoch, handle, stream_state = graveyard.popleft()
+                incarnation, _epoch, handle, stream_state = graveyard.popleft()
                 if incarnation != self.incarnation or self.ctx is None:
                     continue
                 if stream_state is None:
                     cu.cuEventDestroy(handle)
-                    continue
-                if epoch != self.epoch:
                     continue
                 keep, spare = stream_state
                 if keep:
@@ -520,23 +517,26 @@ class _CudaDevice:
 
     def _teardown(self, reason: str) -> list[CudaStream]:
         """Under ``lock``: invalidate every object this driver made in the context (epoch bump)
-        and forget its per-context state. Returns the streams that were live."""
+        and forget its per-context state. Returns the streams this call retired (their handles
+        are the caller's to destroy, or to forget with a dead context).
+
+        The streams are retired before the epoch and token change: a thread inside a stream's
+        gate may still need the token (``enter``), and the gate is what this waits for."""
+        streams = list(self.streams)
+        retired = [stream for stream in streams if stream._invalidate(reason)]
         self.epoch += 1
         self.token = None
-        streams = list(self.streams)
         self.streams = weakref.WeakSet()
         self.functions = {}
         self.pool = None
-        for stream in streams:
-            stream._invalidate(reason)
-        return streams
+        return retired
 
-    def _trim_pool(self) -> None:
+    def _trim_pool(self, pool: Any = None) -> None:
         """Give the pool's unused memory back to the device. The release threshold keeps freed
         memory cached, and the default pool is a device object that outlives every context:
         without a trim, the memory a rebuild freed stays reserved (seen on an H200: 1 GiB of
         freed pool memory stayed taken). Best effort."""
-        pool = self.pool
+        pool = pool if pool is not None else self.pool
         if pool is not None:
             with contextlib.suppress(Exception):
                 cu.cuMemPoolTrimTo(pool, 0)
@@ -573,26 +573,29 @@ class _CudaDevice:
                 cu.cuMemFree(ptr)
 
     def _release_everything(self, reason: str) -> None:
-        """Under ``lock``, the context usable: wait for its work, then free and destroy
-        everything this driver made in it (allocations, streams and their events, modules,
-        garbage-collected handles) and invalidate the wrappers with ``reason``. What other
-        users of the primary context made stays untouched. Best effort past the synchronize,
-        which raises ``ContextPoisoned`` on a sticky error (after the invalidation)."""
+        """Under ``lock``, the context usable: free and destroy everything this driver made in it
+        (allocations, streams and their events, modules, garbage-collected handles) and
+        invalidate the wrappers with ``reason``. What other users of the primary context made
+        stays untouched. Order matters: the streams are retired first (each waits for an
+        enqueue in flight on it, and refuses any later one), then the context's work is waited
+        for, and only then is memory freed, so no work of ours can run on freed memory. Best
+        effort past the synchronize, which raises ``ContextPoisoned`` on a sticky error."""
+        self.bury()
+        pool = self.pool
+        streams = self._teardown(reason)
         try:
             self._sync_quietly()
-            self.bury()
             self._free_pool_leftovers()
             self._free_direct_leftovers()
-            self._trim_pool()  # the pool keeps freed memory cached: give it back
+            self._trim_pool(pool)  # the pool keeps freed memory cached: give it back
         finally:
-            streams = self._teardown(reason)
-        with contextlib.suppress(Exception):  # best effort
-            for stream in streams:
-                stream._destroy_handles()
-            for module in self.modules:
-                cu.cuModuleUnload(module)
-            self.drop_orphans(destroy=True)
-        self.modules = []
+            with contextlib.suppress(Exception):  # best effort
+                for stream in streams:
+                    stream._destroy_handles()
+                for module in self.modules:
+                    cu.cuModuleUnload(module)
+                self.drop_orphans(destroy=True)
+            self.modules = []
 
     def _sync_quietly(self) -> None:
         """Synchronize the context, ignoring non-sticky failures (a lost context has nothing to
@@ -760,6 +763,7 @@ class CudaStream:
         "_cu",
         "_dev",
         "_epoch",
+        "_gate",
         "_handle",
         "_id",
         "_keep",
@@ -773,7 +777,12 @@ class CudaStream:
         self._handle = int(stream)
         self._id = next(_stream_ids)
         self._epoch = epoch
-        self._closed: str | None = None  # why, once closed or invalidated
+        self._closed: str | None = None  # why, once closed, invalidated or collected
+        # Held across "is this stream live?" and the CUDA call that uses its handle, and by
+        # whoever retires the stream (a rebuild, close): so no thread can slip work onto a
+        # stream, or onto memory, that a rebuild is about to free. Taken before ``_lock``,
+        # never while waiting for the device lock.
+        self._gate = threading.Lock()
         self._lock = threading.Lock()
         self._keep: deque[tuple[Any, object]] = deque()
         self._spare: list[Any] = []
@@ -820,8 +829,9 @@ class CudaStream:
         return dev
 
     def synchronize(self) -> None:
-        dev = self._enter()
-        (err,) = cu.cuStreamSynchronize(self._cu)
+        with self._gate:
+            dev = self._enter()
+            (err,) = cu.cuStreamSynchronize(self._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuStreamSynchronize(stream {self._id})")
         if self._keep:
@@ -829,8 +839,9 @@ class CudaStream:
                 self._prune_locked()
 
     def query(self) -> bool:
-        dev = self._enter()
-        (err,) = cu.cuStreamQuery(self._cu)
+        with self._gate:
+            dev = self._enter()
+            (err,) = cu.cuStreamQuery(self._cu)
         if err == _SUCCESS:
             return True
         if err == _NOT_READY:
@@ -840,12 +851,14 @@ class CudaStream:
     def record_event(self) -> CudaEvent:
         dev = self._enter()
         if dev.graveyard:
-            dev.bury()
-        err, event = cu.cuEventCreate(_EVENT_FLAGS)
-        if err != _SUCCESS:
-            dev.fail(err, "cuEventCreate")
-        wrapped = CudaEvent(dev, event, self._epoch)
-        (err,) = cu.cuEventRecord(event, self._cu)
+            dev.bury()  # outside the gate: it takes the device lock
+        with self._gate:
+            dev = self._enter()
+            err, event = cu.cuEventCreate(_EVENT_FLAGS)
+            if err != _SUCCESS:
+                dev.fail(err, "cuEventCreate")
+            wrapped = CudaEvent(dev, event, self._epoch)
+            (err,) = cu.cuEventRecord(event, self._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
         return wrapped
@@ -855,24 +868,26 @@ class CudaStream:
             raise InvalidRequest(
                 f"{self!r} can only record an event of its own device and driver, got {event!r}"
             )
-        dev = self._enter()
-        event._enter()
-        (err,) = cu.cuEventRecord(event._cu, self._cu)
+        with self._gate:
+            dev = self._enter()
+            event._enter()
+            (err,) = cu.cuEventRecord(event._cu, self._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
 
     def wait(self, event: CudaEvent) -> None:  # type: ignore[override]
         if type(event) is not CudaEvent:
             raise InvalidRequest(f"{self!r} can only wait on a CudaEvent, got {event!r}")
-        dev = self._enter()
-        if event._epoch != event._dev.epoch:
-            event._enter()  # raises: the event's context is gone
-        (err,) = cu.cuStreamWaitEvent(self._cu, event._cu, 0)
+        with self._gate:
+            dev = self._enter()
+            if event._epoch != event._dev.epoch:
+                event._enter()  # raises: the event's context is gone
+            (err,) = cu.cuStreamWaitEvent(self._cu, event._cu, 0)
         if err != _SUCCESS:
             dev.fail(err, f"cuStreamWaitEvent(stream {self._id})")
 
     def close(self) -> None:
-        with self._lock:
+        with self._gate, self._lock:
             if self._closed is not None:
                 return
             self._closed = "closed"
@@ -901,11 +916,20 @@ class CudaStream:
 
     def __del__(self) -> None:
         # Like CudaEvent.__del__: hand the handles to the device instead of calling CUDA here.
+        # Whoever flips ``_closed`` first (this, close, a rebuild's invalidation) owns the
+        # handles' destruction: so a handle is never destroyed twice.
         with contextlib.suppress(Exception):  # finalizers must not raise
+            if not self._lock.acquire(blocking=False):
+                return  # someone is retiring it right now and will destroy it
+            try:
+                if self._closed is not None:
+                    return
+                self._closed = "collected"
+            finally:
+                self._lock.release()
             dev = self._dev
-            if self._closed is None and self._epoch == dev.epoch:
-                state = (list(self._keep), list(self._spare))
-                dev.graveyard.append((dev.incarnation, self._epoch, self._cu, state))
+            state = (list(self._keep), list(self._spare))
+            dev.graveyard.append((dev.incarnation, self._epoch, self._cu, state))
 
     # -- driver side ------------------------------------------------------------------------
     def _keep_until_done(self, obj: object) -> None:
@@ -943,11 +967,15 @@ class CudaStream:
             else:
                 cu.cuEventDestroy(event)
 
-    def _invalidate(self, reason: str) -> None:
-        """Under the device lock, on rebuild or close: the stream is dead from now on."""
-        with self._lock:
+    def _invalidate(self, reason: str) -> bool:
+        """Under the device lock, on rebuild or close: the stream is dead from now on. Waits for
+        an enqueue in flight on it (the gate); True when this call retired it (its handles are
+        then the caller's to destroy), False when it was already closed or collected."""
+        with self._gate, self._lock:
             if self._closed is None:
                 self._closed = reason
+                return True
+            return False
 
     def _destroy_handles(self) -> None:
         """Destroy the stream and its events while their context still exists (after a context
@@ -1127,14 +1155,16 @@ class CudaDriver:
     def alloc_async(self, nbytes: int, stream: CudaStream) -> int:  # type: ignore[override]
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
-        s, dev = self._hot(stream)
-        pool = dev.pool
-        if pool is None:
-            raise DriverError(
-                f"device {dev.ordinal} does not support stream-ordered memory pools",
-                code="CUDA_ERROR_NOT_SUPPORTED",
-            )
-        err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, s._cu)
+        s = stream if type(stream) is CudaStream else self._stream(stream)
+        with s._gate:
+            s, dev = self._hot(s)
+            pool = dev.pool
+            if pool is None:
+                raise DriverError(
+                    f"device {dev.ordinal} does not support stream-ordered memory pools",
+                    code="CUDA_ERROR_NOT_SUPPORTED",
+                )
+            err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {s._id})", nbytes)
         ptr = int(ptr)
@@ -1142,10 +1172,12 @@ class CudaDriver:
         return ptr
 
     def free_async(self, ptr: int, stream: CudaStream) -> None:  # type: ignore[override]
-        s, dev = self._hot(stream)
+        s = stream if type(stream) is CudaStream else self._stream(stream)
         if type(ptr) is not int or ptr <= 0:
             _check_ptr(ptr, f"device {s.ordinal}: stream-ordered free")
-        (err,) = cu.cuMemFreeAsync(ptr, s._cu)
+        with s._gate:
+            s, dev = self._hot(s)
+            (err,) = cu.cuMemFreeAsync(ptr, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemFreeAsync({ptr:#x}, stream {s._id})")
         dev.pool_live.discard(ptr)
@@ -1159,14 +1191,15 @@ class CudaDriver:
         view = memoryview(data).cast("B")
         s = self._stream(stream)
         _check_ptr(ptr, f"device {s.ordinal}: copy to device")
-        dev = s._enter()
         nbytes = len(view)
-        if nbytes == 0:
-            return
-        (err,) = cu.cuMemcpyHtoDAsync(ptr, _address(view), nbytes, s._cu)
-        if err != _SUCCESS:
-            dev.fail(err, f"cuMemcpyHtoDAsync({nbytes} bytes to {ptr:#x}, stream {s._id})")
-        s._keep_until_done((view, data))
+        with s._gate:
+            dev = s._enter()
+            if nbytes == 0:
+                return
+            (err,) = cu.cuMemcpyHtoDAsync(ptr, _address(view), nbytes, s._cu)
+            if err != _SUCCESS:
+                dev.fail(err, f"cuMemcpyHtoDAsync({nbytes} bytes to {ptr:#x}, stream {s._id})")
+            s._keep_until_done((view, data))
 
     def copy_to_host(self, ptr: int, nbytes: int, stream: CudaStream) -> bytearray:  # type: ignore[override]
         nbytes = check_nbytes(nbytes, "copy size")
@@ -1178,23 +1211,25 @@ class CudaDriver:
         target = writable_bytes(out)
         s = self._stream(stream)
         _check_ptr(ptr, f"device {s.ordinal}: copy to host")
-        dev = s._enter()
         nbytes = len(target)
-        if nbytes == 0:
-            return
-        (err,) = cu.cuMemcpyDtoHAsync(_address(target), ptr, nbytes, s._cu)
-        if err != _SUCCESS:
-            dev.fail(err, f"cuMemcpyDtoHAsync({nbytes} bytes from {ptr:#x}, stream {s._id})")
-        # The view pins the buffer (a bytearray cannot be resized under it) until the copy ran.
-        s._keep_until_done(target)
+        with s._gate:
+            dev = s._enter()
+            if nbytes == 0:
+                return
+            (err,) = cu.cuMemcpyDtoHAsync(_address(target), ptr, nbytes, s._cu)
+            if err != _SUCCESS:
+                dev.fail(err, f"cuMemcpyDtoHAsync({nbytes} bytes from {ptr:#x}, stream {s._id})")
+            # The view pins the buffer (a bytearray cannot be resized under it) until the copy ran.
+            s._keep_until_done(target)
 
     def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: CudaStream) -> None:  # type: ignore[override]
         nbytes = check_nbytes(nbytes, "copy size")
         s = self._stream(stream)
         _check_ptr(dst, f"device {s.ordinal}: device-to-device copy destination")
         _check_ptr(src, f"device {s.ordinal}: device-to-device copy source")
-        dev = s._enter()
-        (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s._cu)
+        with s._gate:
+            dev = s._enter()
+            (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemcpyDtoDAsync({nbytes} bytes {src:#x} -> {dst:#x}, stream {s._id})")
 
@@ -1204,8 +1239,9 @@ class CudaDriver:
         nbytes = check_nbytes(nbytes, "fill size")
         s = self._stream(stream)
         _check_ptr(ptr, f"device {s.ordinal}: fill")
-        dev = s._enter()
-        (err,) = cu.cuMemsetD8Async(ptr, byte, nbytes, s._cu)
+        with s._gate:
+            dev = s._enter()
+            (err,) = cu.cuMemsetD8Async(ptr, byte, nbytes, s._cu)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemsetD8Async({nbytes} bytes at {ptr:#x}, stream {s._id})")
 
@@ -1226,10 +1262,11 @@ class CudaDriver:
         b = _dims(block, "block")
         slots, pointers = _pack_args(kernel, args)
         s = self._stream(stream)
-        dev = s._enter()
-        fn = dev.function(kernel)
+        fn = s._enter().function(kernel)  # outside the gate: loading may take the device lock
         params = int(pointers.ctypes.data) if len(pointers) else 0
-        (err,) = cu.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], 0, s._cu, params, 0)
+        with s._gate:
+            dev = s._enter()  # a rebuild since the lookup retired the stream (and the module)
+            (err,) = cu.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], 0, s._cu, params, 0)
         del slots  # referenced until here: cuLaunchKernel copied the argument values
         if err != _SUCCESS:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")
@@ -1274,7 +1311,7 @@ class CudaDriver:
         s = self._stream(stream)
         dev = s._enter()
         if dev.graveyard:
-            dev.bury()
+            dev.bury()  # outside the gate: it takes the device lock
         err, event = cu.cuEventCreate(_EVENT_FLAGS)
         if err != _SUCCESS:
             dev.fail(err, "cuEventCreate")
@@ -1283,7 +1320,9 @@ class CudaDriver:
             if err != _SUCCESS:
                 # Not dev.fail: the foreign handle is not ours (see order_foreign_stream).
                 raise error_for(err, f"device {dev.ordinal}: cuEventRecord(foreign stream {int(handle):#x})")
-            (err,) = cu.cuStreamWaitEvent(s._cu, event, 0)
+            with s._gate:
+                dev = s._enter()
+                (err,) = cu.cuStreamWaitEvent(s._cu, event, 0)
             if err != _SUCCESS:
                 dev.fail(err, f"cuStreamWaitEvent(stream {s._id})")
         finally:
