@@ -853,9 +853,8 @@ class CudaStream:
         dev.fail(err, f"cuStreamQuery(stream {self._id})")
 
     def record_event(self) -> CudaEvent:
-        dev = self._enter()
-        if dev.graveyard:
-            dev.bury()  # outside the gate: it takes the device lock
+        if self._dev.graveyard:
+            self._enter().bury()  # outside the gate: it takes the device lock
         with self._gate:
             dev = self._enter()
             err, event = cu.cuEventCreate(_EVENT_FLAGS)
@@ -872,21 +871,29 @@ class CudaStream:
             raise InvalidRequest(
                 f"{self!r} can only record an event of its own device and driver, got {event!r}"
             )
-        with self._gate:
+        gate = self._gate
+        gate.acquire()  # acquire/release: cheaper than ``with`` on this hot path
+        try:
             dev = self._enter()
             event._enter()
             (err,) = cu.cuEventRecord(event._cu, self._cu)
+        finally:
+            gate.release()
         if err != _SUCCESS:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
 
     def wait(self, event: CudaEvent) -> None:  # type: ignore[override]
         if type(event) is not CudaEvent:
             raise InvalidRequest(f"{self!r} can only wait on a CudaEvent, got {event!r}")
-        with self._gate:
+        gate = self._gate
+        gate.acquire()
+        try:
             dev = self._enter()
             if event._epoch != event._dev.epoch:
                 event._enter()  # raises: the event's context is gone
             (err,) = cu.cuStreamWaitEvent(self._cu, event._cu, 0)
+        finally:
+            gate.release()
         if err != _SUCCESS:
             dev.fail(err, f"cuStreamWaitEvent(stream {self._id})")
 
@@ -1053,24 +1060,6 @@ class CudaDriver:
             raise DriverError("the CUDA driver is closed", code="CUDA_ERROR_DEINITIALIZED")
         return self._devices[ordinal]
 
-    def _hot(self, stream: object) -> tuple[CudaStream, _CudaDevice]:
-        """``_stream`` and ``CudaStream._enter`` in one call for the allocation hot path; anything
-        unusual goes through them for the precise error."""
-        if type(stream) is CudaStream:
-            dev = stream._dev
-            token = dev.token
-            if (
-                dev.owner is self
-                and stream._epoch == dev.epoch
-                and stream._closed is None
-                and dev.poisoned is None
-                and token is not None
-                and getattr(_tls, "token", None) is token
-            ):
-                return stream, dev
-        s = self._stream(stream)
-        return s, s._enter()
-
     def _stream(self, stream: object) -> CudaStream:
         if type(stream) is not CudaStream:
             raise InvalidRequest(f"expected a CudaStream of this driver, got {stream!r}")
@@ -1160,8 +1149,20 @@ class CudaDriver:
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
         s = stream if type(stream) is CudaStream else self._stream(stream)
-        with s._gate:
-            s, dev = self._hot(s)
+        gate = s._gate
+        gate.acquire()  # not ``with``: this is the hottest path, and acquire/release is cheaper
+        try:
+            dev = s._dev
+            token = dev.token
+            if not (  # the checks of _stream and CudaStream._enter in one expression
+                dev.owner is self
+                and s._epoch == dev.epoch
+                and s._closed is None
+                and dev.poisoned is None
+                and token is not None
+                and getattr(_tls, "token", None) is token
+            ):
+                dev = self._stream(s)._enter()  # the precise error, or a context to make current
             pool = dev.pool
             if pool is None:
                 raise DriverError(
@@ -1169,6 +1170,8 @@ class CudaDriver:
                     code="CUDA_ERROR_NOT_SUPPORTED",
                 )
             err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, s._cu)
+        finally:
+            gate.release()
         if err != _SUCCESS:
             dev.fail(err, f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {s._id})", nbytes)
         ptr = int(ptr)
@@ -1179,9 +1182,23 @@ class CudaDriver:
         s = stream if type(stream) is CudaStream else self._stream(stream)
         if type(ptr) is not int or ptr <= 0:
             _check_ptr(ptr, f"device {s.ordinal}: stream-ordered free")
-        with s._gate:
-            s, dev = self._hot(s)
+        gate = s._gate
+        gate.acquire()
+        try:
+            dev = s._dev
+            token = dev.token
+            if not (
+                dev.owner is self
+                and s._epoch == dev.epoch
+                and s._closed is None
+                and dev.poisoned is None
+                and token is not None
+                and getattr(_tls, "token", None) is token
+            ):
+                dev = self._stream(s)._enter()
             (err,) = cu.cuMemFreeAsync(ptr, s._cu)
+        finally:
+            gate.release()
         if err != _SUCCESS:
             dev.fail(err, f"cuMemFreeAsync({ptr:#x}, stream {s._id})")
         dev.pool_live.discard(ptr)
