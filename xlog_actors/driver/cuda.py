@@ -49,16 +49,16 @@ What it is made of, and why:
   poisoned: every later call on it (``rebuild_context`` included) raises ``ContextPoisoned``
   without touching CUDA, which could not recover in this process anyway.
 
-Thread rules: every method may be called from any thread. Each device has one re-entrant lock
-that guards its context's lifecycle (retain, rebuild, close), its stream registry and its loaded
-modules; the hot paths (allocation, copies, launches, event operations) take no device lock,
-only the stream's own gate (below): they read the device's context token and a stream's epoch,
-and a stream or event of an older epoch raises ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``)
-instead of reaching CUDA with a dead handle. Each stream's gate (a lock held across its liveness check and the CUDA call) makes work on a stream
-and a rebuild exclusive: the rebuild retires every stream through its gate before it
-synchronizes and frees, so stream work racing it either ran before (and was waited for) or is
-refused; none runs on freed memory. A synchronous ``alloc``/``free`` racing a rebuild is still
-the caller's race to avoid.
+Thread rules: every method may be called from any thread. Each device has one re-entrant lock that
+guards its context's lifecycle (retain, rebuild, close), its stream registry and its loaded
+modules; the hot paths (allocation, copies, launches, event operations) take no device lock, only
+the stream's own gate (below): they read the device's context token and a stream's epoch, and a
+stream or event of an older epoch raises ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``) instead
+of reaching CUDA with a dead handle. Each stream's gate (a lock held across its liveness check and
+the CUDA call) makes work on a stream and a rebuild exclusive: the rebuild retires every stream
+through its gate before it synchronizes and frees, so stream work racing it either ran before (and
+was waited for) or is refused; none runs on freed memory. A synchronous ``alloc``/``free`` racing
+a rebuild is still the caller's race to avoid.
 """
 
 from __future__ import annotations
