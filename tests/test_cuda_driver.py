@@ -496,6 +496,18 @@ def test_driver_errors_keep_the_driver_usable(cuda: CudaDriver, stream: CudaStre
     assert bad_free.value.code is not None and bad_free.value.code.startswith("CUDA_ERROR_")
     ptr = cuda.alloc(0, 64)
     cuda.free(0, ptr)
+    with pytest.raises(DriverError, match="not a live cuMemAlloc allocation") as double_free:
+        cuda.free(0, ptr)  # a second free is refused before CUDA sees it
+    assert double_free.value.code == "CUDA_ERROR_INVALID_VALUE"
+    # memory this driver did not allocate (another library's) is refused, not freed
+    from cuda.bindings import driver as cu
+
+    err, foreign = cu.cuMemAlloc(64)
+    assert int(err) == 0
+    with pytest.raises(DriverError, match="not a live cuMemAlloc allocation"):
+        cuda.free(0, int(foreign))
+    (err,) = cu.cuMemFree(foreign)
+    assert int(err) == 0, "the foreign allocation was still live"
 
 
 @pytest.mark.gpu

@@ -572,7 +572,11 @@ class _CudaDevice:
         """Free the ``cuMemAlloc`` allocations still live (the context is kept, so nothing else
         would). Best effort, like :meth:`_free_pool_leftovers`."""
         live, self.direct_live = self.direct_live, set()
-        for ptr in live:
+        while live:
+            try:
+                ptr = live.pop()  # atomic, like the claim in CudaDriver.free: one of us frees it
+            except KeyError:
+                break
             with contextlib.suppress(Exception):
                 cu.cuMemFree(ptr)
 
@@ -1139,10 +1143,19 @@ class CudaDriver:
         dev = self._device(ordinal)
         _check_ptr(ptr, f"device {ordinal}: free")
         dev.enter()
+        # Claim the pointer first (set.remove is atomic): of a free racing a rebuild's sweep, or
+        # a second free, exactly one reaches cuMemFree. A pointer this driver did not allocate
+        # (or already freed) is refused: cuMemFree would free whatever lives there now.
+        try:
+            dev.direct_live.remove(ptr)
+        except KeyError:
+            raise DriverError(
+                f"device {ordinal}: free of {ptr:#x}, which is not a live cuMemAlloc allocation of this driver",
+                code="CUDA_ERROR_INVALID_VALUE",
+            ) from None
         (err,) = cu.cuMemFree(ptr)
         if err != _SUCCESS:
             dev.fail(err, f"cuMemFree({ptr:#x})")
-        dev.direct_live.discard(ptr)
 
     # -- stream-ordered allocation ----------------------------------------------------------
     def alloc_async(self, nbytes: int, stream: CudaStream) -> int:  # type: ignore[override]
