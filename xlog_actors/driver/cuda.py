@@ -57,8 +57,9 @@ stream or event of an older epoch raises ``DriverError`` (``CUDA_ERROR_INVALID_H
 of reaching CUDA with a dead handle. Each stream's gate (a lock held across its liveness check and
 the CUDA call) makes work on a stream and a rebuild exclusive: the rebuild retires every stream
 through its gate before it synchronizes and frees, so stream work racing it either ran before (and
-was waited for) or is refused; none runs on freed memory. A synchronous ``alloc``/``free`` racing
-a rebuild is still the caller's race to avoid.
+was waited for) or is refused; none runs on freed memory. A synchronous ``free`` claims its
+pointer from the live set first, so it and a rebuild's sweep never both free it; a synchronous
+``alloc`` racing a rebuild is the caller's race to avoid (its block is freed at ``close``).
 """
 
 from __future__ import annotations
