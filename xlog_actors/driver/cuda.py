@@ -59,7 +59,7 @@ the CUDA call) makes work on a stream and a rebuild exclusive: the rebuild retir
 through its gate before it synchronizes and frees, so stream work racing it either ran before (and
 was waited for) or is refused; none runs on freed memory. A synchronous ``free`` claims its
 pointer from the live set first, so it and a rebuild's sweep never both free it; a synchronous
-``alloc`` racing a rebuild is the caller's race to avoid (its block is freed at ``close``).
+``alloc`` racing a rebuild is the caller's race to avoid (it may leak that block).
 """
 
 from __future__ import annotations
