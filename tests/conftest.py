@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from collections.abc import Iterator
@@ -31,24 +32,38 @@ def cuda_reason() -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = cuda_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=reason)
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 #: Set by ``scripts/gpu-check`` for its compute-sanitizer runs.
 UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 
-#: For tests that must *observe* an untracked cross-stream race: the sanitizers serialize the
-#: streams, so the race cannot happen under them. The plain GPU run and the host run check these.
-needs_concurrent_streams = pytest.mark.skipif(
-    UNDER_SANITIZER, reason="compute-sanitizer serializes streams: the untracked race cannot show under it"
-)
+#: Why a ``concurrent_streams`` test skips under the sanitizers: such a test must *observe* an
+#: untracked cross-stream race, and the sanitizers serialize the streams.
+SANITIZER_SERIALIZES = "compute-sanitizer serializes streams: the untracked race cannot show under it"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = cuda_reason()
+    gpu_skip = None if reason is None else pytest.mark.skip(reason=reason)
+    race_skip = pytest.mark.skip(reason=SANITIZER_SERIALIZES) if UNDER_SANITIZER else None
+    for item in items:
+        if gpu_skip is not None and "gpu" in item.keywords:
+            item.add_marker(gpu_skip)
+        if race_skip is not None and "concurrent_streams" in item.keywords:
+            item.add_marker(race_skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line per distinct skip reason, with its count, instead of one line per skipping place."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: collections.Counter[str] = collections.Counter()
+    for report in skipped:
+        longrepr = report.longrepr
+        text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[text.removeprefix("Skipped: ")] += 1
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+    for text, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:5d}  {text}")
 
 DRIVER_KINDS = [
     pytest.param("host", id="host"),

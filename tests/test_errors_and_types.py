@@ -233,7 +233,7 @@ class Setup:
         return out
 
     def close(self) -> None:
-        for r, b in zip(self.res, self.blocks):
+        for r, b in zip(self.res, self.blocks, strict=False):
             r.deallocate(b)
             r.reap_pending()
             assert r.bytes_outstanding() == 0

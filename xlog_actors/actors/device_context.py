@@ -110,7 +110,7 @@ class DeviceContext:
         try:
             block = self.runtime.allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
-            raise enrich_out_of_memory(exc, self.runtime.resource)
+            raise enrich_out_of_memory(exc, self.runtime.resource) from None
         with self._table_lock:
             self.blocks[block.ptr] = block
         return GpuRef._new(block, self)
@@ -132,7 +132,7 @@ class DeviceContext:
             for block in blocks:
                 self.runtime.deallocate(block)
             if isinstance(exc, OutOfMemory):
-                raise enrich_out_of_memory(exc, self.runtime.resource)
+                raise enrich_out_of_memory(exc, self.runtime.resource) from None
             raise
         table = self.blocks
         with self._table_lock:

@@ -34,11 +34,15 @@ class KernelActor(LibraryActor):
             raise InvalidRequest(f"Launch needs a Kernel, got {type(kernel).__name__}")
         args = list(msg.args)
         if len(args) != len(kernel.params):
-            raise InvalidRequest(f"kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}")
+            raise InvalidRequest(
+                f"kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}"
+            )
         buffers: list[tuple[int, BufferArg]] = []
-        for i, (arg, kind) in enumerate(zip(args, kernel.params)):
+        for i, (arg, kind) in enumerate(zip(args, kernel.params, strict=False)):
             if isinstance(arg, GpuRef):
-                raise InvalidRequest(f"kernel {kernel.name} argument {i}: wrap a GpuRef as In(ref), Out(ref) or InOut(ref)")
+                raise InvalidRequest(
+                    f"kernel {kernel.name} argument {i}: wrap a GpuRef as In(ref), Out(ref) or InOut(ref)"
+                )
             if isinstance(arg, BufferArg):
                 if kind != "ptr":
                     raise InvalidRequest(f"kernel {kernel.name} argument {i} is a {kind} scalar, got a buffer")
@@ -48,7 +52,7 @@ class KernelActor(LibraryActor):
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             values = list(args)
-            for (i, _), block in zip(buffers, blocks):
+            for (i, _), block in zip(buffers, blocks, strict=False):
                 values[i] = block.ptr
             driver.launch(kernel, msg.grid, msg.block, values, stream)
 

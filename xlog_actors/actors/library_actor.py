@@ -173,7 +173,7 @@ class LibraryActor(pykka.ThreadingActor):
 def _merge_uses(blocks: list[DeviceBlock], accesses: list[Access]) -> list[tuple[BlockId, Access]]:
     """One (block, access) per distinct block: a block both read and written is READ_WRITE."""
     merged: dict[BlockId, Access] = {}
-    for block, access in zip(blocks, accesses):
+    for block, access in zip(blocks, accesses, strict=False):
         key = BlockId.from_block(block)
         prev = merged.get(key)
         merged[key] = access if prev is None or prev is access else Access.READ_WRITE

@@ -85,7 +85,9 @@ def collect(driver: Driver, quick: bool, only: Sequence[str] | None = None, prog
         try:
             group(ctx)
         except Exception as exc:  # noqa: BLE001 - one broken group must not hide the others
-            errors.append({"group": title, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+            errors.append(
+                {"group": title, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            )
             progress(f"{title}: ERROR {type(exc).__name__}: {exc}")
     rows = [r for r in ctx.results if isinstance(r, RowResult)]
     skipped = [r for r in ctx.results if isinstance(r, Skipped)]
@@ -106,7 +108,7 @@ def collect(driver: Driver, quick: bool, only: Sequence[str] | None = None, prog
             "gc": "gc.collect() then gc.disable() around every timed loop",
             "order": "ours and reference sampled alternately (ABBA)",
             "p99": "nearest-rank 99th percentile over samples; each sample averages ops_per_sample ops",
-            "plan": {k: v for k, v in plan.__dict__.items()},
+            "plan": dict(plan.__dict__.items()),
         },
         "seconds": round(time.perf_counter() - started, 1),
         "rows": [r.to_json() for r in rows],
@@ -370,7 +372,10 @@ def decompose(kind: str | None, number: int = 20_000) -> list[tuple[str, float]]
         ("  live[ptr] = e; del live[ptr]", "live[1] = block; del live[1]"),
         ("  pending[sid] += n (get+set)", "pending[sid] = pending.get(sid, 0) + 4096"),
         ("stream.record(ev)+st2.wait(ev) (driver)", "stream.record(event); st2.wait(event)"),
-        ("prepare+finish cross-stream READ", "res.prepare_block_use(bid, s2, READ); res.finish_block_use(bid, s2, READ)"),
+        (
+            "prepare+finish cross-stream READ",
+            "res.prepare_block_use(bid, s2, READ); res.finish_block_use(bid, s2, READ)",
+        ),
         ("  prepare_block_use alone", "res.prepare_block_use(bid, s2, READ)"),
         ("  finish_block_use alone", "res.finish_block_use(bid, s2, READ)"),
         ("  st2.wait(ev) alone (driver)", "st2.wait(event)"),

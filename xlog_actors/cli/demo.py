@@ -46,7 +46,10 @@ def run_demo(args: argparse.Namespace) -> int:
     total = result.batches * result.batch_bytes
     print(f"driver        {result.driver}")
     print(f"device        {result.device}")
-    print(f"batches       {result.batches} x {result.batch_bytes / (1 << 20):g} MiB ({total / (1 << 20):g} MiB in, as much out)")
+    print(
+        f"batches       {result.batches} x {result.batch_bytes / (1 << 20):g} MiB "
+        f"({total / (1 << 20):g} MiB in, as much out)"
+    )
     print(f"tracking      {'on' if cfg.track else 'OFF'}")
     print(f"time          {result.seconds:.3f} s")
     print(f"throughput    {result.throughput_bytes_s / 1e9:.3f} GB/s (input bytes through copy in, kernel, copy out)")
@@ -54,7 +57,13 @@ def run_demo(args: argparse.Namespace) -> int:
     if result.errors:
         print("errors        " + "; ".join(result.errors))
     if result.mismatched:
-        print(f"verification  FAILED: {len(result.mismatched)} batch(es) differ from the host reference: {result.mismatched[:10]}")
+        print(
+            f"verification  FAILED: {len(result.mismatched)} batch(es) differ from the host reference: "
+            f"{result.mismatched[:10]}"
+        )
     else:
-        print(f"verification  {'ok' if result.ok else 'FAILED'}: {result.verified}/{result.batches} batches match the host reference")
+        print(
+            f"verification  {'ok' if result.ok else 'FAILED'}: {result.verified}/{result.batches} "
+            "batches match the host reference"
+        )
     return 0 if result.ok else 1

@@ -279,7 +279,7 @@ def _pack_args(kernel: Kernel, args: Sequence[object]) -> tuple[npt.NDArray[np.u
     stay referenced until the launch call returned (CUDA copies the values at launch)."""
     n = len(kernel.params)
     slots = np.zeros(n, dtype=np.uint64)
-    for i, (kind, value) in enumerate(zip(kernel.params, args)):
+    for i, (kind, value) in enumerate(zip(kernel.params, args, strict=False)):
         dtype = PARAM_DTYPES.get(kind)
         if dtype is None:
             raise InvalidRequest(f"kernel {kernel.name}: unknown parameter kind {kind!r}")

@@ -198,7 +198,8 @@ class HostDriver:
         dev = self._gate(stream.ordinal, requested)
         if stream.epoch != dev.epoch or stream.closed:
             raise DriverError(
-                f"{stream!r} belongs to a destroyed context or was closed (device {dev.ordinal} is at context {dev.epoch})",
+                f"{stream!r} belongs to a destroyed context or was closed "
+                f"(device {dev.ordinal} is at context {dev.epoch})",
                 code="CUDA_ERROR_INVALID_HANDLE",
             )
         return dev

@@ -42,7 +42,7 @@ class DeviceMemoryResource(abc.ABC):
     @abc.abstractmethod
     def bytes_outstanding(self) -> int: ...
 
-    def reap_pending(self) -> None:
+    def reap_pending(self) -> None:  # noqa: B027 - a concrete no-op by contract, not abstract
         """Wait for queued frees to complete and stop counting them. No-op by default."""
 
     def supports_block_use_tracking(self) -> bool:

@@ -11,6 +11,15 @@ from collections.abc import Callable
 
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
+from .adaptors import (
+    DEFAULT_GUARD_BYTES,
+    LOG_ENV,
+    BudgetResource,
+    GuardResource,
+    LoggingResource,
+    StatisticsResource,
+    parse_size,
+)
 from .async_resource import AsyncCudaResource
 from .direct import DirectCudaResource
 from .resource import DeviceMemoryResource
@@ -28,11 +37,30 @@ BASES: dict[str, BaseFactory] = {
     "direct": lambda driver, ordinal, _pool: DirectCudaResource(driver, ordinal),
 }
 
-# name -> factory(upstream, argument); filled in by the adaptors module.
-ADAPTORS: dict[str, AdaptorFactory] = {}
 
 
-LOG_ENV = "XLOG_ACTORS_LOG"
+def _stats(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
+    if arg is not None:
+        raise InvalidRequest(f"adaptor 'stats' takes no argument, got {arg!r}")
+    return StatisticsResource(upstream)
+
+
+def _log(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
+    return LoggingResource(upstream, arg or os.environ.get(LOG_ENV, "").strip() or "-")
+
+
+def _budget(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
+    if arg is None:
+        raise InvalidRequest("adaptor 'budget' needs a size, for example 'budget:8GiB'")
+    return BudgetResource(upstream, parse_size(arg))
+
+
+def _guard(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
+    return GuardResource(upstream, DEFAULT_GUARD_BYTES if arg is None else parse_size(arg))
+
+
+#: The one table of adaptors the grammar knows: name -> factory(upstream, argument).
+ADAPTORS: dict[str, AdaptorFactory] = {"stats": _stats, "log": _log, "budget": _budget, "guard": _guard}
 
 
 def default_description() -> str:
@@ -71,7 +99,3 @@ def build_resource(
     for factory, arg in wrappers:
         resource = factory(resource, arg)
     return resource
-
-
-# Last: the adaptors package imports this module and registers itself in ADAPTORS.
-from . import adaptors as _adaptors  # noqa: F401

@@ -2,8 +2,7 @@
 (SPEC section 4). Every adaptor forwards the block-use tracking hooks and ``reap_pending``, so any
 stack keeps the guarantees of its base resource.
 
-Importing this package registers the adaptors in :data:`xlog_actors.memory.stack.ADAPTORS`
-under the names the stack grammar uses::
+:data:`xlog_actors.memory.stack.ADAPTORS` names them for the stack grammar::
 
     stats               StatisticsResource
     log[:PATH]          LoggingResource; PATH "-" is stderr; without PATH, $XLOG_ACTORS_LOG,
@@ -17,11 +16,6 @@ adaptor around the previous one).
 
 from __future__ import annotations
 
-import os
-
-from ...errors import InvalidRequest
-from ..resource import DeviceMemoryResource
-from ..stack import ADAPTORS
 from .budget import BudgetResource, format_size, parse_size
 from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource
 from .log_resource import LOG_ENV, LOG_HEADER, LoggingResource
@@ -44,25 +38,3 @@ __all__ = [
     "parse_size",
 ]
 
-
-def _stats(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
-    if arg is not None:
-        raise InvalidRequest(f"adaptor 'stats' takes no argument, got {arg!r}")
-    return StatisticsResource(upstream)
-
-
-def _log(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
-    return LoggingResource(upstream, arg or os.environ.get(LOG_ENV, "").strip() or "-")
-
-
-def _budget(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
-    if arg is None:
-        raise InvalidRequest("adaptor 'budget' needs a size, for example 'budget:8GiB'")
-    return BudgetResource(upstream, parse_size(arg))
-
-
-def _guard(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
-    return GuardResource(upstream, DEFAULT_GUARD_BYTES if arg is None else parse_size(arg))
-
-
-ADAPTORS.update({"stats": _stats, "log": _log, "budget": _budget, "guard": _guard})

@@ -188,14 +188,14 @@ class GuardResource(ResourceAdaptor):
         found = []
         if head != self._canary:
             first = next(i for i in range(self._guard) if head[i] != self._canary[i])
-            changed = sum(1 for a, b in zip(head, self._canary) if a != b)
+            changed = sum(1 for a, b in zip(head, self._canary, strict=False) if a != b)
             found.append(
                 f"canary before the block overwritten from {self._guard - first} bytes before its start "
                 f"({changed} of {self._guard} bytes changed)"
             )
         if tail != self._canary:
             first = next(i for i in range(self._guard) if tail[i] != self._canary[i])
-            changed = sum(1 for a, b in zip(tail, self._canary) if a != b)
+            changed = sum(1 for a, b in zip(tail, self._canary, strict=False) if a != b)
             found.append(
                 f"canary after the block overwritten from offset {nbytes + first} ({first} bytes past "
                 f"its end; {changed} of {self._guard} bytes changed)"

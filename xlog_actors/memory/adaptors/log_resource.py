@@ -14,10 +14,12 @@ from typing import TextIO
 from ...errors import CorruptionDetected
 from ..block import AllocTag, DeviceBlock, StreamId
 from ..resource import DeviceMemoryResource
-from ..stack import LOG_ENV
 from .upstream import ResourceAdaptor
 
 __all__ = ["LOG_ENV", "LOG_HEADER", "LoggingResource"]
+
+#: Names the log file of the ``log`` adaptor when its description gives no path.
+LOG_ENV = "XLOG_ACTORS_LOG"
 
 LOG_HEADER = ("thread", "time", "action", "pointer", "size", "stream", "tag")
 

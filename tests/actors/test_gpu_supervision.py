@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 
 PRELUDE = """

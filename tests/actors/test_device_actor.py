@@ -314,7 +314,13 @@ def test_get_stats(device: pykka.ActorRef[Any]) -> None:
     b = device.ask(xa.AllocateMany([200, 300], tag=xa.AllocTag("b")))
     stats = device.ask(xa.GetStats())
     assert isinstance(stats, xa.DeviceStats)
-    assert (stats.device_id, stats.generation, stats.restarts, stats.status, stats.driver) == (0, 0, 0, "running", "host")
+    assert (stats.device_id, stats.generation, stats.restarts, stats.status, stats.driver) == (
+        0,
+        0,
+        0,
+        "running",
+        "host",
+    )
     assert stats.bytes_outstanding == 600 and stats.live_blocks == 3
     by_tag = {tag: (g["count"], g["nbytes"]) for tag, g in stats.report["by_tag"].items()}
     assert by_tag == {"a": (1, 100), "b": (2, 500)}

@@ -56,7 +56,7 @@ from xlog_actors.errors import (
 
 cu = pytest.importorskip("cuda.bindings.driver")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 MiB = 1 << 20
 

@@ -228,9 +228,11 @@ def test_exit_process_hook_ends_the_process_with_exit_poisoned() -> None:
         "import time; time.sleep(10)\n"
         "print('still running')\n"
     )
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
     assert proc.returncode == xa.EXIT_POISONED == 75, proc.stderr
     assert "still running" not in proc.stdout
 

@@ -12,15 +12,14 @@ from pathlib import Path
 import numpy as np
 import pykka
 import pytest
-from conftest import needs_concurrent_streams
 
 import xlog_actors as xa
 from xlog_actors.actors.interop import consumer_stream_handle, foreign_stream_handle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).resolve().parent / "interop_scenarios.py"
 TRACKED = pytest.mark.parametrize(
-    "tracked", ["tracked", pytest.param("untracked", marks=needs_concurrent_streams)]
+    "tracked", ["tracked", pytest.param("untracked", marks=pytest.mark.concurrent_streams)]
 )
 
 

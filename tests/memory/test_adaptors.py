@@ -365,7 +365,7 @@ def test_parse_size_rejects(text: str) -> None:
 def rows_of(text: str) -> list[dict[str, str]]:
     reader = csv.reader(io.StringIO(text))
     assert tuple(next(reader)) == LOG_HEADER
-    return [dict(zip(LOG_HEADER, row)) for row in reader]
+    return [dict(zip(LOG_HEADER, row, strict=False)) for row in reader]
 
 
 def test_logging_header_and_rows_parse(host_driver: xa.HostDriver, pool: xa.StreamPool) -> None:

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import needs_concurrent_streams
 
 import xlog_actors as xa
 from xlog_actors.cli import main
@@ -24,7 +23,7 @@ def test_pipeline_is_correct_with_a_slow_producer(driver: xa.Driver) -> None:
     assert result.ok, result
 
 
-@needs_concurrent_streams
+@pytest.mark.concurrent_streams
 def test_pipeline_fails_when_tracking_is_switched_off(driver: xa.Driver) -> None:
     """The same slow producer without the library actors' tracking: the transformer's kernel
     reads the input before the copy landed, and verification catches it."""

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 import numpy as np
 import pykka
 import pytest
-from conftest import needs_concurrent_streams
 
 import xlog_actors as xa
 from xlog_actors.driver.kernel_library import (
@@ -79,7 +78,7 @@ def test_kernel_library_matches_host_reference(device: pykka.ActorRef) -> None:
 
 
 @pytest.mark.parametrize(
-    "track", [True, pytest.param(False, marks=needs_concurrent_streams)], ids=["tracked", "untracked"]
+    "track", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)], ids=["tracked", "untracked"]
 )
 def test_slow_writer_hazard_through_library_actors(driver: xa.Driver, track: bool) -> None:
     """A copy queued behind slow work on the writer's stream, read by a kernel on another
