@@ -116,7 +116,7 @@ class DeviceContext:
         return GpuRef._new(block, self)
 
     def allocate_many(self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag) -> list[GpuRef]:
-        from ..memory.validate import check_nbytes
+        from ..driver.checks import check_nbytes
         from .gpu_ref import GpuRef
 
         if not isinstance(sizes, (list, tuple)):

@@ -302,11 +302,11 @@ def decompose(kind: str | None, number: int = 20_000) -> list[tuple[str, float]]
 
     from ..actors import Allocate, DeviceActor, GetClient
     from ..actors.messages import Reclaim
+    from ..driver.checks import check_device
     from ..memory import async_resource as ar
     from ..memory.async_resource import AsyncCudaResource
     from ..memory.block import Access, AllocTag, BlockId, Generation, StreamId, make_block
     from ..memory.stream_pool import StreamPool
-    from ..memory.validate import check_device
     from .bench_rows import _Echo, _Plain
 
     driver = _open(kind)

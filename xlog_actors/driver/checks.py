@@ -1,17 +1,44 @@
-"""Argument checks every driver (and the layers above) share. Each raises ``InvalidRequest`` and
-runs before any state is touched."""
+"""Argument checks every driver and every resource share, and the typed errors they build.
+
+Each check raises before any state is touched, so a refused call changes nothing. The block checks
+take anything shaped like a block (``ptr``, ``generation``, ``device_ordinal``): the driver layer
+sits below the memory layer and cannot name its ``DeviceBlock``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, StreamMisuse, UseAfterFree
 
 if TYPE_CHECKING:
     from .kernel import Kernel
 
-__all__ = ["check_kernel_args", "check_microseconds", "check_nbytes", "check_ordinal", "writable_bytes"]
+__all__ = [
+    "BlockLike",
+    "check_device",
+    "check_kernel_args",
+    "check_microseconds",
+    "check_nbytes",
+    "check_ordinal",
+    "unknown_block",
+    "unknown_stream",
+    "writable_bytes",
+]
+
+
+class BlockLike(Protocol):
+    """What the block checks read of a block or a block id."""
+
+    @property
+    def ptr(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def device_ordinal(self) -> int: ...
 
 
 def _is_int(value: object) -> bool:
@@ -59,3 +86,34 @@ def writable_bytes(out: Any) -> memoryview:
     if target.readonly:
         raise InvalidRequest("copy_to_host_into needs a writable buffer")
     return target
+
+
+def check_device(owner: str, ordinal: int, block: BlockLike) -> None:
+    """Raise ``InvalidRequest`` unless ``block`` belongs to device ``ordinal``; ``owner`` names
+    the resource that asks."""
+    if block.device_ordinal != ordinal:
+        raise InvalidRequest(
+            f"{owner}: block {block.ptr:#x} (generation {int(block.generation)}) belongs to device "
+            f"{block.device_ordinal}, not to this resource's device {ordinal}"
+        )
+
+
+def unknown_block(owner: str, ordinal: int, block: BlockLike, live_generation: int | None) -> UseAfterFree:
+    """The ``UseAfterFree`` for a block that ``owner`` does not hold live: ``live_generation`` is
+    that of the block now live at the same address (the address was reused), or None."""
+    if live_generation is None:
+        why = "no live block at that address (already freed, or never allocated here)"
+    else:
+        why = f"the live block there is generation {live_generation}: the address was reused"
+    return UseAfterFree(
+        f"{owner} on device {ordinal}: block {block.ptr:#x} generation {int(block.generation)}: {why}",
+        generation=int(block.generation),
+    )
+
+
+def unknown_stream(owner: str, ordinal: int, stream: object) -> StreamMisuse:
+    """The ``StreamMisuse`` for a stream id that device ``ordinal``'s pool does not know."""
+    return StreamMisuse(
+        f"{owner} on device {ordinal}: unknown stream {stream!r}; streams come from "
+        "StreamPool.acquire() of this device's current context"
+    )

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.host_memory import ALIGNMENT
 from ..driver.protocol import Driver, Event, Stream
 from ..errors import DriverError
@@ -54,7 +55,6 @@ from .block import (
 from .event_pool import EventPool
 from .resource import DeviceMemoryResource
 from .stream_pool import StreamPool
-from .validate import check_device, check_nbytes, unknown_block, unknown_stream
 
 __all__ = ["AsyncCudaResource", "LiveBlockInfo"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 import threading
 
+from ...driver.checks import check_nbytes
 from ...errors import BudgetExceeded, InvalidRequest
 from ..block import AllocTag, DeviceBlock, StreamId
 from ..report import human_bytes
 from ..resource import DeviceMemoryResource
-from ..validate import check_nbytes
 from .upstream import ResourceAdaptor
 
 __all__ = ["BudgetResource", "format_size", "parse_size"]

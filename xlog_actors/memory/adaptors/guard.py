@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 
+from ...driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ...driver.host_memory import ALIGNMENT, POISON_BYTE
 from ...driver.protocol import Driver, Stream
 from ...errors import CorruptionDetected, InvalidRequest
@@ -13,7 +14,6 @@ from ..async_resource import LiveBlockInfo
 from ..block import Access, AllocTag, BlockId, DeviceBlock, StreamId, make_block
 from ..resource import DeviceMemoryResource
 from ..stream_pool import StreamPool
-from ..validate import check_device, check_nbytes, unknown_block, unknown_stream
 from .budget import format_size
 from .upstream import ResourceAdaptor
 
