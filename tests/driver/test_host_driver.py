@@ -17,7 +17,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors import StreamPool
-from xlog_actors.driver.host_memory import ALIGNMENT, POISON_BYTE, align_up
+from xlog_actors.driver.host import ALIGNMENT, POISON_BYTE, align_up
 from xlog_actors.errors import (
     ContextLost,
     ContextPoisoned,
