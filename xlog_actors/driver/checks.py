@@ -24,6 +24,7 @@ from .limits import MAX_BLOCK_DIMS, MAX_GRID_DIMS, MAX_THREADS_PER_BLOCK
 __all__ = [
     "BlockLike",
     "Dim3",
+    "Dims",
     "check_device",
     "check_kernel_args",
     "check_launch",
@@ -38,6 +39,9 @@ __all__ = [
 
 #: A grid or block shape as ``cuLaunchKernel`` takes it: ``(x, y, z)``.
 Dim3 = tuple[int, int, int]
+
+#: A grid or block shape as a launch takes it: an int (``x``) or 1 to 3 ints.
+Dims = Sequence[int] | int
 
 _AXES = ("x", "y", "z")
 _FLOAT_KINDS = frozenset({"f32", "f64"})
@@ -209,9 +213,7 @@ def _check_arg(kernel: Kernel, index: int, kind: str, value: object) -> None:
         raise InvalidRequest(f"{where}: {_short(value)} does not fit, expected {low}..{high}")
 
 
-def check_launch(
-    kernel: Kernel, grid: Sequence[int] | int, block: Sequence[int] | int, args: Sequence[object]
-) -> tuple[Dim3, Dim3]:
+def check_launch(kernel: Kernel, grid: Dims, block: Dims, args: Sequence[object]) -> tuple[Dim3, Dim3]:
     """Judge a kernel launch as CUDA does, before anything is enqueued.
 
     Both drivers call it first, so a launch the GPU refuses is refused on the host too, with the
@@ -245,7 +247,7 @@ def check_launch(
     threads = block3[0] * block3[1] * block3[2]
     if threads > MAX_THREADS_PER_BLOCK:
         raise DriverError(
-            f"block {block3} has {threads} threads, above the device's {MAX_THREADS_PER_BLOCK} per block",
+            f"block {block3} has {threads} threads, above the device's limit of {MAX_THREADS_PER_BLOCK} per block",
             code="CUDA_ERROR_INVALID_VALUE",
         )
     return grid3, block3

@@ -59,7 +59,8 @@ def launch_shape(n: int, block: int = 256, max_blocks: int = 1024) -> tuple[int,
 def _f32(value: float) -> np.float32:
     """``value`` as the float32 CUDA receives: one out of range becomes an infinity, silently."""
     with np.errstate(over="ignore"):
-        return np.float32(value)
+        single: np.float32 = np.float32(value)
+    return single
 
 
 def _fill_host(mem: DeviceMemoryView, _grid: Any, _block: Any, out: int, value: float, n: int) -> None:

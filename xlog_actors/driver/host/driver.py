@@ -35,7 +35,7 @@ from typing import Literal
 import numpy as np
 
 from ...errors import InvalidRequest
-from ..checks import check_launch, check_microseconds, check_nbytes, check_ordinal, writable_bytes
+from ..checks import Dims, check_launch, check_microseconds, check_nbytes, check_ordinal, writable_bytes
 from ..kernel import Kernel
 from ..protocol import Buffer
 from .device import FAULT_KINDS, FaultKind, HostDevice
@@ -249,12 +249,9 @@ class HostDriver:
         return self._stream_device(stream, nbytes).allocate(nbytes, stream)
 
     def free_async(self, ptr: int, stream: HostStream) -> None:
-        """Free ``ptr`` when ``stream`` reaches this point, as ``cuMemFreeAsync`` does.
-
-        Raises:
-            DriverError: ``CUDA_ERROR_INVALID_VALUE`` when ``ptr`` is not a live allocation; and
-                whatever the gate raises.
-        Thread rule: any thread.
+        """Like :meth:`free`, but the free takes effect when ``stream`` reaches this point, as
+        with ``cuMemFreeAsync``; until then the memory may be handed out again on ``stream`` only.
+        Raises what :meth:`free` raises; any thread may call it.
         """
         self._stream_device(stream).free_async(ptr, stream)
 
@@ -361,14 +358,7 @@ class HostDriver:
         self._stream_device(stream)
         stream.enqueue(lambda: time.sleep(seconds))
 
-    def launch(
-        self,
-        kernel: Kernel,
-        grid: Sequence[int] | int,
-        block: Sequence[int] | int,
-        args: Sequence[object],
-        stream: HostStream,
-    ) -> None:
+    def launch(self, kernel: Kernel, grid: Dims, block: Dims, args: Sequence[object], stream: HostStream) -> None:
         """Enqueue ``kernel``'s host implementation, after judging the launch as CUDA does.
 
         When it runs, every access it makes through its memory view must lie inside one

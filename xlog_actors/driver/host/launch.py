@@ -37,19 +37,9 @@ class KernelMemory:
         self._ordinal = ordinal
 
     def array(self, ptr: int, count: int, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-        """View ``count`` elements of ``dtype`` at ``ptr`` as a writable numpy array.
-
-        Args:
-            ptr: the device address of the first element.
-            count: how many elements; 0 touches nothing and is never refused.
-            dtype: their numpy type.
-        Returns:
-            The view.
-        Raises:
-            DriverError: ``CUDA_ERROR_ILLEGAL_ADDRESS`` when the range is not wholly inside one
-                allocation live on the device, or ``count`` is negative.
-        Thread rule: the kernel's stream thread.
-        """
+        """See :meth:`~xlog_actors.driver.kernel.DeviceMemoryView.array`: a numpy view of device
+        memory, or ``DriverError`` (``CUDA_ERROR_ILLEGAL_ADDRESS``) for a range outside every
+        live allocation; called on the kernel's stream thread."""
         dt = np.dtype(dtype)
         ptr, count = int(ptr), int(count)
         nbytes = count * dt.itemsize
