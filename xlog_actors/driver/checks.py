@@ -160,28 +160,27 @@ def check_kernel_args(kernel: Kernel, args: Sequence[object]) -> None:
 def _dim_values(value: object, what: str) -> tuple[Any, ...]:
     """The 1 to 3 integers of a grid or block, not yet range-checked; ``InvalidRequest`` for a
     shape that ``cuLaunchKernel`` could not even be called with (not integers, wrong length)."""
-    if _is_integer(value):
-        dims: tuple[Any, ...] = (value,)
-    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+    if type(value) is int or _is_integer(value):
+        return (value,)
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
         dims = tuple(value)
-    else:
-        dims = ()
-    if not 1 <= len(dims) <= 3 or not all(_is_integer(d) for d in dims):
-        raise InvalidRequest(f"{what} must be an int or 1 to 3 ints, got {value!r}")
-    return dims
+        if 1 <= len(dims) <= 3 and all(_is_integer(d) for d in dims):
+            return dims
+    raise InvalidRequest(f"{what} must be an int or 1 to 3 ints, got {value!r}")
 
 
-def _check_dims(dims: tuple[Any, ...], limits: tuple[int, int, int], what: str) -> Dim3:
+def _check_dims(dims: tuple[Any, ...], limits: Dim3, what: str) -> Dim3:
     """``dims`` padded to three, or the ``DriverError`` ``cuLaunchKernel`` returns for a
     dimension below 1 or above the device's limit on that axis."""
-    full = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
-    for axis, dim, limit in zip(_AXES, full, limits, strict=True):
-        if not 1 <= dim <= limit:
-            raise DriverError(
-                f"{what} {full}: dimension {axis} is {dim}, outside 1..{limit} (the device's limit)",
-                code="CUDA_ERROR_INVALID_VALUE",
-            )
-    return full[0], full[1], full[2]
+    n = len(dims)
+    full = (int(dims[0]), int(dims[1]) if n > 1 else 1, int(dims[2]) if n > 2 else 1)
+    if 1 <= full[0] <= limits[0] and 1 <= full[1] <= limits[1] and 1 <= full[2] <= limits[2]:
+        return full
+    axis = next(i for i in range(3) if not 1 <= full[i] <= limits[i])
+    raise DriverError(
+        f"{what} {full}: dimension {_AXES[axis]} is {full[axis]}, outside 1..{limits[axis]} (the device's limit)",
+        code="CUDA_ERROR_INVALID_VALUE",
+    )
 
 
 def _short(value: object) -> str:
@@ -190,27 +189,29 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def _check_arg(kernel: Kernel, index: int, kind: str, value: object) -> None:
-    """``InvalidRequest`` when ``value`` cannot fill a ``kind`` slot: what the CUDA driver's
+def _arg_problem(kind: str, value: object) -> str | None:
+    """Why ``value`` cannot fill a ``kind`` slot, or None when it can: what the CUDA driver's
     argument packing refuses (a wrong type, a bool, an integer out of the slot's range, an int too
-    large for a float). A float out of ``f32`` range is not refused: it packs as infinity."""
-    dtype = PARAM_DTYPES.get(kind)
-    where = f"kernel {kernel.name}: argument {index} ({kind})"
-    if dtype is None:
-        raise InvalidRequest(f"{where}: unknown parameter kind; expected one of {tuple(PARAM_DTYPES)}")
-    if kind in _FLOAT_KINDS:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise InvalidRequest(f"{where} must be a real number, got {_short(value)} ({type(value).__name__})")
-        try:
-            float(value)
-        except OverflowError:
-            raise InvalidRequest(f"{where}: {_short(value)} is too large for a float") from None
-        return
-    if not _is_integer(value):
-        raise InvalidRequest(f"{where} must be an int, got {_short(value)} ({type(value).__name__})")
-    low, high = _INT_RANGES[kind]
-    if not low <= int(value) <= high:
-        raise InvalidRequest(f"{where}: {_short(value)} does not fit, expected {low}..{high}")
+    large for a float). A float out of ``f32`` range is not refused: it packs as infinity. On the
+    launch path: the common cases (a Python int or float) take one branch each."""
+    bounds = _INT_RANGES.get(kind)
+    if bounds is not None:
+        if not (type(value) is int or _is_integer(value)):
+            return f"must be an int, got {_short(value)} ({type(value).__name__})"
+        if not bounds[0] <= int(value) <= bounds[1]:
+            return f"{_short(value)} does not fit, expected {bounds[0]}..{bounds[1]}"
+        return None
+    if kind not in _FLOAT_KINDS:
+        return f"unknown parameter kind; expected one of {tuple(PARAM_DTYPES)}"
+    if type(value) is float:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return f"must be a real number, got {_short(value)} ({type(value).__name__})"
+    try:
+        float(value)
+    except OverflowError:
+        return f"{_short(value)} is too large for a float"
+    return None
 
 
 def check_launch(kernel: Kernel, grid: Dims, block: Dims, args: Sequence[object]) -> tuple[Dim3, Dim3]:
@@ -241,7 +242,9 @@ def check_launch(kernel: Kernel, grid: Dims, block: Dims, args: Sequence[object]
     grid_dims = _dim_values(grid, "grid")
     block_dims = _dim_values(block, "block")
     for index, (kind, value) in enumerate(zip(kernel.params, args, strict=True)):
-        _check_arg(kernel, index, kind, value)
+        problem = _arg_problem(kind, value)
+        if problem is not None:
+            raise InvalidRequest(f"kernel {kernel.name}: argument {index} ({kind}): {problem}")
     grid3 = _check_dims(grid_dims, MAX_GRID_DIMS, "grid")
     block3 = _check_dims(block_dims, MAX_BLOCK_DIMS, "block")
     threads = block3[0] * block3[1] * block3[2]

@@ -19,7 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from ...errors import DriverError
+from ...errors import DriverError, InvalidRequest
+from ..protocol import Event
 
 __all__ = ["HostEvent", "HostStream", "StreamDevice"]
 
@@ -112,6 +113,14 @@ class HostEvent:
         return f"HostEvent(device={self.ordinal}, {state})"
 
 
+def _host_event(event: Event) -> HostEvent:
+    """``event`` if it is a host driver event; ``InvalidRequest`` for another driver's (the
+    parameter takes any event so that a stream fits the protocol whatever its event type)."""
+    if not isinstance(event, HostEvent):
+        raise InvalidRequest(f"a host stream can only record or wait on a HostEvent, got {event!r}")
+    return event
+
+
 def _stop() -> None:
     """The sentinel that ends a stream's thread (compared by identity, never called)."""
 
@@ -194,28 +203,32 @@ class HostStream:
         self.record(event)
         return event
 
-    def record(self, event: HostEvent) -> None:
+    def record(self, event: Event) -> None:
         """Re-record ``event`` at the current end of this stream; waits already enqueued on it
         keep the record they saw.
 
         Raises:
+            InvalidRequest: ``event`` is not a host driver event.
             ContextLost, ContextPoisoned, DriverError: from the device's gate.
         Thread rule: any thread.
         """
+        host_event = _host_event(event)
         self._device.gate_stream(self)
         marker = threading.Event()
-        event._marker = marker
+        host_event._marker = marker
         self.enqueue(marker.set, always=True)
 
-    def wait(self, event: HostEvent) -> None:
+    def wait(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``'s latest record; never blocks.
 
         Raises:
+            InvalidRequest: ``event`` is not a host driver event.
             ContextLost, ContextPoisoned, DriverError: from the device's gate.
         Thread rule: any thread.
         """
+        host_event = _host_event(event)
         self._device.gate_stream(self)
-        marker = event._marker
+        marker = host_event._marker
         if marker is None or marker.is_set():
             return  # already satisfied: CUDA's wait is then a no-op as well
         self.enqueue(marker.wait, always=True)
