@@ -512,5 +512,5 @@ def test_a_stream_refuses_an_event_of_another_driver(drv: xa.HostDriver) -> None
 
     for call in (s.record, s.wait):
         with pytest.raises(InvalidRequest, match="HostEvent"):
-            call(Foreign())  # type: ignore[arg-type]
+            call(Foreign())
     assert s.query()

@@ -9,6 +9,7 @@ Host-only: on a GPU these launches would poison the test process.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,15 @@ def floats(drv: xa.HostDriver, ptr: int, n: int, stream: xa.HostStream) -> list[
     out = drv.copy_to_host(ptr, 4 * n, stream)
     stream.synchronize()
     return np.frombuffer(out, np.float32).tolist()
+
+
+def hold(drv: xa.HostDriver, stream: xa.HostStream) -> threading.Event:
+    """Block ``stream`` until the returned event is set: the work enqueued behind it runs later
+    than anything the test does meanwhile, whatever the machine's load."""
+    gate = threading.Event()
+    blocker = xa.Kernel(name="hold", source="", params=(), host=lambda mem, grid, block: gate.wait(10))
+    drv.launch(blocker, 1, 1, [], stream)
+    return gate
 
 
 def assert_poisoned(drv: xa.HostDriver, stream: xa.HostStream) -> None:
@@ -91,10 +101,9 @@ def test_a_read_outside_its_buffer_poisons(drv: xa.HostDriver, offset: int) -> N
 def test_a_kernel_on_memory_freed_before_it_ran_poisons(drv: xa.HostDriver) -> None:
     s, other = drv.create_stream(0), drv.create_stream(0)
     ptr = drv.alloc(0, KIB)
-    drv.sleep(s, 100_000)  # the kernel runs after the free below
+    drv.free_async(ptr, other)
+    s.wait(other.record_event())  # the kernel is ordered after the free took effect
     drv.launch(FILL_F32, 1, 256, [ptr, 1.0, 256], s)
-    drv.free_async(ptr, other)  # released on another stream, unordered with the kernel: a race
-    other.synchronize()
     assert_poisoned(drv, s)
 
 
@@ -105,12 +114,13 @@ def test_stream_ordered_free_after_the_kernel_keeps_its_memory_until_it_ran(drv:
     src = drv.alloc_async(4 * KIB, s)
     out = drv.alloc_async(4 * KIB, s)
     drv.fill(src, 0, 4 * KIB, s)
-    drv.sleep(s, 100_000)
+    gate = hold(drv, s)
     drv.launch(SCALE_ADD_F32, 1, 256, [out, src, 1.0, 3.0, KIB], s)
     drv.free_async(src, s)
     again = drv.alloc_async(KIB, s)  # reuses the start of src's range before its free ran
     later = drv.alloc_async(KIB, s)  # and the next KiB of it
     assert src <= again < later < src + 4 * KIB
+    gate.set()
     assert floats(drv, out, KIB, s) == [3.0] * KIB
     drv.launch(FILL_F32, 1, 256, [again, 2.0, 256], s)
     assert floats(drv, again, 256, s) == [2.0] * 256
@@ -186,7 +196,7 @@ def test_an_out_of_bounds_kernel_reaches_the_supervisor_as_context_poisoned(host
         assert np.frombuffer(copy.ask(xa.CopyToHost(small)), np.float32).tolist() == [2.0] * 256
         kernels.ask(xa.Launch(FILL_F32, 4, 256, [xa.Out(small), 1.0, 1024]))  # 3 KiB past the end
         with pytest.raises(xa.ContextPoisoned) as info:
-            copy.ask(xa.CopyToHost(other))
+            copy.ask(xa.CopyToHost(small))  # ordered after the kernel's write: it meets the fault
         assert info.value.code == ILLEGAL_ADDRESS
         deadline = time.monotonic() + 5
         while device.ask(xa.GetStats()).status != "poisoned":

@@ -21,6 +21,9 @@ What it reproduces, so that code tested here behaves the same on a GPU:
 Thread rules: every public method may be called from any thread. Each device has one lock that
 guards its allocator and fault state; stream queues have their own locks. Nothing blocks while
 holding a device lock.
+
+The module runs to about 400 lines because it is the facade of every driver call, each with its
+contract written out; the work itself lives in ``device``, ``stream``, ``memory`` and ``launch``.
 """
 
 from __future__ import annotations
