@@ -42,9 +42,11 @@ class HostDevice:
     """Everything one emulated device holds; see the module docstring.
 
     Invariants: ``epoch`` only grows; ``live`` maps the pointer of every allocation handed out and
-    not yet freed to its aligned size; ``deferred`` holds, per stream id, the ``[seq, offset,
-    size]`` ranges freed on that stream whose free has not run yet (later allocations on the same
-    stream may reuse them, stream order protects them), and ``deferred_bytes`` is their total.
+    not yet freed to its (aligned, requested) sizes, and the arena records the same allocations
+    until their free takes effect on the device; ``deferred`` holds, per stream id, the ``[seq,
+    offset, size]`` ranges freed on that stream whose free has not run yet (later allocations on
+    the same stream may reuse them, stream order protects them), and ``deferred_bytes`` is their
+    total.
 
     Thread rule: any thread; the fields are guarded by ``lock``.
     """
@@ -63,7 +65,7 @@ class HostDevice:
         self.streams: weakref.WeakSet[HostStream] = weakref.WeakSet()
         self.arena = DeviceArena(base, size)
         self.space = AddressSpace(size)
-        self.live: dict[int, tuple[int, int]] = {}  # ptr -> (aligned size, requested size)
+        self.live: dict[int, tuple[int, int]] = {}
         self.deferred: dict[int, list[list[int]]] = {}
         self.deferred_bytes = 0
 
