@@ -1,4 +1,4 @@
-"""Issue 2: the host driver emulates the CUDA stream model faithfully.
+"""The host driver emulates the CUDA stream model faithfully.
 
 Ordering is checked through data and event/stream state, never through elapsed time: a sleep on a
 stream only makes a race deterministic (the slow side is still running when the fast side is
@@ -17,7 +17,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors import StreamPool
-from xlog_actors.driver.host_memory import ALIGNMENT, POISON_BYTE, align_up
+from xlog_actors.driver.host import ALIGNMENT, POISON_BYTE, align_up
 from xlog_actors.errors import (
     ContextLost,
     ContextPoisoned,
@@ -325,7 +325,7 @@ def test_inject_context_lost_until_rebuild(drv: xa.HostDriver) -> None:
     drv.inject_fault(0, "context_lost")
     with pytest.raises(ContextLost) as info:
         drv.alloc(0, 64)
-    assert isinstance(info.value, DriverError)  # code written against the SPEC still catches it
+    assert isinstance(info.value, DriverError)  # code that catches DriverError still catches it
     for call in (
         lambda: drv.alloc(0, 64),
         lambda: drv.create_stream(0),
@@ -496,3 +496,21 @@ def test_bad_sleep_and_closed_stream(drv: xa.HostDriver) -> None:
     s.close()
     with pytest.raises(DriverError):
         drv.fill(drv.alloc(0, 64), 0, 64, s)
+
+
+def test_a_stream_refuses_an_event_of_another_driver(drv: xa.HostDriver) -> None:
+    s = drv.create_stream(0)
+
+    class Foreign:
+        ordinal = 0
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            return None
+
+    for call in (s.record, s.wait):
+        with pytest.raises(InvalidRequest, match="HostEvent"):
+            call(Foreign())
+    assert s.query()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .host import FaultKind, HostDriver
-from .host_stream import HostEvent, HostStream
+from .host import FaultKind, HostDriver, HostEvent, HostStream
 from .kernel import DeviceMemoryView, Kernel
 from .open import DRIVER_ENV, default_driver, open_driver
 from .protocol import Driver, DriverKind, Event, Stream

@@ -3,6 +3,8 @@
 The host implementation runs on the host driver's stream thread, in stream order, against the
 emulated device memory, so a kernel that reads a buffer before its producer finished reads stale
 bytes there exactly as it would on a GPU.
+
+Thread rule: a :class:`Kernel` is immutable; any thread may read, hash or launch it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import numpy.typing as npt
 
 __all__ = ["PARAM_DTYPES", "DeviceMemoryView", "Kernel", "ParamKind"]
 
+#: The kind of one kernel parameter: a device pointer, a 32- or 64-bit signed or unsigned integer,
+#: or a 32- or 64-bit float.
 ParamKind = Literal["ptr", "i32", "u32", "i64", "u64", "f32", "f64"]
 
+#: The numpy type each parameter kind is packed as; an integer argument must fit its range.
 PARAM_DTYPES: dict[str, type[np.generic]] = {
     "ptr": np.uint64,
     "i32": np.int32,
@@ -30,12 +35,27 @@ PARAM_DTYPES: dict[str, type[np.generic]] = {
 
 
 class DeviceMemoryView(Protocol):
-    """What a host kernel implementation sees of device memory."""
+    """What a host kernel implementation sees of device memory.
+
+    Thread rule: used only by the kernel it was handed to, on its stream's thread.
+    """
 
     def array(self, ptr: int, count: int, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-        """A writable numpy view of ``count`` elements of ``dtype`` at device address ``ptr``.
-        An address outside device memory raises, which poisons the context as an illegal
-        address would on a GPU."""
+        """View device memory as a numpy array, checked as compute-sanitizer checks an access.
+
+        Args:
+            ptr: the device address of the first element.
+            count: how many elements; 0 touches nothing and is never refused.
+            dtype: their numpy type.
+        Returns:
+            A writable numpy view of ``count`` elements of ``dtype`` at ``ptr``.
+        Raises:
+            DriverError: ``code="CUDA_ERROR_ILLEGAL_ADDRESS"`` unless the range lies wholly inside
+                one allocation live on the device when the kernel runs (or ``count`` is negative).
+                Raised inside device work, it poisons the context as the illegal address would
+                on a GPU.
+        Thread rule: the kernel's stream thread.
+        """
         ...
 
 
@@ -45,7 +65,12 @@ class Kernel:
 
     ``name`` is the ``extern "C" __global__`` function in ``source``; ``params`` gives the kind of
     each argument in order (``"ptr"`` for a device pointer); ``host(mem, grid, block, *args)`` is
-    the host driver's implementation, called with the same argument values.
+    the host driver's implementation, called on the stream's thread with a
+    :class:`DeviceMemoryView`, the grid and block as ``(x, y, z)`` tuples and the same argument
+    values; ``options`` are extra NVRTC options. Two kernels are equal when their name, source,
+    params and options are (the host implementation is not compared).
+
+    Thread rule: immutable; any thread.
     """
 
     name: str

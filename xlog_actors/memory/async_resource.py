@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
-from ..driver.host_memory import ALIGNMENT
+from ..driver.limits import ALIGNMENT
 from ..driver.protocol import Driver, Event, Stream
 from ..errors import DriverError
 from .block import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from ..driver.checks import check_device, check_nbytes, unknown_block
-from ..driver.host_memory import ALIGNMENT
+from ..driver.limits import ALIGNMENT
 from ..driver.protocol import Driver
 from ..errors import DriverError
 from .block import AllocTag, DeviceBlock, Generation, StreamId, make_block

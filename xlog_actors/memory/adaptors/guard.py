@@ -7,7 +7,8 @@ import math
 import threading
 
 from ...driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
-from ...driver.host_memory import ALIGNMENT, POISON_BYTE
+from ...driver.host import POISON_BYTE
+from ...driver.limits import ALIGNMENT
 from ...driver.protocol import Driver, Stream
 from ...errors import CorruptionDetected, InvalidRequest
 from ..async_resource import LiveBlockInfo

@@ -1,0 +1,412 @@
+"""The host driver: the CUDA stream model emulated on host threads and host memory.
+
+What it reproduces, so that code tested here behaves the same on a GPU:
+
+* device memory with real, distinct, 256-byte aligned addresses; synchronous allocation
+  (``cuMemAlloc``; ``free`` is device-synchronizing like ``cuMemFree``) and stream-ordered
+  allocation (``cuMemAllocAsync``/``cuMemFreeAsync``): a free takes effect when its stream reaches
+  it, and, as in CUDA's pools, memory freed on a stream may be handed out again at once to a later
+  allocation *on the same stream*, whose work is ordered after the free anyway;
+* freed memory is overwritten with ``0xDD`` when the free takes effect, so a use after free reads
+  garbage, as it may on a GPU;
+* streams that run in order on their own threads, concurrently with each other; events; waits
+  enqueued without blocking the host; ``sleep`` to make a stream slow;
+* launches judged as ``cuLaunchKernel`` judges them (:func:`~xlog_actors.driver.checks.check_launch`):
+  what a GPU refuses is refused here, with the same error and code;
+* faults (:meth:`HostDriver.inject_fault`): a failing call, a lost context that must be rebuilt,
+  and a sticky error that poisons the device for the life of the driver. A host kernel that
+  touches memory outside the allocations live on the device, or raises, poisons the device as an
+  illegal address (or a launch failure) would.
+
+Thread rules: every public method may be called from any thread. Each device has one lock that
+guards its allocator and fault state; stream queues have their own locks. Nothing blocks while
+holding a device lock.
+
+The module runs to about 400 lines because it is the facade of every driver call, each with its
+contract written out; the work itself lives in ``device``, ``stream``, ``memory`` and ``launch``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from ...errors import InvalidRequest
+from ..checks import Dims, check_launch, check_microseconds, check_nbytes, check_ordinal, writable_bytes
+from ..kernel import Kernel
+from ..protocol import Buffer
+from .device import FAULT_KINDS, FaultKind, HostDevice
+from .launch import KernelMemory, kernel_work
+from .memory import align_up
+from .stream import HostEvent, HostStream
+
+__all__ = ["HostDriver"]
+
+# Each device gets its own 1 TiB window of the address space, so pointers of different devices
+# never collide and a pointer names its device.
+_DEVICE_WINDOW = 1 << 40
+_BASE = 0x7F00_0000_0000
+
+_live_drivers: weakref.WeakSet[HostDriver] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for driver in list(_live_drivers):
+        driver.close()
+
+
+class HostDriver:
+    """The host emulation of a CUDA driver; see the module docstring.
+
+    It implements the driver protocol with its own stream and event types (:class:`HostStream`,
+    :class:`HostEvent`): a stream or event of another driver is not accepted.
+
+    Invariant: once closed, every call raises ``DriverError`` (``CUDA_ERROR_DEINITIALIZED``).
+
+    Thread rule: any thread may call every method.
+    """
+
+    kind: Literal["host"] = "host"
+
+    def __init__(self, device_count: int = 1, memory_per_device: int = 1 << 30) -> None:
+        """Emulate ``device_count`` devices of ``memory_per_device`` bytes each (rounded up to the
+        alignment); memory is committed only when touched.
+
+        Raises:
+            InvalidRequest: ``device_count`` is not a positive int, or ``memory_per_device`` is not
+                a positive int of at most 1 TiB.
+        """
+        if type(device_count) is not int or device_count < 1:
+            raise InvalidRequest(f"device_count must be a positive int, got {device_count!r}")
+        check_nbytes(memory_per_device, "memory_per_device")
+        if memory_per_device > _DEVICE_WINDOW:
+            raise InvalidRequest(f"memory_per_device above {_DEVICE_WINDOW} bytes is not supported")
+        self._memory_per_device = align_up(memory_per_device)
+        self._devices = [
+            HostDevice(i, _BASE + i * _DEVICE_WINDOW, self._memory_per_device) for i in range(device_count)
+        ]
+        self._closed = False
+        _live_drivers.add(self)
+
+    def __repr__(self) -> str:
+        return f"HostDriver(device_count={len(self._devices)}, memory_per_device={self._memory_per_device})"
+
+    def _device(self, ordinal: object) -> HostDevice:
+        """Device ``ordinal`` of an open driver, no fault counted."""
+        dev = self._devices[check_ordinal(ordinal, len(self._devices), "the host driver")]
+        dev.check_open()
+        return dev
+
+    def _gate(self, ordinal: object, requested: int = 0) -> HostDevice:
+        dev = self._device(ordinal)
+        dev.gate(requested)
+        return dev
+
+    def _stream_device(self, stream: HostStream, requested: int = 0) -> HostDevice:
+        dev = self._device(stream.ordinal)
+        dev.gate_stream(stream, requested)
+        return dev
+
+    # -- queries ----------------------------------------------------------------------------
+    def device_count(self) -> int:
+        """How many devices this driver emulates. Thread rule: any thread."""
+        return len(self._devices)
+
+    def device_name(self, ordinal: int) -> str:
+        """A name for device ``ordinal``.
+
+        Raises:
+            InvalidRequest: a bad ordinal. DriverError: the driver is closed.
+        Thread rule: any thread.
+        """
+        self._device(ordinal)
+        return f"host-emulated device {ordinal}"
+
+    def mem_info(self, ordinal: int) -> tuple[int, int]:
+        """``(free, total)`` bytes of device ``ordinal``; stream-ordered frees that have not run
+        yet are not free.
+
+        Raises:
+            InvalidRequest: a bad ordinal. DriverError: the driver is closed.
+            ContextLost, ContextPoisoned: the context is gone.
+        Thread rule: any thread.
+        """
+        dev = self._device(ordinal)
+        dev.check_after_sync()
+        with dev.lock:
+            return dev.space.free_bytes, dev.size
+
+    def make_current(self, ordinal: int) -> None:
+        """Nothing to do on the host, beyond checking ``ordinal`` (``InvalidRequest``) and that
+        the driver is open (``DriverError``). Thread rule: any thread."""
+        self._device(ordinal)
+
+    def check_context(self, ordinal: int) -> None:
+        """Check that device ``ordinal``'s context is usable; no fault is counted (the CUDA twin
+        detects a reset made from outside the driver).
+
+        Raises:
+            InvalidRequest: a bad ordinal. DriverError: the driver is closed.
+            ContextLost, ContextPoisoned: the context is gone.
+        Thread rule: any thread.
+        """
+        self._device(ordinal).check_after_sync()
+
+    def inject_fault(self, ordinal: int, kind: FaultKind, after_calls: int = 0) -> None:
+        """Make device ``ordinal`` fail on a later driver call: the one after ``after_calls`` more.
+
+        Args:
+            ordinal: the device.
+            kind: ``"oom"``: that call raises ``OutOfMemory``; ``"error"``: ``DriverError``,
+                context intact; ``"context_lost"``: ``ContextLost`` from then on until
+                :meth:`rebuild_context`; ``"sticky"``: ``ContextPoisoned``
+                (``CUDA_ERROR_ILLEGAL_ADDRESS``) for the life of the driver.
+            after_calls: how many calls pass before it, a non-negative int.
+        Raises:
+            InvalidRequest: a bad ordinal, kind or count; nothing is planted then.
+        Thread rule: any thread.
+        """
+        dev = self._device(ordinal)
+        if kind not in FAULT_KINDS:
+            raise InvalidRequest(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
+        if type(after_calls) is not int or after_calls < 0:
+            raise InvalidRequest(f"after_calls must be a non-negative int, got {after_calls!r}")
+        dev.inject(kind, after_calls)
+
+    def live_allocations(self, ordinal: int) -> int:
+        """How many allocations of ``ordinal``'s current context are not yet freed (diagnostic).
+
+        Thread rule: any thread.
+        """
+        dev = self._device(ordinal)
+        with dev.lock:
+            return len(dev.live)
+
+    # -- streams and events -----------------------------------------------------------------
+    def create_stream(self, ordinal: int) -> HostStream:
+        """A new stream of device ``ordinal``'s current context, its thread started.
+
+        Raises:
+            InvalidRequest, DriverError, ContextLost, ContextPoisoned, OutOfMemory: from the gate.
+        Thread rule: any thread.
+        """
+        dev = self._gate(ordinal)
+        stream = HostStream(dev, dev.epoch)
+        # Under the device lock: ``free`` and ``close`` iterate the set from other threads.
+        with dev.lock:
+            dev.streams.add(stream)
+        return stream
+
+    def create_event(self, ordinal: int) -> HostEvent:
+        """A new, unrecorded event of device ``ordinal``.
+
+        Raises:
+            InvalidRequest, DriverError, ContextLost, ContextPoisoned, OutOfMemory: from the gate.
+        Thread rule: any thread.
+        """
+        return HostEvent(self._gate(ordinal))
+
+    # -- allocation -------------------------------------------------------------------------
+    def alloc(self, ordinal: int, nbytes: int) -> int:
+        """Allocate ``nbytes`` on device ``ordinal`` at once, as ``cuMemAlloc`` does.
+
+        Returns:
+            The device address, 256-byte aligned.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int, or a bad ordinal.
+            OutOfMemory: no room (``.requested``, ``.free`` set).
+            DriverError, ContextLost, ContextPoisoned: from the gate.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes)
+        return self._gate(ordinal, nbytes).allocate(nbytes, None)
+
+    def free(self, ordinal: int, ptr: int) -> None:
+        """Free ``ptr`` once device ``ordinal`` is idle, as ``cuMemFree`` does.
+
+        Raises:
+            DriverError: ``CUDA_ERROR_INVALID_VALUE`` when ``ptr`` is not a live allocation; and
+                whatever the gate raises.
+        Thread rule: any thread but a stream thread of this driver.
+        """
+        self._gate(ordinal).free(ptr)
+
+    def alloc_async(self, nbytes: int, stream: HostStream) -> int:
+        """Allocate ``nbytes`` in ``stream``'s order, as ``cuMemAllocAsync`` does.
+
+        Returns:
+            The device address, 256-byte aligned.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int.
+            OutOfMemory: no room. DriverError, ContextLost, ContextPoisoned: from the gate.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes)
+        return self._stream_device(stream, nbytes).allocate(nbytes, stream)
+
+    def free_async(self, ptr: int, stream: HostStream) -> None:
+        """Like :meth:`free`, but the free takes effect when ``stream`` reaches this point, as
+        with ``cuMemFreeAsync``; until then the memory may be handed out again on ``stream`` only.
+        Raises what :meth:`free` raises; any thread may call it.
+        """
+        self._stream_device(stream).free_async(ptr, stream)
+
+    # -- copies and work --------------------------------------------------------------------
+    def copy_to_device(self, ptr: int, data: Buffer, stream: HostStream) -> None:
+        """Enqueue a copy of ``data`` (snapshotted now) to ``ptr``.
+
+        Raises:
+            DriverError: ``CUDA_ERROR_INVALID_VALUE`` for a range outside device memory; and
+                whatever the gate raises.
+        Thread rule: any thread.
+        """
+        snapshot = bytes(memoryview(data).cast("B"))
+        dev = self._stream_device(stream)
+        offset = dev.offset_of(ptr, len(snapshot), "copy to device")
+        arena = dev.arena
+
+        def run() -> None:
+            arena.mm[offset : offset + len(snapshot)] = snapshot
+
+        stream.enqueue(run)
+
+    def copy_to_host(self, ptr: int, nbytes: int, stream: HostStream) -> bytearray:
+        """Enqueue a copy of ``nbytes`` at ``ptr`` into a new buffer, valid once ``stream`` is
+        synchronized.
+
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int. DriverError: a range outside device
+                memory; and whatever the gate raises.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes, "copy size")
+        out = bytearray(nbytes)
+        self.copy_to_host_into(ptr, out, stream)
+        return out
+
+    def copy_to_host_into(self, ptr: int, out: Buffer, stream: HostStream) -> None:
+        """Enqueue a copy of ``len(out)`` bytes at ``ptr`` into the writable buffer ``out``.
+
+        Raises:
+            InvalidRequest: ``out`` is read-only. DriverError: a range outside device memory; and
+                whatever the gate raises.
+        Thread rule: any thread.
+        """
+        target = writable_bytes(out)
+        nbytes = len(target)
+        dev = self._stream_device(stream)
+        offset = dev.offset_of(ptr, nbytes, "copy to host")
+        arena = dev.arena
+
+        def run() -> None:
+            target[:] = arena.mm[offset : offset + nbytes]
+
+        stream.enqueue(run)
+
+    def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: HostStream) -> None:
+        """Enqueue a copy of ``nbytes`` from ``src`` to ``dst``.
+
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int. DriverError: a range outside device
+                memory; and whatever the gate raises.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes, "copy size")
+        dev = self._stream_device(stream)
+        dst_off = dev.offset_of(dst, nbytes, "device-to-device copy destination")
+        src_off = dev.offset_of(src, nbytes, "device-to-device copy source")
+        arena = dev.arena
+
+        def run() -> None:
+            arena.mm[dst_off : dst_off + nbytes] = arena.mm[src_off : src_off + nbytes]
+
+        stream.enqueue(run)
+
+    def fill(self, ptr: int, byte: int, nbytes: int, stream: HostStream) -> None:
+        """Enqueue setting ``nbytes`` bytes at ``ptr`` to ``byte``.
+
+        Raises:
+            InvalidRequest: ``byte`` is not an int in 0..255 or ``nbytes`` not a positive int.
+            DriverError: a range outside device memory; and whatever the gate raises.
+        Thread rule: any thread.
+        """
+        if type(byte) is not int or not 0 <= byte <= 255:
+            raise InvalidRequest(f"fill byte must be an int in 0..255, got {byte!r}")
+        nbytes = check_nbytes(nbytes, "fill size")
+        dev = self._stream_device(stream)
+        offset = dev.offset_of(ptr, nbytes, "fill")
+        arena = dev.arena
+
+        def run() -> None:
+            np.frombuffer(arena.mm, np.uint8, nbytes, offset)[:] = byte
+
+        stream.enqueue(run)
+
+    def sleep(self, stream: HostStream, microseconds: int) -> None:
+        """Enqueue a pause of ``microseconds`` on ``stream``.
+
+        Raises:
+            InvalidRequest: not a non-negative number. DriverError, ContextLost, ContextPoisoned:
+                from the gate.
+        Thread rule: any thread.
+        """
+        seconds = check_microseconds(microseconds) / 1e6
+        self._stream_device(stream)
+        stream.enqueue(lambda: time.sleep(seconds))
+
+    def launch(self, kernel: Kernel, grid: Dims, block: Dims, args: Sequence[object], stream: HostStream) -> None:
+        """Enqueue ``kernel``'s host implementation, after judging the launch as CUDA does.
+
+        When it runs, every access it makes through its memory view must lie inside one
+        allocation live on the device; one that does not poisons the context
+        (``ContextPoisoned``, ``CUDA_ERROR_ILLEGAL_ADDRESS``, met by the next call), as on a GPU.
+
+        Args:
+            kernel: the kernel.
+            grid: blocks per grid, an int or 1 to 3 ints.
+            block: threads per block, an int or 1 to 3 ints.
+            args: one value per parameter, pointers as ints.
+            stream: where it runs.
+        Raises:
+            InvalidRequest, DriverError: what :func:`~xlog_actors.driver.checks.check_launch`
+                refuses (nothing is enqueued, no fault counted); and whatever the gate raises.
+        Thread rule: any thread.
+        """
+        grid3, block3 = check_launch(kernel, grid, block, args)
+        dev = self._stream_device(stream)
+        stream.enqueue(kernel_work(kernel, KernelMemory(dev.arena, dev.ordinal), grid3, block3, args))
+
+    # -- context lifetime -------------------------------------------------------------------
+    def rebuild_context(self, ordinal: int) -> None:
+        """Destroy device ``ordinal``'s context (every allocation, stream and event of it) and
+        make a new one.
+
+        Raises:
+            InvalidRequest: a bad ordinal. DriverError: the driver is closed.
+            ContextPoisoned: a sticky fault makes a rebuild impossible in-process.
+        Thread rule: any thread but a stream thread of this driver.
+        """
+        self._device(ordinal).rebuild()
+
+    def close(self) -> None:
+        """Stop every stream thread and release every device's memory. Idempotent.
+
+        Thread rule: any thread but a stream thread of this driver.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for dev in self._devices:
+            dev.shutdown()
+        _live_drivers.discard(self)
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
+            self.close()
