@@ -20,18 +20,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import OutOfMemory, XlogError
-from .block import AllocTag, DeviceBlock, StreamId
+from .block import AllocTag, DeviceBlock, LiveBlock, StreamId
+from .figures import AllocationStatistics
 from .resource import DeviceMemoryResource
-
-if TYPE_CHECKING:
-    from .adaptors.statistics import AllocationStatistics
 
 __all__ = [
     "GroupSummary",
-    "LiveBlock",
     "MemoryReport",
     "enrich_out_of_memory",
     "human_bytes",
@@ -50,18 +47,6 @@ def human_bytes(nbytes: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024.0
     return f"{value:.1f} TiB"
-
-
-@dataclass(frozen=True, slots=True)
-class LiveBlock:
-    """One live block as the top of the stack hands it out. ``age_s`` is None where the base
-    resource does not record allocation times."""
-
-    ptr: int
-    nbytes: int
-    tag: AllocTag
-    stream: StreamId
-    age_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +85,7 @@ class MemoryReport:
         stats: dict[str, Any] | None = None
         if self.statistics is not None:
             s = self.statistics
-            stats = {**_figures(s), "by_tag": {str(t): _figures(f) for t, f in s.by_tag.items()}}
+            stats = {**s.as_dict(), "by_tag": {str(t): f.as_dict() for t, f in s.by_tag.items()}}
         return {
             "description": self.description,
             "device_ordinal": self.device_ordinal,
@@ -163,27 +148,14 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _figures(f: Any) -> dict[str, int]:
-    return {
-        "current_bytes": f.current_bytes,
-        "current_count": f.current_count,
-        "peak_bytes": f.peak_bytes,
-        "peak_count": f.peak_count,
-        "total_bytes": f.total_bytes,
-        "total_count": f.total_count,
-    }
-
-
 def _group(g: GroupSummary) -> dict[str, Any]:
     return {"count": g.count, "nbytes": g.nbytes, "oldest_age_s": g.oldest_age_s}
 
 
-def _live_block(entry: Any) -> LiveBlock:
-    """Normalize what a base resource's ``live_blocks()`` returns: ``LiveBlockInfo`` (with an
-    age) from the async resource, ``DeviceBlock`` (without one) from the direct resource."""
-    if isinstance(entry, DeviceBlock):
-        return LiveBlock(entry.ptr, entry.nbytes, entry.tag, entry.alloc_stream, None)
-    return LiveBlock(entry.ptr, entry.nbytes, entry.tag, entry.stream, entry.age_s)
+def _live_block(entry: LiveBlock | DeviceBlock) -> LiveBlock:
+    """Normalize what a base resource's ``live_blocks()`` returns: ``LiveBlock`` (with an age)
+    from the async resource, ``DeviceBlock`` (without one) from the direct resource."""
+    return LiveBlock.of(entry) if isinstance(entry, DeviceBlock) else entry
 
 
 def _summarize(blocks: Iterable[LiveBlock], key: str) -> dict[Any, GroupSummary]:

@@ -1,6 +1,6 @@
-"""Adaptors: resources that wrap an ``upstream`` resource and add one concern each
-(SPEC section 4). Every adaptor forwards the block-use tracking hooks and ``reap_pending``, so any
-stack keeps the guarantees of its base resource.
+"""Adaptors: resources that wrap an ``upstream`` resource and add one concern each. Every
+adaptor forwards the block-use tracking hooks and ``reap_pending``, so any stack keeps the
+guarantees of its base resource.
 
 :data:`xlog_actors.memory.stack.ADAPTORS` names them for the stack grammar::
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from .budget import BudgetResource, format_size, parse_size
 from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource
 from .log_resource import LOG_ENV, LOG_HEADER, LoggingResource
-from .statistics import AllocationFigures, AllocationStatistics, StatisticsResource
+from .statistics import StatisticsResource
 from .upstream import ResourceAdaptor
 
 __all__ = [
@@ -27,8 +27,6 @@ __all__ = [
     "DEFAULT_GUARD_BYTES",
     "LOG_ENV",
     "LOG_HEADER",
-    "AllocationFigures",
-    "AllocationStatistics",
     "BudgetResource",
     "GuardResource",
     "LoggingResource",
