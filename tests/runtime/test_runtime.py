@@ -269,3 +269,42 @@ def test_a_closed_and_dropped_driver_takes_its_runtimes_with_it() -> None:
     gc.collect()
     assert gone[0]() is None, "the runtime table keeps every driver it ever saw alive"
     assert gone[1]() is None
+
+
+def test_build_and_try_get_compose_through_with_resource(
+    fresh: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One construction path: every runtime, shared or owned, is made by ``with_resource``."""
+    made: list[tuple[int, str]] = []
+    real = XlogDeviceRuntime.with_resource.__func__  # type: ignore[attr-defined]
+
+    def counting(
+        cls: type[XlogDeviceRuntime],
+        driver: xa.Driver,
+        ordinal: int,
+        stream_pool: StreamPool,
+        resource: xa.DeviceMemoryResource,
+    ) -> XlogDeviceRuntime:
+        made.append((ordinal, resource.describe()))
+        return real(cls, driver, ordinal, stream_pool, resource)
+
+    monkeypatch.setattr(XlogDeviceRuntime, "with_resource", classmethod(counting))
+    owned = XlogDeviceRuntime.build(fresh, 1, "direct")
+    shared = XlogDeviceRuntime.try_get(0, fresh)
+    try:
+        assert made == [(1, "direct"), (0, "async")]
+        assert XlogDeviceRuntime.try_get(0, fresh) is shared and len(made) == 2
+    finally:
+        owned.close()
+
+
+def test_a_runtime_exposes_its_parts_and_description(fresh: xa.HostDriver) -> None:
+    pool = StreamPool(fresh, 1)
+    resource = DirectCudaResource(fresh, 1)
+    rt = XlogDeviceRuntime.with_resource(fresh, 1, pool, resource)
+    try:
+        assert (rt.driver, rt.device_ordinal, rt.stream_pool, rt.resource) == (fresh, 1, pool, resource)
+        assert rt.describe() == "direct" and "device=1" in repr(rt) and "'direct'" in repr(rt)
+    finally:
+        rt.close()
+    assert pool.resolve(StreamId.DEFAULT) is None, "close closes the stream pool it took over"
