@@ -366,6 +366,18 @@ class AsyncCudaResource(DeviceBound, DeviceMemoryResource):
             raise unknown_stream(owner, self._ordinal, use_stream)
         return stream
 
+    def _recorded_event(self, stream: Stream) -> Event:
+        """An event from the pool, recorded on ``stream``. Call under the lock.
+
+        A failed record puts the event back (nobody waits on it) and raises."""
+        event = self._events.get()
+        try:
+            stream.record(event)
+        except BaseException:
+            self._events.put(event)
+            raise
+        return event
+
     def prepare_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
         """Queue on ``use_stream`` the waits it needs before work with ``access`` on the block.
 
@@ -393,9 +405,8 @@ class AsyncCudaResource(DeviceBound, DeviceMemoryResource):
                     alloc_stream = self._streams.get(entry.stream)
                     if alloc_stream is None:
                         raise unknown_stream("AsyncCudaResource.prepare_block_use", self._ordinal, entry.stream)
-                    event = self._events.get()
+                    event = self._recorded_event(alloc_stream)
                     try:
-                        alloc_stream.record(event)
                         stream.wait(event)
                     except BaseException:
                         # Nobody waits on it: back to the pool, and the block stays as it was.
@@ -440,13 +451,7 @@ class AsyncCudaResource(DeviceBound, DeviceMemoryResource):
                 if event is not None:
                     stream.record(event)  # same stream: the new record subsumes the old one
                     return
-                event = self._events.get()
-                try:
-                    stream.record(event)
-                except BaseException:
-                    self._events.put(event)
-                    raise
-                reads[use_stream] = event
+                reads[use_stream] = self._recorded_event(stream)
                 return
             last_write = entry.last_write
             if last_write is None and use_stream == entry.stream:
@@ -454,13 +459,7 @@ class AsyncCudaResource(DeviceBound, DeviceMemoryResource):
             elif last_write is not None and last_write[0] == use_stream:
                 stream.record(last_write[1])
             else:
-                event = self._events.get()
-                try:
-                    stream.record(event)
-                except BaseException:
-                    self._events.put(event)
-                    raise
-                entry.last_write = (use_stream, event)
+                entry.last_write = (use_stream, self._recorded_event(stream))
                 if last_write is not None:
                     self._events.put(last_write[1])
             reads = entry.reads

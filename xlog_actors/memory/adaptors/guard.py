@@ -239,29 +239,23 @@ class GuardResource(ResourceAdaptor):
     def _damage(self, head: bytearray, tail: bytearray, nbytes: int) -> str | None:
         """Where the canaries were overwritten, in words, or None when both are intact."""
         found = []
-        overwritten = self._overwritten(head)
-        if overwritten is not None:
-            first, changed = overwritten
-            found.append(
-                f"canary before the block overwritten from {self._guard - first} bytes before its start "
-                f"({changed} of {self._guard} bytes changed)"
-            )
-        overwritten = self._overwritten(tail)
-        if overwritten is not None:
-            first, changed = overwritten
-            found.append(
-                f"canary after the block overwritten from offset {nbytes + first} ({first} bytes past "
-                f"its end; {changed} of {self._guard} bytes changed)"
-            )
+        g = self._guard
+        if (damage := self._overwritten(head)) is not None:
+            first, changed = damage
+            found.append(f"canary before the block overwritten from {g - first} bytes before its start ({changed})")
+        if (damage := self._overwritten(tail)) is not None:
+            first, changed = damage
+            past = f"{first} bytes past its end"
+            found.append(f"canary after the block overwritten from offset {nbytes + first} ({past}; {changed})")
         return "; ".join(found) or None
 
-    def _overwritten(self, canary: bytearray) -> tuple[int, int] | None:
-        """``(offset of the first changed byte, how many bytes changed)`` of a canary read back,
-        or None when it is intact."""
+    def _overwritten(self, canary: bytearray) -> tuple[int, str] | None:
+        """The offset of the first changed byte of a canary read back, and how many changed in
+        words; None when it is intact."""
         if canary == self._canary:
             return None
         changed = [i for i, (a, b) in enumerate(zip(canary, self._canary, strict=False)) if a != b]
-        return changed[0], len(changed)
+        return changed[0], f"{len(changed)} of {self._guard} bytes changed"
 
     # -- identity translation ---------------------------------------------------------------
     def _upstream_block(self, owner: str, block_id: BlockId | DeviceBlock) -> DeviceBlock:
@@ -274,47 +268,36 @@ class GuardResource(ResourceAdaptor):
             )
         return up
 
+    def _tracked(self, hook: str, block_id: BlockId | DeviceBlock) -> DeviceBlock:
+        """The upstream block behind ``block_id``, for the tracking hook ``hook``."""
+        if not self._upstream.supports_block_use_tracking():
+            raise self._unsupported(hook)
+        return self._upstream_block(f"GuardResource.{hook}", block_id)
+
     def record_block_use(self, block: DeviceBlock, use_stream: StreamId) -> None:
         """The upstream's ``record_block_use`` on the upstream block behind ``block``.
 
+        Args:
+            block: a live block of this guard.
+            use_stream: as the upstream's.
         Raises:
             StreamMisuse: the upstream does not track block uses, or as the upstream.
             InvalidRequest: ``block`` is of another device.
             UseAfterFree: ``block`` is not live in this guard.
         Thread rule: any thread.
         """
-        if not self._upstream.supports_block_use_tracking():
-            raise self._unsupported("record_block_use")
-        self._upstream.record_block_use(
-            self._upstream_block("GuardResource.record_block_use", block), use_stream
-        )
+        self._upstream.record_block_use(self._tracked("record_block_use", block), use_stream)
 
     def prepare_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
-        """The upstream's ``prepare_block_use`` on the upstream block behind ``block_id``.
-
-        Raises:
-            StreamMisuse: the upstream does not track block uses, or as the upstream.
-            InvalidRequest: the block is of another device.
-            UseAfterFree: the block is not live in this guard.
-        Thread rule: any thread.
-        """
-        if not self._upstream.supports_block_use_tracking():
-            raise self._unsupported("prepare_block_use")
-        up = self._upstream_block("GuardResource.prepare_block_use", block_id)
+        """The upstream's ``prepare_block_use`` on the upstream block behind ``block_id``;
+        arguments, errors and thread rule as :meth:`record_block_use`."""
+        up = self._tracked("prepare_block_use", block_id)
         self._upstream.prepare_block_use(BlockId.from_block(up), use_stream, access)
 
     def finish_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
-        """The upstream's ``finish_block_use`` on the upstream block behind ``block_id``.
-
-        Raises:
-            StreamMisuse: the upstream does not track block uses, or as the upstream.
-            InvalidRequest: the block is of another device.
-            UseAfterFree: the block is not live in this guard.
-        Thread rule: any thread.
-        """
-        if not self._upstream.supports_block_use_tracking():
-            raise self._unsupported("finish_block_use")
-        up = self._upstream_block("GuardResource.finish_block_use", block_id)
+        """The upstream's ``finish_block_use`` on the upstream block behind ``block_id``;
+        arguments, errors and thread rule as :meth:`record_block_use`."""
+        up = self._tracked("finish_block_use", block_id)
         self._upstream.finish_block_use(BlockId.from_block(up), use_stream, access)
 
     def live_blocks(self) -> list[LiveBlock | DeviceBlock]:
