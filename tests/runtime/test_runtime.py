@@ -1,4 +1,4 @@
-"""SPEC 5: ``XlogDeviceRuntime``, and the seed's ``runtime.rs`` tests in Python."""
+"""``XlogDeviceRuntime``: the shared table of ``try_get``, owned runtimes, forwarding."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _default_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(RESOURCE_ENV, raising=False)
 
 
-# -- the seed's tests ----------------------------------------------------------------------------
+# -- the shared table and owned runtimes ---------------------------------------------------------
 def test_try_get_returns_same_singleton(driver: xa.Driver) -> None:
     a = XlogDeviceRuntime.try_get(0, driver)
     b = XlogDeviceRuntime.try_get(0, driver)
@@ -91,7 +91,7 @@ def test_with_resource_composes_owned_runtime_outside_singleton(driver: xa.Drive
 def test_try_get_runtime_record_block_use_rejected_with_stream_misuse(
     fresh: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The seed's singleton installs the direct backend; here that is the sanitizer mode.
+    # The direct backend (the sanitizer mode) offers no tracking.
     monkeypatch.setenv(RESOURCE_ENV, "direct")
     rt = XlogDeviceRuntime.try_get(0, fresh)
     assert isinstance(rt.resource, DirectCudaResource)
@@ -105,7 +105,7 @@ def test_try_get_runtime_record_block_use_rejected_with_stream_misuse(
     assert rt.bytes_outstanding() == 0
 
 
-# -- beyond the seed -----------------------------------------------------------------------------
+# -- per driver and ordinal ----------------------------------------------------------------------
 def test_default_stack_is_async(fresh: xa.HostDriver) -> None:
     rt = XlogDeviceRuntime.try_get(0, fresh)
     assert isinstance(rt.resource, AsyncCudaResource)
@@ -132,7 +132,7 @@ def test_100_threads_racing_on_first_use_build_one_runtime(
     fresh: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     builds: list[int] = []
-    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]
+    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def slow_build(
         cls: type[XlogDeviceRuntime],
@@ -153,7 +153,7 @@ def test_100_threads_racing_on_first_use_build_one_runtime(
         try:
             barrier.wait()
             got.append(XlogDeviceRuntime.try_get(0, fresh))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=racer) for _ in range(100)]
@@ -199,10 +199,10 @@ def test_runtime_forwards_every_resource_method(fresh: xa.HostDriver) -> None:
     block = rt.allocate(4096, StreamId.DEFAULT, AllocTag("fwd"))
     bid = BlockId.from_block(block)
     rt.prepare_block_use(bid, other, Access.WRITE)
-    fresh.fill(block.ptr, 0x3C, 4096, rt.stream_pool.resolve(other))  # type: ignore[arg-type]
+    fresh.fill(block.ptr, 0x3C, 4096, rt.stream_pool.resolve(other))  # type: ignore[arg-type]  # resolved, so not None
     rt.finish_block_use(bid, other, Access.WRITE)
     rt.record_block_use(block, other)
-    assert rt.resource.pending_use_event_count(block.ptr) == 2  # type: ignore[attr-defined]
+    assert rt.resource.pending_use_event_count(block.ptr) == 2  # type: ignore[attr-defined]  # async's diagnostic
     rt.deallocate(block)
     assert rt.bytes_outstanding() == 4096
     rt.reap_pending()
@@ -227,7 +227,7 @@ def test_with_resource_does_not_fill_the_table(
     pool = StreamPool(fresh, 0)
     owned = XlogDeviceRuntime.with_resource(fresh, 0, pool, DirectCudaResource(fresh, 0))
     builds: list[int] = []
-    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]
+    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def counting(
         cls: type[XlogDeviceRuntime],
@@ -276,7 +276,7 @@ def test_build_and_try_get_compose_through_with_resource(
 ) -> None:
     """One construction path: every runtime, shared or owned, is made by ``with_resource``."""
     made: list[tuple[int, str]] = []
-    real = XlogDeviceRuntime.with_resource.__func__  # type: ignore[attr-defined]
+    real = XlogDeviceRuntime.with_resource.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def counting(
         cls: type[XlogDeviceRuntime],

@@ -40,7 +40,14 @@ _OOM_TOP_TAGS = 3
 
 
 def human_bytes(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``: binary units, one decimal, for messages and reports."""
+    """``1536`` -> ``"1.5 KiB"``: binary units, one decimal, for messages and reports.
+
+    Args:
+        nbytes: a byte count (negative ones too, as a drifted counter may show).
+    Returns:
+        ``"N B"`` below 1 KiB, else the largest unit up to TiB with one decimal.
+    Thread rule: any thread.
+    """
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024.0:
@@ -51,7 +58,8 @@ def human_bytes(nbytes: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class GroupSummary:
-    """The live blocks of one tag or one stream: how many, how many bytes, the oldest's age."""
+    """The live blocks of one tag or one stream: how many, how many bytes, the oldest's age
+    (None where no block of the group has one). Immutable; any thread."""
 
     count: int
     nbytes: int
@@ -65,6 +73,10 @@ class MemoryReport:
     ``blocks`` is None where no layer of the stack can list its live blocks; ``by_tag`` and
     ``by_stream`` are then empty. ``free_bytes``/``total_bytes`` are None where the stack
     exposes no driver or the driver could not answer (``mem_info_error`` says why).
+    ``statistics`` is None where the stack has no statistics adaptor, ``budget_limit`` where it
+    has no budget.
+
+    Immutable; any thread.
     """
 
     description: str
@@ -81,7 +93,12 @@ class MemoryReport:
     by_stream: Mapping[StreamId, GroupSummary]
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output)."""
+        """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output).
+
+        Returns:
+            A dict of the fields; tags and stream ids become strings as JSON keys.
+        Thread rule: any thread.
+        """
         stats: dict[str, Any] | None = None
         if self.statistics is not None:
             s = self.statistics
@@ -113,7 +130,12 @@ class MemoryReport:
         }
 
     def format(self) -> str:
-        """A human-readable, multi-line rendering (``xlog-actors info``)."""
+        """A human-readable, multi-line rendering (``xlog-actors info``).
+
+        Returns:
+            The text, groups largest first, without a final newline.
+        Thread rule: any thread.
+        """
         kind = f", {self.driver_kind} driver" if self.driver_kind else ""
         lines = [f"device {self.device_ordinal}{kind}: stack {self.description}"]
         line = f"  outstanding {human_bytes(self.bytes_outstanding)}"
@@ -195,7 +217,18 @@ def _mem_info(
 
 
 def memory_report(resource: DeviceMemoryResource) -> MemoryReport:
-    """A :class:`MemoryReport` of ``resource`` (any stack, or a base resource alone)."""
+    """A snapshot of ``resource`` (any stack, or a base resource alone).
+
+    Args:
+        resource: the outermost resource of the stack.
+    Returns:
+        The :class:`MemoryReport`; a driver that cannot report its free memory gives its error
+        text in ``mem_info_error`` instead of failing the report.
+    Raises:
+        Nothing of its own: the error of a layer's diagnostic that fails propagates (none
+        fails on the stacks ``build_resource`` makes).
+    Thread rule: any thread; see the module docstring for how consistent the parts are.
+    """
     kind, free, total, error = _mem_info(resource)
     stats_of = getattr(resource, "statistics", None)
     blocks = _live_blocks(resource)
@@ -229,8 +262,17 @@ def enrich_out_of_memory(
     holds, and the largest tags; return ``exc`` (same object, same type and attributes, so
     ``except BudgetExceeded`` still matches). Sets ``exc.free`` where it was unknown.
 
-    ``tags`` maps a tag to ``(current bytes, current count)``; without it the tags come from the
-    stack's live blocks where it can list them. Idempotent.
+    Idempotent: an exception already enriched is returned unchanged, so a second statistics
+    adaptor (or the actor above the stack) does not append the same facts again.
+
+    Args:
+        exc: the exception to enrich, in place.
+        resource: the stack that raised it (its description, driver and live blocks are read).
+        tags: a tag -> ``(current bytes, current count)`` map; without it the tags come from the
+            stack's live blocks where it can list them.
+    Returns:
+        ``exc`` itself.
+    Thread rule: any thread, on an exception no other thread is enriching.
     """
     if getattr(exc, _ENRICHED, False):
         return exc

@@ -38,8 +38,16 @@ def parse_size(text: str) -> int:
     """``"8GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` -> bytes.
 
     Binary units (``KiB MiB GiB TiB``, and ``K M G T`` as their shorthands) and decimal ones
-    (``KB MB GB TB``), case-insensitive. The result must be a positive whole number of bytes;
-    anything else raises :class:`~xlog_actors.errors.InvalidRequest`.
+    (``KB MB GB TB``), case-insensitive. Exact: ``"0.5GiB"`` is 536870912 bytes.
+
+    Args:
+        text: a number with an optional unit.
+    Returns:
+        The size in bytes, a positive ``int``.
+    Raises:
+        InvalidRequest: ``text`` is not a string of that form, or does not come to a positive
+            whole number of bytes.
+    Thread rule: any thread.
     """
     match = _SIZE.match(text) if isinstance(text, str) else None
     unit = _UNITS.get(match.group(2).lower()) if match else None
@@ -58,7 +66,14 @@ def parse_size(text: str) -> int:
 
 
 def format_size(nbytes: int) -> str:
-    """The shortest exact rendering ``parse_size`` reads back: ``8589934592`` -> ``"8GiB"``."""
+    """The shortest exact rendering ``parse_size`` reads back: ``8589934592`` -> ``"8GiB"``.
+
+    Args:
+        nbytes: a positive byte count.
+    Returns:
+        ``nbytes`` in the largest binary unit that divides it, else as a plain number.
+    Thread rule: any thread.
+    """
     for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes % factor == 0:
             return f"{nbytes // factor}{unit}"
@@ -80,8 +95,9 @@ class BudgetResource(ResourceAdaptor):
     admission, so the stack never holds more than the budget, only what its upstream counts
     (over a ``GuardResource`` that includes the canaries).
 
-    Thread rules: one lock guards the in-flight reservations and each admission decision; the
-    upstream's ``allocate`` and ``reap_pending`` run outside it. Under concurrency the check is
+    Thread rule: every method may be called from any thread at any time. One lock guards the
+    in-flight reservations and each admission decision; the upstream's ``allocate`` and
+    ``reap_pending`` run outside it. Under concurrency the check is
     conservative: an allocation that has entered the upstream's count but not yet left the
     reservations is counted twice for an instant, so a racing request at the very edge of the
     budget can be refused; the budget is never overshot.
@@ -90,6 +106,16 @@ class BudgetResource(ResourceAdaptor):
     __slots__ = ("_in_flight", "_limit", "_lock")
 
     def __init__(self, upstream: DeviceMemoryResource, limit_bytes: int) -> None:
+        """Cap what ``upstream`` holds at ``limit_bytes``.
+
+        Args:
+            upstream: the resource to wrap.
+            limit_bytes: the budget, a positive ``int``.
+        Raises:
+            InvalidRequest: ``upstream`` is not a ``DeviceMemoryResource``, or ``limit_bytes``
+                is not a positive ``int``.
+        Thread rule: any thread.
+        """
         super().__init__(upstream)
         self._limit = check_nbytes(limit_bytes, "budget limit")
         self._lock = threading.Lock()
@@ -97,14 +123,22 @@ class BudgetResource(ResourceAdaptor):
 
     @property
     def limit_bytes(self) -> int:
+        """The budget, in bytes. Thread rule: any thread."""
         return self._limit
 
     def available(self) -> int:
-        """Bytes a request could be granted now without reaping (never negative)."""
+        """Bytes a request could be granted now without reaping.
+
+        Returns:
+            ``limit - outstanding - admitted in flight``, never negative; taken under the lock.
+        Thread rule: any thread.
+        """
         with self._lock:
             return max(0, self._limit - self._upstream.bytes_outstanding() - self._in_flight)
 
     def label(self) -> str:
+        """``"budget:SIZE"``, the size as :func:`format_size` writes it. Thread rule: any
+        thread."""
         return f"budget:{format_size(self._limit)}"
 
     def _admit(self, nbytes: int) -> int | None:
@@ -131,6 +165,23 @@ class BudgetResource(ResourceAdaptor):
     def allocate(
         self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> DeviceBlock:
+        """Admit the request against the budget (reaping once if it does not fit), then
+        allocate upstream.
+
+        Args:
+            nbytes: a positive ``int``.
+            stream: as the upstream's.
+            tag: as the upstream's.
+        Returns:
+            The upstream's block.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive ``int``.
+            BudgetExceeded: the request does not fit, even after reaping; the upstream's
+                ``allocate`` was not called.
+            OutOfMemory, StreamMisuse, DriverError: as the upstream's; the reservation is
+                released.
+        Thread rule: any thread.
+        """
         nbytes = check_nbytes(nbytes)
         if nbytes > self._limit:
             raise self._exceeded(
