@@ -30,10 +30,9 @@ from xlog_actors.memory.adaptors import (
     LoggingResource,
     ResourceAdaptor,
     StatisticsResource,
-    format_size,
-    parse_size,
 )
-from xlog_actors.memory.report import enrich_out_of_memory, human_bytes, memory_report
+from xlog_actors.memory.report import enrich_out_of_memory, memory_report
+from xlog_actors.memory.sizes import format_size, human_bytes, parse_size
 from xlog_actors.memory.stack import ADAPTORS, build_resource
 
 KiB = 1 << 10

@@ -308,3 +308,27 @@ def test_a_runtime_exposes_its_parts_and_description(fresh: xa.HostDriver) -> No
     finally:
         rt.close()
     assert pool.resolve(StreamId.DEFAULT) is None, "close closes the stream pool it took over"
+
+
+class _SlottedDriver:
+    """A driver with no ``__dict__`` (forwarding to a host driver): the table cannot hang off it."""
+
+    __slots__ = ("__weakref__", "_inner")
+
+    def __init__(self, inner: xa.HostDriver) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):  # not __dict__: that would be the inner driver's
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_driver_without_a_dict_still_gets_one_runtime_per_ordinal(fresh: xa.HostDriver) -> None:
+    slotted = _SlottedDriver(fresh)
+    with pytest.raises(TypeError):
+        vars(slotted)
+    rt = XlogDeviceRuntime.try_get(1, slotted)  # type: ignore[arg-type]  # a forwarding proxy
+    assert rt.driver is slotted and rt.device_ordinal == 1
+    assert XlogDeviceRuntime.try_get(1, slotted) is rt  # type: ignore[arg-type]  # a forwarding proxy
+    assert XlogDeviceRuntime.try_get(1, fresh) is not rt, "the proxy has a table of its own"

@@ -10,6 +10,7 @@ from .direct import DirectCudaResource
 from .event_pool import EventPool
 from .figures import AllocationFigures, AllocationStatistics
 from .resource import DeviceMemoryResource
+from .sizes import format_size, human_bytes, parse_size
 from .stream_pool import StreamPool
 
 __all__ = [
@@ -29,4 +30,7 @@ __all__ = [
     "LiveBlock",
     "StreamId",
     "StreamPool",
+    "format_size",
+    "human_bytes",
+    "parse_size",
 ]

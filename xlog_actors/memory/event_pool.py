@@ -55,7 +55,3 @@ class EventPool:
         Thread rule: any thread.
         """
         self._free.append(event)
-
-    def __len__(self) -> int:
-        """How many events are free now. Thread rule: any thread."""
-        return len(self._free)

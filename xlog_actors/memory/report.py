@@ -26,34 +26,17 @@ from ..errors import OutOfMemory, XlogError
 from .block import AllocTag, DeviceBlock, LiveBlock, StreamId
 from .figures import AllocationStatistics
 from .resource import DeviceMemoryResource
+from .sizes import human_bytes
 
 __all__ = [
     "GroupSummary",
     "MemoryReport",
     "enrich_out_of_memory",
-    "human_bytes",
     "memory_report",
 ]
 
 # How many tags an out-of-memory message names.
 _OOM_TOP_TAGS = 3
-
-
-def human_bytes(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``: binary units, one decimal, for messages and reports.
-
-    Args:
-        nbytes: a byte count (negative ones too, as a drifted counter may show).
-    Returns:
-        ``"N B"`` below 1 KiB, else the largest unit up to TiB with one decimal.
-    Thread rule: any thread.
-    """
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024.0:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024.0
-    return f"{value:.1f} TiB"
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,11 @@ from .adaptors import (
     GuardResource,
     LoggingResource,
     StatisticsResource,
-    parse_size,
 )
 from .async_resource import AsyncCudaResource
 from .direct import DirectCudaResource
 from .resource import DeviceMemoryResource
+from .sizes import parse_size
 from .stream_pool import StreamPool
 
 __all__ = ["ADAPTORS", "BASES", "LOG_ENV", "RESOURCE_ENV", "build_resource", "default_description"]

@@ -7,7 +7,8 @@ guarantees of its base resource.
     stats               StatisticsResource
     log[:PATH]          LoggingResource; PATH "-" is stderr; without PATH, $XLOG_ACTORS_LOG,
                         else stderr
-    budget:SIZE         BudgetResource; SIZE as parse_size reads it ("8GiB", "512MiB", "1000000")
+    budget:SIZE         BudgetResource; SIZE as memory.sizes.parse_size reads it ("8GiB",
+                        "512MiB", "1000000")
     guard[:SIZE]        GuardResource; SIZE of each canary, a multiple of 256 (default 256)
 
 for example ``"async+stats+log:/tmp/alloc.csv+budget:8GiB+guard"`` (base first, then each
@@ -16,7 +17,7 @@ adaptor around the previous one).
 
 from __future__ import annotations
 
-from .budget import BudgetResource, format_size, parse_size
+from .budget import BudgetResource
 from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource
 from .log_resource import LOG_ENV, LOG_HEADER, LoggingResource
 from .statistics import StatisticsResource
@@ -32,7 +33,5 @@ __all__ = [
     "LoggingResource",
     "ResourceAdaptor",
     "StatisticsResource",
-    "format_size",
-    "parse_size",
 ]
 

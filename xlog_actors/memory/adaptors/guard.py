@@ -12,8 +12,8 @@ from ...driver.protocol import Driver, Stream
 from ...errors import CorruptionDetected, InvalidRequest
 from ..block import Access, AllocTag, BlockId, DeviceBlock, LiveBlock, StreamId, make_block
 from ..resource import DeviceMemoryResource
+from ..sizes import format_size
 from ..stream_pool import StreamPool
-from .budget import format_size
 from .upstream import ResourceAdaptor
 
 __all__ = ["CANARY_PATTERN", "DEFAULT_GUARD_BYTES", "GuardResource"]
