@@ -31,6 +31,10 @@ Thread rules: one lock guards the live map, the per-block state, the pending map
 counters, so they always move together. Waits and records are enqueued under it (they never
 block the host); the stream-ordered allocation itself and every stream synchronization run
 outside it.
+
+The module is longer than most (about half of it docstrings): allocation, free, reap and the
+tracking hooks all move the same per-block entries under the same lock, and the rules above are
+checkable only when read in one place.
 """
 
 from __future__ import annotations
