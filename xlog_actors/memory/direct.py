@@ -81,12 +81,9 @@ class DirectCudaResource(DeviceBound, DeviceMemoryResource):
     def deallocate(self, block: DeviceBlock) -> None:
         """Free ``block`` synchronously (``cuMemFree`` waits for the device first).
 
-        Args:
-            block: a live block of this resource.
-        Raises:
-            InvalidRequest: ``block`` is of another device.
-            UseAfterFree: no block with this ``(ptr, generation)`` is live.
-            DriverError: the driver refused the free; the block is live again and counted.
+        Arguments and errors are those of :meth:`DeviceMemoryResource.deallocate`; a
+        ``DriverError`` leaves the block live and counted again.
+
         Thread rule: any thread; the block leaves the map under the lock before the driver is
         called outside it, so a concurrent second free of it is refused.
         """

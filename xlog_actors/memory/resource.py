@@ -115,31 +115,15 @@ class DeviceMemoryResource(abc.ABC):
         raise self._unsupported("record_block_use")
 
     def prepare_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
-        """Queue on ``use_stream`` the waits work with ``access`` on the block needs; call before
-        enqueueing that work.
-
-        Args:
-            block_id: a live block of this resource.
-            use_stream: the stream the work goes on.
-            access: how the work uses the block.
-        Raises:
-            StreamMisuse: always, by default (tracking unsupported).
-        Thread rule: any thread.
-        """
+        """Queue on ``use_stream`` the waits that work with ``access`` on block ``block_id``
+        needs; call it before enqueueing that work. By default it raises ``StreamMisuse``
+        (tracking unsupported). Thread rule: any thread."""
         raise self._unsupported("prepare_block_use")
 
     def finish_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
-        """Record what later users and the free must wait for; call after enqueueing work with
-        ``access`` on the block on ``use_stream``.
-
-        Args:
-            block_id: a live block of this resource.
-            use_stream: the stream the work went on.
-            access: how the work used the block.
-        Raises:
-            StreamMisuse: always, by default (tracking unsupported).
-        Thread rule: any thread.
-        """
+        """Record what later users of block ``block_id`` and its free must wait for; call it after
+        enqueueing work with ``access`` on it on ``use_stream``. By default it raises
+        ``StreamMisuse`` (tracking unsupported). Thread rule: any thread."""
         raise self._unsupported("finish_block_use")
 
     def describe(self) -> str:
