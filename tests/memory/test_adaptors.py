@@ -1,4 +1,4 @@
-"""Adaptors (SPEC section 4, issue 8): statistics, logging, budget, guard, the memory report.
+"""Adaptors: statistics, logging, budget, guard, the memory report.
 
 Cases from RMM's adaptor tests (statistics empty / all freed / peak; limiting over the limit,
 rollback on upstream failure, back under the limit after frees; logging header and rows), plus
@@ -30,10 +30,9 @@ from xlog_actors.memory.adaptors import (
     LoggingResource,
     ResourceAdaptor,
     StatisticsResource,
-    format_size,
-    parse_size,
 )
-from xlog_actors.memory.report import enrich_out_of_memory, human_bytes, memory_report
+from xlog_actors.memory.report import enrich_out_of_memory, memory_report
+from xlog_actors.memory.sizes import format_size, human_bytes, parse_size
 from xlog_actors.memory.stack import ADAPTORS, build_resource
 
 KiB = 1 << 10
@@ -638,7 +637,7 @@ def test_guard_rejects_bad_requests(host_driver: xa.HostDriver, pool: xa.StreamP
     assert res.describe() == "async+guard:4KiB"
     for bad in (0, -5, 1.5, True, None):
         with pytest.raises(xa.InvalidRequest):
-            res.allocate(bad)  # type: ignore[arg-type]
+            res.allocate(bad)  # type: ignore[arg-type]  # bad on purpose
     other = xa.DirectCudaResource(host_driver, 1).allocate(64)
     with pytest.raises(xa.InvalidRequest):
         res.deallocate(other)
@@ -758,7 +757,7 @@ def test_adaptor_forwards_base_diagnostics(host_driver: xa.HostDriver, pool: xa.
     res.reap_pending_with(lambda sid: None)
     assert res.bytes_outstanding() == 0
     with pytest.raises(AttributeError):
-        res.no_such_thing  # noqa: B018
+        res.no_such_thing  # noqa: B018 - the attribute access is the test
     with pytest.raises(AttributeError):
         res._live  # noqa: B018 - private names are never forwarded
 
@@ -769,7 +768,7 @@ def test_registry_and_bad_arguments(host_driver: xa.HostDriver, pool: xa.StreamP
         with pytest.raises(xa.InvalidRequest):
             build_resource(bad, host_driver, 0, pool)
     with pytest.raises(xa.InvalidRequest):
-        StatisticsResource("not a resource")  # type: ignore[arg-type]
+        StatisticsResource("not a resource")  # type: ignore[arg-type]  # bad on purpose
 
 
 # -- memory report ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""AsyncCudaResource's tracking rules (SPEC 4, the seed's ``LiveEntry`` doc comments).
+"""AsyncCudaResource's tracking rules: the allocation-ready fence, ``last_write`` and the reads.
 
 Two kinds of evidence, both needed: the waits and records the resource *issues* (observed through a
 stream-pool proxy that logs every ``wait``/``record``, on any driver), and the *ordering* they
@@ -109,7 +109,7 @@ class Tracked:
         self.log = _Log()
         self._scratch = [driver.alloc(0, N) for _ in range(8)]
         self._free_scratch = list(self._scratch)
-        self.res = AsyncCudaResource(_UnwrappingDriver(driver), 0, _LoggedPool(self.pool, self.log))  # type: ignore[arg-type]
+        self.res = AsyncCudaResource(_UnwrappingDriver(driver), 0, _LoggedPool(self.pool, self.log))  # type: ignore[arg-type]  # logging proxies
 
     def s(self, sid: StreamId) -> Any:
         return self.pool.resolve(sid)

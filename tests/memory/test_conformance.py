@@ -1,9 +1,8 @@
-"""Issue 3: one conformance suite for every resource stack on every driver present.
+"""One conformance suite for every resource stack on every driver present.
 
 The generic tests use only the ``DeviceMemoryResource`` interface (plus ``reap_pending()`` before
 asserting zero), so any stack ``build_resource`` understands can be appended to
-``STACK_DESCRIPTIONS``. The seeds' own tests (``direct.rs``, ``async_resource.rs``) follow, named
-after them, on the concrete backends.
+``STACK_DESCRIPTIONS``. The tests of each concrete backend follow.
 """
 
 from __future__ import annotations
@@ -376,15 +375,15 @@ def test_default_hooks_of_the_abstract_resource() -> None:
             hook()
 
 
-# == the seeds' tests ============================================================================
+# == the concrete backends =======================================================================
 def _bogus_block(ptr: int) -> DeviceBlock:
     return DeviceBlock(
         ptr, 0, StreamId.DEFAULT, 16, 1, AllocTag.UNTAGGED, Generation.next(), BlockState.LIVE
     )
 
 
-class TestDirectSeed:
-    """``xlog_cuda/device_runtime/direct.rs`` tests."""
+class TestDirectBackend:
+    """``DirectCudaResource`` on its own."""
 
     def test_allocate_then_deallocate_round_trips(self, driver: xa.Driver) -> None:
         r = DirectCudaResource(driver, 0)
@@ -398,7 +397,7 @@ class TestDirectSeed:
 
     def test_zero_byte_allocate_rejects(self, driver: xa.Driver) -> None:
         r = DirectCudaResource(driver, 0)
-        with pytest.raises(InvalidRequest):  # the seed's Driver(..) is InvalidRequest in the SPEC
+        with pytest.raises(InvalidRequest):
             r.allocate(0, StreamId.DEFAULT, AllocTag.UNTAGGED)
         assert r.bytes_outstanding() == 0
 
@@ -418,7 +417,7 @@ class TestDirectSeed:
 
     def test_pointer_collision_leaves_the_map_unchanged(self) -> None:
         driver = _CollidingDriver()
-        r = DirectCudaResource(driver, 0)  # type: ignore[arg-type]
+        r = DirectCudaResource(driver, 0)  # type: ignore[arg-type]  # a stub with only what the resource calls
         first = r.allocate(64)
         driver.collide_next = first.ptr
         with pytest.raises(DriverError, match="collision"):
@@ -452,8 +451,8 @@ class _CollidingDriver:
         self.freed.append(ptr)
 
 
-class TestAsyncSeed:
-    """``xlog_cuda/device_runtime/async_resource.rs`` tests, plus the pending-free accounting."""
+class TestAsyncBackend:
+    """``AsyncCudaResource`` on its own, with the pending-free accounting."""
 
     @pytest.fixture
     def pool(self, driver: xa.Driver) -> Iterator[StreamPool]:
@@ -582,7 +581,7 @@ class TestAsyncSeed:
             visited.append(stream_id)
             if len(visited) == 2:
                 raise failure
-            r.stream_pool.resolve(stream_id).synchronize()  # type: ignore[union-attr]
+            r.stream_pool.resolve(stream_id).synchronize()  # type: ignore[union-attr]  # the pool is open
 
         with pytest.raises(DriverError) as info:
             r.reap_pending_with(sync)
@@ -673,7 +672,7 @@ class TestAsyncSeed:
         self, driver: xa.Driver, pool: StreamPool
     ) -> None:
         proxy = _CollidingAsyncDriver(driver)
-        r = AsyncCudaResource(proxy, 0, pool)  # type: ignore[arg-type]
+        r = AsyncCudaResource(proxy, 0, pool)  # type: ignore[arg-type]  # a proxy driver, not a Driver subtype
         first = r.allocate(64)
         proxy.collide_next = first.ptr
         with pytest.raises(DriverError, match="collision"):
@@ -741,10 +740,10 @@ def test_stream_pool(driver: xa.Driver) -> None:
         assert pool.resolve(StreamId(10_000)) is None
         assert pool.resolve(ids[0]) is streams[0], "resolve is stable"
         # Streams of a pool run concurrently: a sleep on one does not hold another back.
-        driver.sleep(streams[0], 200_000)  # type: ignore[arg-type]
-        done = streams[1].record_event()  # type: ignore[union-attr]
+        driver.sleep(streams[0], 200_000)  # type: ignore[arg-type]  # resolved, so not None
+        done = streams[1].record_event()  # type: ignore[union-attr]  # resolved, so not None
         done.synchronize()
-        assert not streams[0].query()  # type: ignore[union-attr]
+        assert not streams[0].query()  # type: ignore[union-attr]  # resolved, so not None
     finally:
         pool.close()
     pool.close()  # idempotent

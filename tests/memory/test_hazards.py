@@ -45,7 +45,7 @@ class Env:
         when ``tracked``."""
         if tracked:
             self.res.prepare_block_use(BlockId.from_block(block), sid, access)
-        work()  # type: ignore[operator]
+        work()  # type: ignore[operator]  # a callable, typed object to take any
         if tracked:
             self.res.finish_block_use(BlockId.from_block(block), sid, access)
 

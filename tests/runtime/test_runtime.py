@@ -1,4 +1,4 @@
-"""SPEC 5: ``XlogDeviceRuntime``, and the seed's ``runtime.rs`` tests in Python."""
+"""``XlogDeviceRuntime``: the shared table of ``try_get``, owned runtimes, forwarding."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _default_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(RESOURCE_ENV, raising=False)
 
 
-# -- the seed's tests ----------------------------------------------------------------------------
+# -- the shared table and owned runtimes ---------------------------------------------------------
 def test_try_get_returns_same_singleton(driver: xa.Driver) -> None:
     a = XlogDeviceRuntime.try_get(0, driver)
     b = XlogDeviceRuntime.try_get(0, driver)
@@ -91,7 +91,7 @@ def test_with_resource_composes_owned_runtime_outside_singleton(driver: xa.Drive
 def test_try_get_runtime_record_block_use_rejected_with_stream_misuse(
     fresh: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The seed's singleton installs the direct backend; here that is the sanitizer mode.
+    # The direct backend (the sanitizer mode) offers no tracking.
     monkeypatch.setenv(RESOURCE_ENV, "direct")
     rt = XlogDeviceRuntime.try_get(0, fresh)
     assert isinstance(rt.resource, DirectCudaResource)
@@ -105,7 +105,7 @@ def test_try_get_runtime_record_block_use_rejected_with_stream_misuse(
     assert rt.bytes_outstanding() == 0
 
 
-# -- beyond the seed -----------------------------------------------------------------------------
+# -- per driver and ordinal ----------------------------------------------------------------------
 def test_default_stack_is_async(fresh: xa.HostDriver) -> None:
     rt = XlogDeviceRuntime.try_get(0, fresh)
     assert isinstance(rt.resource, AsyncCudaResource)
@@ -132,7 +132,7 @@ def test_100_threads_racing_on_first_use_build_one_runtime(
     fresh: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     builds: list[int] = []
-    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]
+    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def slow_build(
         cls: type[XlogDeviceRuntime],
@@ -153,7 +153,7 @@ def test_100_threads_racing_on_first_use_build_one_runtime(
         try:
             barrier.wait()
             got.append(XlogDeviceRuntime.try_get(0, fresh))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=racer) for _ in range(100)]
@@ -199,10 +199,10 @@ def test_runtime_forwards_every_resource_method(fresh: xa.HostDriver) -> None:
     block = rt.allocate(4096, StreamId.DEFAULT, AllocTag("fwd"))
     bid = BlockId.from_block(block)
     rt.prepare_block_use(bid, other, Access.WRITE)
-    fresh.fill(block.ptr, 0x3C, 4096, rt.stream_pool.resolve(other))  # type: ignore[arg-type]
+    fresh.fill(block.ptr, 0x3C, 4096, rt.stream_pool.resolve(other))  # type: ignore[arg-type]  # resolved, so not None
     rt.finish_block_use(bid, other, Access.WRITE)
     rt.record_block_use(block, other)
-    assert rt.resource.pending_use_event_count(block.ptr) == 2  # type: ignore[attr-defined]
+    assert rt.resource.pending_use_event_count(block.ptr) == 2  # type: ignore[attr-defined]  # async's diagnostic
     rt.deallocate(block)
     assert rt.bytes_outstanding() == 4096
     rt.reap_pending()
@@ -227,7 +227,7 @@ def test_with_resource_does_not_fill_the_table(
     pool = StreamPool(fresh, 0)
     owned = XlogDeviceRuntime.with_resource(fresh, 0, pool, DirectCudaResource(fresh, 0))
     builds: list[int] = []
-    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]
+    real_build = XlogDeviceRuntime.build.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def counting(
         cls: type[XlogDeviceRuntime],
@@ -269,3 +269,66 @@ def test_a_closed_and_dropped_driver_takes_its_runtimes_with_it() -> None:
     gc.collect()
     assert gone[0]() is None, "the runtime table keeps every driver it ever saw alive"
     assert gone[1]() is None
+
+
+def test_build_and_try_get_compose_through_with_resource(
+    fresh: xa.HostDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One construction path: every runtime, shared or owned, is made by ``with_resource``."""
+    made: list[tuple[int, str]] = []
+    real = XlogDeviceRuntime.with_resource.__func__  # type: ignore[attr-defined]  # a classmethod's function
+
+    def counting(
+        cls: type[XlogDeviceRuntime],
+        driver: xa.Driver,
+        ordinal: int,
+        stream_pool: StreamPool,
+        resource: xa.DeviceMemoryResource,
+    ) -> XlogDeviceRuntime:
+        made.append((ordinal, resource.describe()))
+        return real(cls, driver, ordinal, stream_pool, resource)
+
+    monkeypatch.setattr(XlogDeviceRuntime, "with_resource", classmethod(counting))
+    owned = XlogDeviceRuntime.build(fresh, 1, "direct")
+    shared = XlogDeviceRuntime.try_get(0, fresh)
+    try:
+        assert made == [(1, "direct"), (0, "async")]
+        assert XlogDeviceRuntime.try_get(0, fresh) is shared and len(made) == 2
+    finally:
+        owned.close()
+
+
+def test_a_runtime_exposes_its_parts_and_description(fresh: xa.HostDriver) -> None:
+    pool = StreamPool(fresh, 1)
+    resource = DirectCudaResource(fresh, 1)
+    rt = XlogDeviceRuntime.with_resource(fresh, 1, pool, resource)
+    try:
+        assert (rt.driver, rt.device_ordinal, rt.stream_pool, rt.resource) == (fresh, 1, pool, resource)
+        assert rt.describe() == "direct" and "device=1" in repr(rt) and "'direct'" in repr(rt)
+    finally:
+        rt.close()
+    assert pool.resolve(StreamId.DEFAULT) is None, "close closes the stream pool it took over"
+
+
+class _SlottedDriver:
+    """A driver with no ``__dict__`` (forwarding to a host driver): the table cannot hang off it."""
+
+    __slots__ = ("__weakref__", "_inner")
+
+    def __init__(self, inner: xa.HostDriver) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):  # not __dict__: that would be the inner driver's
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_driver_without_a_dict_still_gets_one_runtime_per_ordinal(fresh: xa.HostDriver) -> None:
+    slotted = _SlottedDriver(fresh)
+    with pytest.raises(TypeError):
+        vars(slotted)
+    rt = XlogDeviceRuntime.try_get(1, slotted)  # type: ignore[arg-type]  # a forwarding proxy
+    assert rt.driver is slotted and rt.device_ordinal == 1
+    assert XlogDeviceRuntime.try_get(1, slotted) is rt  # type: ignore[arg-type]  # a forwarding proxy
+    assert XlogDeviceRuntime.try_get(1, fresh) is not rt, "the proxy has a table of its own"

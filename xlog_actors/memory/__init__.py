@@ -3,25 +3,34 @@ the adaptors. Written once against the driver protocol."""
 
 from __future__ import annotations
 
-from .async_resource import AsyncCudaResource, LiveBlockInfo
-from .block import Access, AllocTag, BlockId, BlockState, DeviceBlock, Generation, StreamId
+from .async_resource import AsyncCudaResource
+from .block import Access, AllocTag, BlockId, BlockState, DeviceBlock, Generation, LiveBlock, StreamId
+from .device_bound import DeviceBound
 from .direct import DirectCudaResource
 from .event_pool import EventPool
+from .figures import AllocationFigures, AllocationStatistics
 from .resource import DeviceMemoryResource
+from .sizes import format_size, human_bytes, parse_size
 from .stream_pool import StreamPool
 
 __all__ = [
     "Access",
     "AllocTag",
+    "AllocationFigures",
+    "AllocationStatistics",
     "AsyncCudaResource",
     "BlockId",
     "BlockState",
     "DeviceBlock",
+    "DeviceBound",
     "DeviceMemoryResource",
     "DirectCudaResource",
     "EventPool",
     "Generation",
-    "LiveBlockInfo",
+    "LiveBlock",
     "StreamId",
     "StreamPool",
+    "format_size",
+    "human_bytes",
+    "parse_size",
 ]

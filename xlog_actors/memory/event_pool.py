@@ -9,23 +9,38 @@ __all__ = ["EventPool"]
 
 
 class EventPool:
-    """Events of one device context.
+    """A free list of the events of one device context.
 
     An event may go back to the pool as soon as nobody will enqueue a *new* wait on it: waits
     already enqueued keep the record they saw, so re-recording is safe (CUDA semantics, and the
-    host driver's). Thread rules: ``get``/``put`` are single list operations, atomic under the
-    GIL; the owning resource calls them under its own lock anyway.
+    host driver's). ``created`` counts the events the pool ever created.
+
+    Thread rule: ``get`` and ``put`` are single list operations, atomic under the GIL, so any
+    thread may call them; the owning resource calls them under its own lock anyway, which also
+    keeps ``created`` exact.
     """
 
     __slots__ = ("_driver", "_free", "_ordinal", "created")
 
     def __init__(self, driver: Driver, ordinal: int) -> None:
+        """An empty pool for device ``ordinal`` of ``driver``; events are created on demand.
+
+        Thread rule: any thread.
+        """
         self._driver = driver
         self._ordinal = ordinal
         self._free: list[Event] = []
         self.created = 0
 
     def get(self) -> Event:
+        """An event from the free list, or a new one.
+
+        Returns:
+            An event nobody will enqueue a new wait on until its taker records it.
+        Raises:
+            DriverError: the driver could not create an event; ``created`` is unchanged.
+        Thread rule: any thread.
+        """
         if self._free:
             return self._free.pop()
         event = self._driver.create_event(self._ordinal)
@@ -33,7 +48,10 @@ class EventPool:
         return event
 
     def put(self, event: Event) -> None:
-        self._free.append(event)
+        """Give ``event`` back for reuse.
 
-    def __len__(self) -> int:
-        return len(self._free)
+        Args:
+            event: an event of this pool that nobody will enqueue a new wait on.
+        Thread rule: any thread.
+        """
+        self._free.append(event)

@@ -20,21 +20,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import OutOfMemory, XlogError
-from .block import AllocTag, DeviceBlock, StreamId
+from .block import AllocTag, DeviceBlock, LiveBlock, StreamId
+from .figures import AllocationStatistics
 from .resource import DeviceMemoryResource
-
-if TYPE_CHECKING:
-    from .adaptors.statistics import AllocationStatistics
+from .sizes import human_bytes
 
 __all__ = [
     "GroupSummary",
-    "LiveBlock",
     "MemoryReport",
     "enrich_out_of_memory",
-    "human_bytes",
     "memory_report",
 ]
 
@@ -42,31 +39,10 @@ __all__ = [
 _OOM_TOP_TAGS = 3
 
 
-def human_bytes(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``: binary units, one decimal, for messages and reports."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024.0:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024.0
-    return f"{value:.1f} TiB"
-
-
-@dataclass(frozen=True, slots=True)
-class LiveBlock:
-    """One live block as the top of the stack hands it out. ``age_s`` is None where the base
-    resource does not record allocation times."""
-
-    ptr: int
-    nbytes: int
-    tag: AllocTag
-    stream: StreamId
-    age_s: float | None
-
-
 @dataclass(frozen=True, slots=True)
 class GroupSummary:
-    """The live blocks of one tag or one stream: how many, how many bytes, the oldest's age."""
+    """The live blocks of one tag or one stream: how many, how many bytes, the oldest's age
+    (None where no block of the group has one). Immutable; any thread."""
 
     count: int
     nbytes: int
@@ -80,6 +56,10 @@ class MemoryReport:
     ``blocks`` is None where no layer of the stack can list its live blocks; ``by_tag`` and
     ``by_stream`` are then empty. ``free_bytes``/``total_bytes`` are None where the stack
     exposes no driver or the driver could not answer (``mem_info_error`` says why).
+    ``statistics`` is None where the stack has no statistics adaptor, ``budget_limit`` where it
+    has no budget.
+
+    Immutable; any thread.
     """
 
     description: str
@@ -96,11 +76,16 @@ class MemoryReport:
     by_stream: Mapping[StreamId, GroupSummary]
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output)."""
+        """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output).
+
+        Returns:
+            A dict of the fields; tags and stream ids become strings as JSON keys.
+        Thread rule: any thread.
+        """
         stats: dict[str, Any] | None = None
         if self.statistics is not None:
             s = self.statistics
-            stats = {**_figures(s), "by_tag": {str(t): _figures(f) for t, f in s.by_tag.items()}}
+            stats = {**s.as_dict(), "by_tag": {str(t): f.as_dict() for t, f in s.by_tag.items()}}
         return {
             "description": self.description,
             "device_ordinal": self.device_ordinal,
@@ -128,7 +113,12 @@ class MemoryReport:
         }
 
     def format(self) -> str:
-        """A human-readable, multi-line rendering (``xlog-actors info``)."""
+        """A human-readable, multi-line rendering (``xlog-actors info``).
+
+        Returns:
+            The text, groups largest first, without a final newline.
+        Thread rule: any thread.
+        """
         kind = f", {self.driver_kind} driver" if self.driver_kind else ""
         lines = [f"device {self.device_ordinal}{kind}: stack {self.description}"]
         line = f"  outstanding {human_bytes(self.bytes_outstanding)}"
@@ -163,27 +153,14 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _figures(f: Any) -> dict[str, int]:
-    return {
-        "current_bytes": f.current_bytes,
-        "current_count": f.current_count,
-        "peak_bytes": f.peak_bytes,
-        "peak_count": f.peak_count,
-        "total_bytes": f.total_bytes,
-        "total_count": f.total_count,
-    }
-
-
 def _group(g: GroupSummary) -> dict[str, Any]:
     return {"count": g.count, "nbytes": g.nbytes, "oldest_age_s": g.oldest_age_s}
 
 
-def _live_block(entry: Any) -> LiveBlock:
-    """Normalize what a base resource's ``live_blocks()`` returns: ``LiveBlockInfo`` (with an
-    age) from the async resource, ``DeviceBlock`` (without one) from the direct resource."""
-    if isinstance(entry, DeviceBlock):
-        return LiveBlock(entry.ptr, entry.nbytes, entry.tag, entry.alloc_stream, None)
-    return LiveBlock(entry.ptr, entry.nbytes, entry.tag, entry.stream, entry.age_s)
+def _live_block(entry: LiveBlock | DeviceBlock) -> LiveBlock:
+    """Normalize what a base resource's ``live_blocks()`` returns: ``LiveBlock`` (with an age)
+    from the async resource, ``DeviceBlock`` (without one) from the direct resource."""
+    return LiveBlock.of(entry) if isinstance(entry, DeviceBlock) else entry
 
 
 def _summarize(blocks: Iterable[LiveBlock], key: str) -> dict[Any, GroupSummary]:
@@ -223,7 +200,18 @@ def _mem_info(
 
 
 def memory_report(resource: DeviceMemoryResource) -> MemoryReport:
-    """A :class:`MemoryReport` of ``resource`` (any stack, or a base resource alone)."""
+    """A snapshot of ``resource`` (any stack, or a base resource alone).
+
+    Args:
+        resource: the outermost resource of the stack.
+    Returns:
+        The :class:`MemoryReport`; a driver that cannot report its free memory gives its error
+        text in ``mem_info_error`` instead of failing the report.
+    Raises:
+        Nothing of its own: the error of a layer's diagnostic that fails propagates (none
+        fails on the stacks ``build_resource`` makes).
+    Thread rule: any thread; see the module docstring for how consistent the parts are.
+    """
     kind, free, total, error = _mem_info(resource)
     stats_of = getattr(resource, "statistics", None)
     blocks = _live_blocks(resource)
@@ -257,8 +245,17 @@ def enrich_out_of_memory(
     holds, and the largest tags; return ``exc`` (same object, same type and attributes, so
     ``except BudgetExceeded`` still matches). Sets ``exc.free`` where it was unknown.
 
-    ``tags`` maps a tag to ``(current bytes, current count)``; without it the tags come from the
-    stack's live blocks where it can list them. Idempotent.
+    Idempotent: an exception already enriched is returned unchanged, so a second statistics
+    adaptor (or the actor above the stack) does not append the same facts again.
+
+    Args:
+        exc: the exception to enrich, in place.
+        resource: the stack that raised it (its description, driver and live blocks are read).
+        tags: a tag -> ``(current bytes, current count)`` map; without it the tags come from the
+            stack's live blocks where it can list them.
+    Returns:
+        ``exc`` itself.
+    Thread rule: any thread, on an exception no other thread is enriching.
     """
     if getattr(exc, _ENRICHED, False):
         return exc

@@ -1,5 +1,5 @@
 """``XlogDeviceRuntime``: the per-ordinal runtime that owns a device's stream pool and resource
-stack (the seed's ``runtime.rs``)."""
+stack, and the process-wide table of shared runtimes behind ``XlogDeviceRuntime.try_get``."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
+from ..memory.device_bound import DeviceBound
 from ..memory.resource import DeviceMemoryResource
 from ..memory.stack import build_resource, default_description
 from ..memory.stream_pool import StreamPool
 
 __all__ = ["MAX_DEVICE_ORDINALS", "XlogDeviceRuntime"]
 
+#: The size of each driver's runtime table: ``try_get`` refuses an ordinal at or past it.
 MAX_DEVICE_ORDINALS = 16
 
 _table_lock = threading.Lock()
@@ -33,10 +35,12 @@ _fallback: weakref.WeakKeyDictionary[Driver, _Table] = weakref.WeakKeyDictionary
 
 
 def _table(driver: Driver) -> _Table | None:
+    """The driver's table, or None while no runtime was ever asked of it."""
     try:
-        return vars(driver).get(_TABLE_ATTR)  # type: ignore[no-any-return]
+        table: _Table | None = vars(driver).get(_TABLE_ATTR)
     except TypeError:  # no __dict__
         return _fallback.get(driver)
+    return table
 
 
 def _new_table(driver: Driver) -> _Table:
@@ -52,21 +56,46 @@ def _new_table(driver: Driver) -> _Table:
 
 
 def check_device_ordinal(ordinal: object, driver: Driver) -> int:
-    """``ordinal`` checked against ``MAX_DEVICE_ORDINALS`` and then against ``driver``'s devices."""
+    """Check ``ordinal`` against the runtime table's size, then against ``driver``'s devices.
+
+    Args:
+        ordinal: the ordinal asked for.
+        driver: the driver it must be a device of.
+    Returns:
+        ``ordinal``, an ``int`` in ``range(min(MAX_DEVICE_ORDINALS, driver.device_count()))``.
+    Raises:
+        InvalidRequest: ``ordinal`` is not an ``int``, is negative, is ``MAX_DEVICE_ORDINALS`` or
+            more, or is not a device of ``driver``.
+        DriverError: the driver could not count its devices.
+    Thread rule: any thread.
+    """
     ordinal = check_ordinal(ordinal, MAX_DEVICE_ORDINALS, "the runtime table (MAX_DEVICE_ORDINALS)")
     return check_ordinal(ordinal, driver.device_count(), f"the {driver.kind} driver")
 
 
-class XlogDeviceRuntime:
+class XlogDeviceRuntime(DeviceBound):
     """A device's stream pool plus resource stack, behind one facade.
 
-    ``try_get(ordinal, driver)`` returns the one runtime of that (driver, ordinal) in the process:
-    at most one thread builds it, even when many race on first use; a build that fails leaves the
-    slot empty so a later call retries. ``with_resource`` composes an owned runtime that is never
-    stored in that table (tests, custom stacks, the ``DeviceActor`` after a rebuild).
+    Three ways to get one, and no other (the class is not called directly):
 
-    The allocation methods are the resource's own bound methods, so going through the runtime
-    costs nothing over calling the resource. Thread rules: as the resource's (all thread-safe).
+    * ``try_get(ordinal, driver)``: the one shared runtime of that (driver, ordinal) in the
+      process. At most one thread builds it, even when many race on first use; a build that fails
+      leaves the slot empty so a later call retries. It lives as long as its driver.
+    * ``build(driver, ordinal, description)``: an owned runtime with a new stream pool and stack.
+    * ``with_resource(driver, ordinal, stream_pool, resource)``: an owned runtime of parts the
+      caller built (tests, custom stacks, a device actor after a rebuild).
+
+    Owned runtimes are never stored in the table; their owner closes them.
+
+    The allocation methods (``allocate``, ``deallocate``, ``bytes_outstanding``,
+    ``reap_pending``, ``supports_block_use_tracking``, ``record_block_use``,
+    ``prepare_block_use``, ``finish_block_use``) are the resource's own bound methods, so going
+    through the runtime costs nothing over calling the resource: their arguments, results,
+    errors and thread rules are the resource's (see
+    :class:`~xlog_actors.memory.DeviceMemoryResource`).
+
+    Thread rule: every method may be called from any thread at any time, except ``close``
+    (see there).
     """
 
     allocate: Callable[..., DeviceBlock]
@@ -81,13 +110,14 @@ class XlogDeviceRuntime:
     def __init__(
         self, driver: Driver, ordinal: int, stream_pool: StreamPool, resource: DeviceMemoryResource
     ) -> None:
+        """The implementation of :meth:`with_resource`; call that instead (same arguments, same
+        errors), or :meth:`build` or :meth:`try_get`."""
         if resource.device_ordinal != ordinal or stream_pool.device_ordinal != ordinal:
             raise InvalidRequest(
                 f"XlogDeviceRuntime for device {ordinal}: resource is of device {resource.device_ordinal}, "
                 f"stream pool of device {stream_pool.device_ordinal}"
             )
-        self._driver = driver
-        self._ordinal = ordinal
+        super().__init__(driver, ordinal)
         self._stream_pool = stream_pool
         self._resource = resource
         self.allocate = resource.allocate
@@ -103,12 +133,40 @@ class XlogDeviceRuntime:
     def with_resource(
         cls, driver: Driver, ordinal: int, stream_pool: StreamPool, resource: DeviceMemoryResource
     ) -> XlogDeviceRuntime:
+        """An owned runtime of the given parts, never stored in the shared table.
+
+        Args:
+            driver: the driver of the device.
+            ordinal: the device's ordinal.
+            stream_pool: the device's stream pool; the runtime takes it over (``close`` closes
+                it).
+            resource: the stack to forward to, of the same device.
+        Returns:
+            The new runtime.
+        Raises:
+            InvalidRequest: ``resource`` or ``stream_pool`` belongs to another device.
+        Thread rule: any thread.
+        """
         return cls(driver, ordinal, stream_pool, resource)
 
     @classmethod
     def build(cls, driver: Driver, ordinal: int, description: str | None = None) -> XlogDeviceRuntime:
-        """An owned runtime with a fresh stream pool and the stack ``description`` names
-        (default: ``XLOG_ACTORS_RESOURCE``, else ``"async"``)."""
+        """An owned runtime with a new stream pool and the stack ``description`` names.
+
+        Args:
+            driver: the driver of the device.
+            ordinal: the device's ordinal.
+            description: a stack description such as ``"async+stats"``; default
+                ``XLOG_ACTORS_RESOURCE``, else ``"async"``.
+        Returns:
+            The new runtime (the device's context is made current on the calling thread first,
+            as the stream pool needs).
+        Raises:
+            InvalidRequest: a bad ordinal (see :func:`check_device_ordinal`) or description; the
+                new stream pool is closed again.
+            DriverError: the driver failed; the new stream pool is closed again.
+        Thread rule: any thread.
+        """
         ordinal = check_device_ordinal(ordinal, driver)
         driver.make_current(ordinal)
         pool = StreamPool(driver, ordinal)
@@ -117,10 +175,25 @@ class XlogDeviceRuntime:
         except BaseException:
             pool.close()
             raise
-        return cls(driver, ordinal, pool, resource)
+        return cls.with_resource(driver, ordinal, pool, resource)
 
     @classmethod
     def try_get(cls, ordinal: int, driver: Driver | None = None) -> XlogDeviceRuntime:
+        """The shared runtime of device ``ordinal`` of ``driver``, built on first use.
+
+        Args:
+            ordinal: the device's ordinal, below ``MAX_DEVICE_ORDINALS``.
+            driver: the driver; default the process-wide default driver.
+        Returns:
+            The same runtime for every call with this (driver, ordinal), with the default stack.
+        Raises:
+            InvalidRequest: a bad ordinal (see :func:`check_device_ordinal`) or default stack
+                description; the slot stays empty.
+            DriverError: the build failed; the slot stays empty, so a later call retries.
+        Thread rule: any thread. A built runtime is returned without a lock; the first build of
+        each slot runs under that slot's own lock, so racing threads build it once and other
+        slots are not held up.
+        """
         if driver is None:
             driver = default_driver()
         table = _table(driver)
@@ -140,27 +213,25 @@ class XlogDeviceRuntime:
         return runtime
 
     @property
-    def device_ordinal(self) -> int:
-        return self._ordinal
-
-    @property
-    def driver(self) -> Driver:
-        return self._driver
-
-    @property
     def stream_pool(self) -> StreamPool:
+        """The device's stream pool. Thread rule: any thread."""
         return self._stream_pool
 
     @property
     def resource(self) -> DeviceMemoryResource:
+        """The resource stack every allocation method forwards to. Thread rule: any thread."""
         return self._resource
 
     def describe(self) -> str:
+        """The stack's description, such as ``"async+stats"``. Thread rule: any thread."""
         return self._resource.describe()
 
     def close(self) -> None:
-        """Close the stream pool (an owned runtime only; the table's runtimes live as long as
-        their driver)."""
+        """Close the stream pool. For an owned runtime only: a shared one lives as long as its
+        driver. Idempotent.
+
+        Thread rule: any thread, once no other thread uses the runtime.
+        """
         self._stream_pool.close()
 
     def __repr__(self) -> str:

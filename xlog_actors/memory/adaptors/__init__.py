@@ -1,13 +1,14 @@
-"""Adaptors: resources that wrap an ``upstream`` resource and add one concern each
-(SPEC section 4). Every adaptor forwards the block-use tracking hooks and ``reap_pending``, so any
-stack keeps the guarantees of its base resource.
+"""Adaptors: resources that wrap an ``upstream`` resource and add one concern each. Every
+adaptor forwards the block-use tracking hooks and ``reap_pending``, so any stack keeps the
+guarantees of its base resource.
 
 :data:`xlog_actors.memory.stack.ADAPTORS` names them for the stack grammar::
 
     stats               StatisticsResource
     log[:PATH]          LoggingResource; PATH "-" is stderr; without PATH, $XLOG_ACTORS_LOG,
                         else stderr
-    budget:SIZE         BudgetResource; SIZE as parse_size reads it ("8GiB", "512MiB", "1000000")
+    budget:SIZE         BudgetResource; SIZE as memory.sizes.parse_size reads it ("8GiB",
+                        "512MiB", "1000000")
     guard[:SIZE]        GuardResource; SIZE of each canary, a multiple of 256 (default 256)
 
 for example ``"async+stats+log:/tmp/alloc.csv+budget:8GiB+guard"`` (base first, then each
@@ -16,10 +17,10 @@ adaptor around the previous one).
 
 from __future__ import annotations
 
-from .budget import BudgetResource, format_size, parse_size
+from .budget import BudgetResource
 from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource
 from .log_resource import LOG_ENV, LOG_HEADER, LoggingResource
-from .statistics import AllocationFigures, AllocationStatistics, StatisticsResource
+from .statistics import StatisticsResource
 from .upstream import ResourceAdaptor
 
 __all__ = [
@@ -27,14 +28,10 @@ __all__ = [
     "DEFAULT_GUARD_BYTES",
     "LOG_ENV",
     "LOG_HEADER",
-    "AllocationFigures",
-    "AllocationStatistics",
     "BudgetResource",
     "GuardResource",
     "LoggingResource",
     "ResourceAdaptor",
     "StatisticsResource",
-    "format_size",
-    "parse_size",
 ]
 

@@ -3,67 +3,16 @@
 
 from __future__ import annotations
 
-import re
 import threading
 
 from ...driver.checks import check_nbytes
-from ...errors import BudgetExceeded, InvalidRequest
+from ...errors import BudgetExceeded
 from ..block import AllocTag, DeviceBlock, StreamId
-from ..report import human_bytes
 from ..resource import DeviceMemoryResource
+from ..sizes import format_size, human_bytes
 from .upstream import ResourceAdaptor
 
-__all__ = ["BudgetResource", "format_size", "parse_size"]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """``"8GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` -> bytes.
-
-    Binary units (``KiB MiB GiB TiB``, and ``K M G T`` as their shorthands) and decimal ones
-    (``KB MB GB TB``), case-insensitive. The result must be a positive whole number of bytes;
-    anything else raises :class:`~xlog_actors.errors.InvalidRequest`.
-    """
-    match = _SIZE.match(text) if isinstance(text, str) else None
-    unit = _UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit is None:
-        raise InvalidRequest(
-            f"size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-        )
-    number = match.group(1)
-    # Exact arithmetic: "0.5GiB" is 536870912 bytes, not a float's approximation of it.
-    whole, _, frac = number.partition(".")
-    scale: int = 10 ** len(frac)
-    numerator = (int(whole) * scale + int(frac or 0)) * unit
-    if numerator % scale or numerator == 0:
-        raise InvalidRequest(f"size {text!r} is not a positive whole number of bytes")
-    return numerator // scale
-
-
-def format_size(nbytes: int) -> str:
-    """The shortest exact rendering ``parse_size`` reads back: ``8589934592`` -> ``"8GiB"``."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes % factor == 0:
-            return f"{nbytes // factor}{unit}"
-    return str(nbytes)
-
+__all__ = ["BudgetResource"]
 
 class BudgetResource(ResourceAdaptor):
     """Refuses, with :class:`~xlog_actors.errors.BudgetExceeded`, any request that would take
@@ -80,8 +29,9 @@ class BudgetResource(ResourceAdaptor):
     admission, so the stack never holds more than the budget, only what its upstream counts
     (over a ``GuardResource`` that includes the canaries).
 
-    Thread rules: one lock guards the in-flight reservations and each admission decision; the
-    upstream's ``allocate`` and ``reap_pending`` run outside it. Under concurrency the check is
+    Thread rule: every method may be called from any thread at any time. One lock guards the
+    in-flight reservations and each admission decision; the upstream's ``allocate`` and
+    ``reap_pending`` run outside it. Under concurrency the check is
     conservative: an allocation that has entered the upstream's count but not yet left the
     reservations is counted twice for an instant, so a racing request at the very edge of the
     budget can be refused; the budget is never overshot.
@@ -90,6 +40,16 @@ class BudgetResource(ResourceAdaptor):
     __slots__ = ("_in_flight", "_limit", "_lock")
 
     def __init__(self, upstream: DeviceMemoryResource, limit_bytes: int) -> None:
+        """Cap what ``upstream`` holds at ``limit_bytes``.
+
+        Args:
+            upstream: the resource to wrap.
+            limit_bytes: the budget, a positive ``int``.
+        Raises:
+            InvalidRequest: ``upstream`` is not a ``DeviceMemoryResource``, or ``limit_bytes``
+                is not a positive ``int``.
+        Thread rule: any thread.
+        """
         super().__init__(upstream)
         self._limit = check_nbytes(limit_bytes, "budget limit")
         self._lock = threading.Lock()
@@ -97,14 +57,22 @@ class BudgetResource(ResourceAdaptor):
 
     @property
     def limit_bytes(self) -> int:
+        """The budget, in bytes. Thread rule: any thread."""
         return self._limit
 
     def available(self) -> int:
-        """Bytes a request could be granted now without reaping (never negative)."""
+        """Bytes a request could be granted now without reaping.
+
+        Returns:
+            ``limit - outstanding - admitted in flight``, never negative; taken under the lock.
+        Thread rule: any thread.
+        """
         with self._lock:
             return max(0, self._limit - self._upstream.bytes_outstanding() - self._in_flight)
 
     def label(self) -> str:
+        """``"budget:SIZE"``, the size as :func:`format_size` writes it. Thread rule: any
+        thread."""
         return f"budget:{format_size(self._limit)}"
 
     def _admit(self, nbytes: int) -> int | None:
@@ -131,6 +99,23 @@ class BudgetResource(ResourceAdaptor):
     def allocate(
         self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> DeviceBlock:
+        """Admit the request against the budget (reaping once if it does not fit), then
+        allocate upstream.
+
+        Args:
+            nbytes: a positive ``int``.
+            stream: as the upstream's.
+            tag: as the upstream's.
+        Returns:
+            The upstream's block.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive ``int``.
+            BudgetExceeded: the request does not fit, even after reaping; the upstream's
+                ``allocate`` was not called.
+            OutOfMemory, StreamMisuse, DriverError: as the upstream's; the reservation is
+                released.
+        Thread rule: any thread.
+        """
         nbytes = check_nbytes(nbytes)
         if nbytes > self._limit:
             raise self._exceeded(

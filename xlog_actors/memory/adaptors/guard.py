@@ -11,18 +11,20 @@ from ...driver.host import POISON_BYTE
 from ...driver.limits import ALIGNMENT
 from ...driver.protocol import Driver, Stream
 from ...errors import CorruptionDetected, InvalidRequest
-from ..async_resource import LiveBlockInfo
-from ..block import Access, AllocTag, BlockId, DeviceBlock, StreamId, make_block
+from ..block import Access, AllocTag, BlockId, DeviceBlock, LiveBlock, StreamId, make_block
 from ..resource import DeviceMemoryResource
+from ..sizes import format_size
 from ..stream_pool import StreamPool
-from .budget import format_size
 from .upstream import ResourceAdaptor
 
 __all__ = ["CANARY_PATTERN", "DEFAULT_GUARD_BYTES", "GuardResource"]
 
+#: The size of each canary when none is given: the allocation alignment (256 bytes), the least
+#: that keeps the block as aligned as the upstream's.
 DEFAULT_GUARD_BYTES = ALIGNMENT
-# Contains neither 0x00 nor the poison byte, so a stray memset to either is caught, and no byte
-# twice in a row, so a stray fill with any single byte value is caught.
+#: The bytes a canary repeats. It contains neither 0x00 nor the poison byte, so a stray memset to
+#: either is caught, and no byte twice in a row, so a stray fill with any single byte value is
+#: caught.
 CANARY_PATTERN = b"\xca\xfe\xba\xbe\xf0\x0d\xfa\xce"
 
 
@@ -56,8 +58,9 @@ class GuardResource(ResourceAdaptor):
     is taken out of the guard's map first, so a concurrent second free of it is refused instead
     of poisoning memory that may already belong to someone else.
 
-    Thread rules: one lock guards the guard's map (guard pointer -> upstream block); the driver
-    and the upstream are called outside it.
+    Thread rule: every method may be called from any thread at any time. One lock guards the
+    guard's map (guard pointer -> upstream block); the driver and the upstream are called outside
+    it.
     """
 
     __slots__ = ("_canary", "_driver", "_guard", "_live", "_lock", "_own_stream", "_pool")
@@ -65,6 +68,19 @@ class GuardResource(ResourceAdaptor):
     def __init__(
         self, upstream: DeviceMemoryResource, guard_bytes: int = DEFAULT_GUARD_BYTES
     ) -> None:
+        """Guard every block of ``upstream`` with canaries of ``guard_bytes`` on each side.
+
+        Args:
+            upstream: the resource to wrap; it must expose its ``driver`` (every base resource
+                and every stack of them does).
+            guard_bytes: the size of each canary, a positive multiple of 256.
+        Raises:
+            InvalidRequest: ``upstream`` is not a ``DeviceMemoryResource``, ``guard_bytes`` is
+                not a positive multiple of 256, or ``upstream`` exposes no driver.
+            DriverError: a stack without a stream pool needs a stream of the guard's own, and the
+                driver could not create it.
+        Thread rule: any thread.
+        """
         super().__init__(upstream)
         guard_bytes = check_nbytes(guard_bytes, "guard size")
         if guard_bytes % ALIGNMENT:
@@ -88,15 +104,21 @@ class GuardResource(ResourceAdaptor):
 
     @property
     def guard_bytes(self) -> int:
+        """The size of each canary, in bytes. Thread rule: any thread."""
         return self._guard
 
     def label(self) -> str:
+        """``"guard"``, or ``"guard:SIZE"`` for a size other than the default. Thread rule: any
+        thread."""
         return (
             "guard" if self._guard == DEFAULT_GUARD_BYTES else f"guard:{format_size(self._guard)}"
         )
 
     def close(self) -> None:
-        """Close the guard's own stream, if it made one. Idempotent."""
+        """Close the guard's own stream, if it made one. Idempotent.
+
+        Thread rule: any thread, once no allocate or deallocate is running on this guard.
+        """
         if self._own_stream is not None:
             self._own_stream.close()
 
@@ -113,6 +135,22 @@ class GuardResource(ResourceAdaptor):
     def allocate(
         self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> DeviceBlock:
+        """Allocate ``nbytes`` plus two canaries upstream, write the canaries, hand out the middle.
+
+        Args:
+            nbytes: a positive ``int``.
+            stream: the allocation stream, as upstream.
+            tag: what the allocation is for.
+        Returns:
+            A live block of ``nbytes`` whose ``ptr`` is past the front canary and whose
+            generation is the upstream block's.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive ``int``.
+            StreamMisuse: ``stream`` is not a stream of the upstream's pool.
+            OutOfMemory: the upstream cannot satisfy the request.
+            DriverError: the upstream or a canary write failed; the upstream block was given back.
+        Thread rule: any thread.
+        """
         nbytes = check_nbytes(nbytes)
         g = self._guard
         up = self._upstream.allocate(nbytes + 2 * g, stream, tag)
@@ -142,6 +180,21 @@ class GuardResource(ResourceAdaptor):
         return block
 
     def deallocate(self, block: DeviceBlock) -> None:
+        """Check both canaries, poison the block, free it upstream, then report any damage.
+
+        Blocks the calling thread until the canaries are on the host.
+
+        Args:
+            block: a live block of this guard.
+        Raises:
+            InvalidRequest: ``block`` is of another device.
+            UseAfterFree: the guard has no live block with this ``(ptr, generation)`` (also a
+                second free racing the first).
+            CorruptionDetected: a canary was overwritten; the block *was* freed.
+            StreamMisuse, DriverError: the check or the upstream free failed; the block stays
+                live and tracked.
+        Thread rule: any thread.
+        """
         owner = "GuardResource.deallocate"
         check_device(owner, self.device_ordinal, block)
         with self._lock:
@@ -187,21 +240,23 @@ class GuardResource(ResourceAdaptor):
     def _damage(self, head: bytearray, tail: bytearray, nbytes: int) -> str | None:
         """Where the canaries were overwritten, in words, or None when both are intact."""
         found = []
-        if head != self._canary:
-            first = next(i for i in range(self._guard) if head[i] != self._canary[i])
-            changed = sum(1 for a, b in zip(head, self._canary, strict=False) if a != b)
-            found.append(
-                f"canary before the block overwritten from {self._guard - first} bytes before its start "
-                f"({changed} of {self._guard} bytes changed)"
-            )
-        if tail != self._canary:
-            first = next(i for i in range(self._guard) if tail[i] != self._canary[i])
-            changed = sum(1 for a, b in zip(tail, self._canary, strict=False) if a != b)
-            found.append(
-                f"canary after the block overwritten from offset {nbytes + first} ({first} bytes past "
-                f"its end; {changed} of {self._guard} bytes changed)"
-            )
+        g = self._guard
+        if (damage := self._overwritten(head)) is not None:
+            first, changed = damage
+            found.append(f"canary before the block overwritten from {g - first} bytes before its start ({changed})")
+        if (damage := self._overwritten(tail)) is not None:
+            first, changed = damage
+            past = f"{first} bytes past its end"
+            found.append(f"canary after the block overwritten from offset {nbytes + first} ({past}; {changed})")
         return "; ".join(found) or None
+
+    def _overwritten(self, canary: bytearray) -> tuple[int, str] | None:
+        """The offset of the first changed byte of a canary read back, and how many changed in
+        words; None when it is intact."""
+        if canary == self._canary:
+            return None
+        changed = [i for i, (a, b) in enumerate(zip(canary, self._canary, strict=False)) if a != b]
+        return changed[0], f"{len(changed)} of {self._guard} bytes changed"
 
     # -- identity translation ---------------------------------------------------------------
     def _upstream_block(self, owner: str, block_id: BlockId | DeviceBlock) -> DeviceBlock:
@@ -214,33 +269,55 @@ class GuardResource(ResourceAdaptor):
             )
         return up
 
-    def record_block_use(self, block: DeviceBlock, use_stream: StreamId) -> None:
+    def _tracked(self, hook: str, block_id: BlockId | DeviceBlock) -> DeviceBlock:
+        """The upstream block behind ``block_id``, for the tracking hook ``hook``."""
         if not self._upstream.supports_block_use_tracking():
-            raise self._unsupported("record_block_use")
-        self._upstream.record_block_use(
-            self._upstream_block("GuardResource.record_block_use", block), use_stream
-        )
+            raise self._unsupported(hook)
+        return self._upstream_block(f"GuardResource.{hook}", block_id)
+
+    def record_block_use(self, block: DeviceBlock, use_stream: StreamId) -> None:
+        """The upstream's ``record_block_use`` on the upstream block behind ``block``.
+
+        Args:
+            block: a live block of this guard.
+            use_stream: as the upstream's.
+        Raises:
+            StreamMisuse: the upstream does not track block uses, or as the upstream.
+            InvalidRequest: ``block`` is of another device.
+            UseAfterFree: ``block`` is not live in this guard.
+        Thread rule: any thread.
+        """
+        self._upstream.record_block_use(self._tracked("record_block_use", block), use_stream)
 
     def prepare_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
-        if not self._upstream.supports_block_use_tracking():
-            raise self._unsupported("prepare_block_use")
-        up = self._upstream_block("GuardResource.prepare_block_use", block_id)
+        """The upstream's ``prepare_block_use`` on the upstream block behind ``block_id``;
+        arguments, errors and thread rule as :meth:`record_block_use`."""
+        up = self._tracked("prepare_block_use", block_id)
         self._upstream.prepare_block_use(BlockId.from_block(up), use_stream, access)
 
     def finish_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
-        if not self._upstream.supports_block_use_tracking():
-            raise self._unsupported("finish_block_use")
-        up = self._upstream_block("GuardResource.finish_block_use", block_id)
+        """The upstream's ``finish_block_use`` on the upstream block behind ``block_id``;
+        arguments, errors and thread rule as :meth:`record_block_use`."""
+        up = self._tracked("finish_block_use", block_id)
         self._upstream.finish_block_use(BlockId.from_block(up), use_stream, access)
 
-    def live_blocks(self) -> list[LiveBlockInfo | DeviceBlock]:
-        """The upstream's live blocks as this guard hands them out (pointer past the front
-        canary, size without the canaries); blocks allocated around the guard as they are."""
+    def live_blocks(self) -> list[LiveBlock | DeviceBlock]:
+        """The upstream's live blocks as this guard hands them out.
+
+        Returns:
+            The upstream's list, each block of this guard shown with its pointer past the front
+            canary and its size without the canaries; blocks allocated around the guard as they
+            are.
+        Raises:
+            AttributeError: the upstream lists no live blocks.
+        Thread rule: any thread.
+        """
         g = self._guard
-        entries: list[LiveBlockInfo | DeviceBlock] = self._upstream.live_blocks()  # type: ignore[attr-defined]
+        # live_blocks() is a diagnostic of the base resources, outside the resource interface.
+        entries: list[LiveBlock | DeviceBlock] = self._upstream.live_blocks()  # type: ignore[attr-defined]
         with self._lock:
             ours = {up.ptr for up in self._live.values()}
-        out: list[LiveBlockInfo | DeviceBlock] = []
+        out: list[LiveBlock | DeviceBlock] = []
         for e in entries:
             if e.ptr not in ours:
                 out.append(e)
@@ -257,13 +334,23 @@ class GuardResource(ResourceAdaptor):
                     )
                 )
             else:
-                out.append(LiveBlockInfo((e.ptr + g, e.nbytes - 2 * g, e.tag, e.stream, e.age_s)))
+                out.append(LiveBlock(e.ptr + g, e.nbytes - 2 * g, e.tag, e.stream, e.age_s))
         return out
 
     def pending_use_event_count(self, ptr: int) -> int | None:
-        """The upstream's count for the block this guard handed out at ``ptr``."""
+        """The upstream's count for the block this guard handed out at ``ptr``.
+
+        Args:
+            ptr: a pointer this guard handed out (any other is passed through as it is).
+        Returns:
+            As the upstream's ``pending_use_event_count``.
+        Raises:
+            AttributeError: the upstream has no such diagnostic.
+        Thread rule: any thread.
+        """
         with self._lock:
             up = self._live.get(ptr)
+        # a diagnostic of the async resource, outside the resource interface
         count: int | None = self._upstream.pending_use_event_count(  # type: ignore[attr-defined]
             ptr if up is None else up.ptr
         )

@@ -21,6 +21,7 @@ __all__ = ["LOG_ENV", "LOG_HEADER", "LoggingResource"]
 #: Names the log file of the ``log`` adaptor when its description gives no path.
 LOG_ENV = "XLOG_ACTORS_LOG"
 
+#: The CSV header row; every row has these columns, in this order.
 LOG_HEADER = ("thread", "time", "action", "pointer", "size", "stream", "tag")
 
 
@@ -46,8 +47,9 @@ class LoggingResource(ResourceAdaptor):
     ``close()`` ends the log (and closes a file the adaptor opened): the resource stays usable
     and later calls are forwarded unlogged, so a stack can still be drained at shutdown.
 
-    Thread rules: one lock serializes the rows; the upstream is called outside it, so rows of
-    concurrent calls appear in the order they were written, not necessarily in call order.
+    Thread rule: every method may be called from any thread at any time. One lock serializes the
+    rows; the upstream is called outside it, so rows of concurrent calls appear in the order they
+    were written, not necessarily in call order.
     """
 
     __slots__ = ("_closed", "_lock", "_owned", "_sink", "_target")
@@ -55,6 +57,17 @@ class LoggingResource(ResourceAdaptor):
     def __init__(
         self, upstream: DeviceMemoryResource, path_or_stream: str | os.PathLike[str] | TextIO
     ) -> None:
+        """Log what goes through ``upstream`` to ``path_or_stream``.
+
+        Args:
+            upstream: the resource to wrap.
+            path_or_stream: a text stream, ``"-"`` for stderr, or a path (see the class
+                docstring).
+        Raises:
+            InvalidRequest: ``upstream`` is not a ``DeviceMemoryResource``.
+            OSError: the file cannot be opened, or the header cannot be written.
+        Thread rule: any thread.
+        """
         super().__init__(upstream)
         self._lock = threading.Lock()
         self._closed = False
@@ -73,10 +86,17 @@ class LoggingResource(ResourceAdaptor):
             self._write(LOG_HEADER)
 
     def label(self) -> str:
+        """``"log"`` for a stream, ``"log:PATH"`` (``"log:-"`` for stderr) for a path. Thread
+        rule: any thread."""
         return "log" if self._target is None else f"log:{self._target}"
 
     def close(self) -> None:
-        """End the log; close the file if the adaptor opened it. Idempotent."""
+        """End the log; close the file if the adaptor opened it. Idempotent.
+
+        Raises:
+            OSError: closing the file failed (the log is ended all the same).
+        Thread rule: any thread; a row being written finishes first.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -110,6 +130,14 @@ class LoggingResource(ResourceAdaptor):
     def allocate(
         self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> DeviceBlock:
+        """Allocate upstream, then log ``allocate`` (or ``allocate failure``).
+
+        Args, Returns: as the upstream's ``allocate``.
+        Raises:
+            As the upstream's ``allocate`` (after the failure row), or OSError: the row could
+            not be written (the block was given back).
+        Thread rule: any thread.
+        """
         try:
             block = self._upstream.allocate(nbytes, stream, tag)
         except BaseException:
@@ -127,6 +155,14 @@ class LoggingResource(ResourceAdaptor):
         return block
 
     def deallocate(self, block: DeviceBlock) -> None:
+        """Log ``free``, then free upstream; log ``free failure`` if the upstream refused.
+
+        Args: as the upstream's ``deallocate``.
+        Raises:
+            As the upstream's ``deallocate``, or OSError: the ``free`` row could not be written
+            (the block was not freed).
+        Thread rule: any thread.
+        """
         self._write(
             self._row("free", f"{block.ptr:#x}", block.nbytes, block.alloc_stream, block.tag)
         )

@@ -4,45 +4,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ...errors import CorruptionDetected, OutOfMemory
 from ..block import AllocTag, DeviceBlock, StreamId
+from ..figures import AllocationFigures, AllocationStatistics
 from ..report import enrich_out_of_memory
 from ..resource import DeviceMemoryResource
 from .upstream import ResourceAdaptor
 
-__all__ = ["AllocationFigures", "AllocationStatistics", "StatisticsResource"]
-
-
-@dataclass(frozen=True, slots=True)
-class AllocationFigures:
-    """The six figures of one group of allocations.
-
-    ``current_*``: allocated through the adaptor and not yet deallocated through it (a block
-    whose free is queued but not reaped is no longer current: ask ``bytes_outstanding()`` for
-    that). ``peak_*``: the highest ``current_*`` ever seen, bytes and count tracked separately.
-    ``total_*``: every successful allocation ever.
-    """
-
-    current_bytes: int = 0
-    current_count: int = 0
-    peak_bytes: int = 0
-    peak_count: int = 0
-    total_bytes: int = 0
-    total_count: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class AllocationStatistics(AllocationFigures):
-    """The overall figures plus ``by_tag``: the same six figures of every tag ever allocated
-    through the adaptor (read-only)."""
-
-    by_tag: Mapping[AllocTag, AllocationFigures] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+__all__ = ["StatisticsResource"]
 
 
 class _Counter:
@@ -77,8 +48,9 @@ class _Counter:
         self.current_bytes -= nbytes
         self.current_count -= 1
 
-    def figures(self) -> AllocationFigures:
-        return AllocationFigures(
+    def values(self) -> tuple[int, int, int, int, int, int]:
+        """The six figures in :class:`AllocationFigures`' field order."""
+        return (
             self.current_bytes,
             self.current_count,
             self.peak_bytes,
@@ -89,36 +61,55 @@ class _Counter:
 
 
 class StatisticsResource(ResourceAdaptor):
-    """Counts what goes through it; see :class:`AllocationFigures` for what each figure means.
+    """Counts what goes through it; see :class:`~xlog_actors.memory.figures.AllocationFigures`
+    for what each figure means.
 
     Invariants: the figures change only after the upstream call succeeded, so a failed
     allocate or deallocate changes nothing; ``statistics()`` is one consistent snapshot (every
     figure from the same instant). A :class:`~xlog_actors.errors.CorruptionDetected` from
-    upstream counts as a free (the guard raises it after freeing). Sizes are the requested ``nbytes``. Every block freed
-    through the adaptor must have been allocated through it (as in RMM).
+    upstream counts as a free (the guard raises it after freeing). Sizes are the requested
+    ``nbytes``. Every block freed through the adaptor must have been allocated through it (as in
+    RMM); one that was not shows up as negative figures instead of failing after its memory was
+    already freed.
 
     An :class:`~xlog_actors.errors.OutOfMemory` from upstream is re-raised with a message that
     also says what is free and which tags hold the most memory (see
     :func:`xlog_actors.memory.report.enrich_out_of_memory`): this adaptor is the one that knows
     the tags.
 
-    Thread rules: one lock guards every counter; the upstream is called outside it.
+    Thread rule: every method may be called from any thread. One lock guards every counter; the
+    upstream is called outside it.
     """
 
     __slots__ = ("_by_tag", "_lock", "_overall")
 
     def __init__(self, upstream: DeviceMemoryResource) -> None:
+        """Count what goes through ``upstream``, starting from zero.
+
+        Args:
+            upstream: the resource to wrap.
+        Raises:
+            InvalidRequest: ``upstream`` is not a ``DeviceMemoryResource``.
+        Thread rule: any thread.
+        """
         super().__init__(upstream)
         self._lock = threading.Lock()
         self._overall = _Counter()
         self._by_tag: dict[AllocTag, _Counter] = {}
 
     def label(self) -> str:
+        """``"stats"``. Thread rule: any thread."""
         return "stats"
 
     def allocate(
         self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> DeviceBlock:
+        """Allocate upstream, then count the block under its tag.
+
+        Args, Returns and Raises: as the upstream's ``allocate``; an ``OutOfMemory`` (or
+        ``BudgetExceeded``) is the same exception with its message enriched.
+        Thread rule: any thread.
+        """
         try:
             block = self._upstream.allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
@@ -126,47 +117,53 @@ class StatisticsResource(ResourceAdaptor):
             raise
         with self._lock:
             self._overall.add(block.nbytes)
-            counter = self._by_tag.get(block.tag)
-            if counter is None:
-                counter = self._by_tag[block.tag] = _Counter()
-            counter.add(block.nbytes)
+            self._counter(block.tag).add(block.nbytes)
         return block
 
     def deallocate(self, block: DeviceBlock) -> None:
+        """Free upstream, then count the free (also when the upstream raised
+        ``CorruptionDetected``: the block was freed).
+
+        Args and Raises: as the upstream's ``deallocate``.
+        Thread rule: any thread.
+        """
         try:
             self._upstream.deallocate(block)
         except CorruptionDetected:
-            # A guard below raises it after the block was freed: count the free, then report.
             self._count_free(block)
             raise
         self._count_free(block)
 
+    def _counter(self, tag: AllocTag) -> _Counter:
+        """The counter of ``tag``, created on first use. Call under ``_lock``."""
+        counter = self._by_tag.get(tag)
+        if counter is None:
+            counter = self._by_tag[tag] = _Counter()
+        return counter
+
     def _count_free(self, block: DeviceBlock) -> None:
         with self._lock:
             self._overall.remove(block.nbytes)
-            # get-or-create: a block allocated around the adaptor (against the rule above) shows
-            # up as negative figures instead of failing after its memory was already freed
-            counter = self._by_tag.get(block.tag)
-            if counter is None:
-                counter = self._by_tag[block.tag] = _Counter()
-            counter.remove(block.nbytes)
+            self._counter(block.tag).remove(block.nbytes)
 
     def statistics(self) -> AllocationStatistics:
+        """Every figure, overall and per tag, from one instant.
+
+        Returns:
+            An immutable snapshot; ``by_tag`` holds every tag ever allocated through the adaptor.
+        Thread rule: any thread.
+        """
         with self._lock:
-            o = self._overall
-            by_tag = {tag: c.figures() for tag, c in self._by_tag.items()}
-            return AllocationStatistics(
-                o.current_bytes,
-                o.current_count,
-                o.peak_bytes,
-                o.peak_count,
-                o.total_bytes,
-                o.total_count,
-                MappingProxyType(by_tag),
-            )
+            by_tag = {tag: AllocationFigures(*c.values()) for tag, c in self._by_tag.items()}
+            return AllocationStatistics(*self._overall.values(), MappingProxyType(by_tag))
 
     def current_bytes_by_tag(self) -> dict[AllocTag, tuple[int, int]]:
-        """``tag -> (current_bytes, current_count)`` of every tag that holds memory now."""
+        """What each tag holds now.
+
+        Returns:
+            ``tag -> (current_bytes, current_count)`` of every tag that holds memory now.
+        Thread rule: any thread.
+        """
         with self._lock:
             return {
                 tag: (c.current_bytes, c.current_count)

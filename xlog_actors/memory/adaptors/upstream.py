@@ -37,12 +37,21 @@ class ResourceAdaptor(DeviceMemoryResource):
     ``deallocate`` means the block *was* freed (a guard reports damage only after freeing), so
     an adaptor that counts frees counts that one.
 
-    Thread rules: the adaptor adds no state of its own; it is as thread-safe as its upstream.
+    Thread rule: the adaptor adds no state of its own; every method may be called from any
+    thread at any time, as the upstream's.
     """
 
     __slots__ = ("_upstream",)
 
     def __init__(self, upstream: DeviceMemoryResource) -> None:
+        """Wrap ``upstream``.
+
+        Args:
+            upstream: the resource every call is forwarded to.
+        Raises:
+            InvalidRequest: ``upstream`` is not a ``DeviceMemoryResource``.
+        Thread rule: any thread.
+        """
         if not isinstance(upstream, DeviceMemoryResource):
             raise InvalidRequest(
                 f"{type(self).__name__}: upstream must be a DeviceMemoryResource, got {type(upstream).__name__}"
@@ -51,13 +60,16 @@ class ResourceAdaptor(DeviceMemoryResource):
 
     @property
     def upstream(self) -> DeviceMemoryResource:
+        """The wrapped resource. Thread rule: any thread."""
         return self._upstream
 
     def label(self) -> str:
-        """This adaptor's own part of the description (``"stats"``, ``"budget:8GiB"``)."""
+        """This adaptor's own part of the description (``"stats"``, ``"budget:8GiB"``); the
+        class name by default. Thread rule: any thread."""
         return type(self).__name__
 
     def describe(self) -> str:
+        """``upstream.describe() + "+" + label()``. Thread rule: any thread."""
         return f"{self._upstream.describe()}+{self.label()}"
 
     def __repr__(self) -> str:
@@ -71,33 +83,42 @@ class ResourceAdaptor(DeviceMemoryResource):
             raise AttributeError(name)
         return getattr(self._upstream, name)
 
-    # -- forwarded interface ----------------------------------------------------------------
+    # -- forwarded interface: arguments, results, errors and thread rules are the upstream's --
     def allocate(
         self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> DeviceBlock:
+        """The upstream's ``allocate``."""
         return self._upstream.allocate(nbytes, stream, tag)
 
     def deallocate(self, block: DeviceBlock) -> None:
+        """The upstream's ``deallocate``."""
         self._upstream.deallocate(block)
 
     @property
     def device_ordinal(self) -> int:
+        """The upstream's ``device_ordinal``."""
         return self._upstream.device_ordinal
 
     def bytes_outstanding(self) -> int:
+        """The upstream's ``bytes_outstanding()``."""
         return self._upstream.bytes_outstanding()
 
     def reap_pending(self) -> None:
+        """The upstream's ``reap_pending()``."""
         self._upstream.reap_pending()
 
     def supports_block_use_tracking(self) -> bool:
+        """The upstream's ``supports_block_use_tracking()``."""
         return self._upstream.supports_block_use_tracking()
 
     def record_block_use(self, block: DeviceBlock, use_stream: StreamId) -> None:
+        """The upstream's ``record_block_use``."""
         self._upstream.record_block_use(block, use_stream)
 
     def prepare_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
+        """The upstream's ``prepare_block_use``."""
         self._upstream.prepare_block_use(block_id, use_stream, access)
 
     def finish_block_use(self, block_id: BlockId, use_stream: StreamId, access: Access) -> None:
+        """The upstream's ``finish_block_use``."""
         self._upstream.finish_block_use(block_id, use_stream, access)
