@@ -5,6 +5,13 @@ emulated on host threads and host memory) and :class:`~xlog_actors.driver.cuda.C
 (cuda-python). Everything above this layer is written once against these protocols, so the
 tracking code CI tests on the host driver is the very code that runs on the GPU.
 
+The protocols are generic in the types each driver makes: ``Stream[E]`` records and waits on
+events of type ``E``, and ``Driver[S, E]`` makes streams of type ``S`` and events of type ``E``
+and takes its own streams back. So ``HostDriver`` is a ``Driver[HostStream, HostEvent]`` and
+``CudaDriver`` a ``Driver[CudaStream, CudaEvent]``, each annotated with its own types. Code above
+this layer writes plain ``Driver`` (``Driver[Any, Event]``), ``Stream`` (``Stream[Any]``) and
+``Event``: it only ever hands a driver the streams and events that driver made.
+
 Thread rules: every method may be called from any thread. On CUDA the driver makes the device's
 context current in the calling thread itself, so callers never have to.
 """
@@ -12,6 +19,7 @@ context current in the calling thread itself, so callers never have to.
 from __future__ import annotations
 
 import sys
+import typing
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -26,6 +34,26 @@ else:  # pragma: no cover - the buffer protocol has no ABC before 3.12
 __all__ = ["Buffer", "Driver", "DriverKind", "Event", "Stream"]
 
 DriverKind = Literal["cuda", "host"]
+
+# The type parameters have defaults (PEP 696), so that code above this layer may write a plain
+# ``Driver`` or ``Stream``. Only the type checker reads the defaults; ``typing.TypeVar``
+# takes none before Python 3.13 and ``typing_extensions`` is no runtime dependency, so the
+# runtime makes the same type variables without them.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    #: A stream's event type. Invariant: a stream both takes its events (``record``, ``wait``)
+    #: and makes them (``record_event``).
+    E = TypeVar("E", bound="Event", default=Any)
+    #: A driver's event type. Covariant: a driver only makes events (``create_event``); so its
+    #: default can be ``Event`` itself, which every driver's events are.
+    E_co = TypeVar("E_co", bound="Event", covariant=True, default="Event")
+    #: A driver's stream type. Invariant: a driver both makes its streams and takes them back.
+    S = TypeVar("S", bound="Stream[Any]", default=Any)
+else:
+    E = typing.TypeVar("E", bound="Event")
+    E_co = typing.TypeVar("E_co", bound="Event", covariant=True)
+    S = typing.TypeVar("S", bound="Stream[Any]")
 
 
 @runtime_checkable
@@ -45,7 +73,7 @@ class Event(Protocol):
 
 
 @runtime_checkable
-class Stream(Protocol):
+class Stream(Protocol[E]):
     """An in-order queue of device work. Streams run concurrently with each other; ``wait``
     orders this stream after an event without blocking the host."""
 
@@ -65,17 +93,17 @@ class Stream(Protocol):
 
     def query(self) -> bool: ...
 
-    def record_event(self) -> Event:
+    def record_event(self) -> E:
         """A new event recorded at the current end of this stream."""
         ...
 
-    def record(self, event: Event) -> None:
+    def record(self, event: E) -> None:
         """Re-record ``event`` (from ``Driver.create_event``) at the current end of this stream.
         Waits already enqueued on the event keep the record they saw (CUDA semantics), so a
         pooled event can be recorded again as soon as nobody will enqueue a new wait on it."""
         ...
 
-    def wait(self, event: Event) -> None:
+    def wait(self, event: E) -> None:
         """Make later work on this stream wait for ``event``; never blocks the host."""
         ...
 
@@ -84,7 +112,7 @@ class Stream(Protocol):
         ...
 
 
-class Driver(Protocol):
+class Driver(Protocol[S, E_co]):
     """See the module docstring. Pointers are plain ints (device virtual addresses)."""
 
     @property
@@ -102,9 +130,9 @@ class Driver(Protocol):
         """Make ``ordinal``'s context current in the calling thread (a no-op on the host)."""
         ...
 
-    def create_stream(self, ordinal: int) -> Stream: ...
+    def create_stream(self, ordinal: int) -> S: ...
 
-    def create_event(self, ordinal: int) -> Event: ...
+    def create_event(self, ordinal: int) -> E_co: ...
 
     # Synchronous allocation: cuMemAlloc / cuMemFree. ``free`` is device-synchronizing, as
     # cuMemFree is.
@@ -114,31 +142,31 @@ class Driver(Protocol):
 
     # Stream-ordered allocation: cuMemAllocAsync / cuMemFreeAsync on the device's pool, whose
     # release threshold keeps freed memory cached.
-    def alloc_async(self, nbytes: int, stream: Stream) -> int: ...
+    def alloc_async(self, nbytes: int, stream: S) -> int: ...
 
-    def free_async(self, ptr: int, stream: Stream) -> None: ...
+    def free_async(self, ptr: int, stream: S) -> None: ...
 
-    def copy_to_device(self, ptr: int, data: Buffer, stream: Stream) -> None:
+    def copy_to_device(self, ptr: int, data: Buffer, stream: S) -> None:
         """Enqueue a host-to-device copy of ``data``; the driver keeps ``data`` referenced until
         the copy ran. A pageable buffer may be reused as soon as the call returns (CUDA stages
         it; the host driver snapshots it); a page-locked buffer must keep its bytes until the
         copy ran, as with ``cudaMemcpyAsync``."""
         ...
 
-    def copy_to_host(self, ptr: int, nbytes: int, stream: Stream) -> bytearray:
+    def copy_to_host(self, ptr: int, nbytes: int, stream: S) -> bytearray:
         """Enqueue a device-to-host copy; the returned buffer is valid once ``stream`` (or an
         event recorded after this call) is synchronized."""
         ...
 
-    def copy_to_host_into(self, ptr: int, out: Buffer, stream: Stream) -> None:
+    def copy_to_host_into(self, ptr: int, out: Buffer, stream: S) -> None:
         """Like ``copy_to_host`` into a caller-provided writable buffer (pinned, for speed)."""
         ...
 
-    def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: Stream) -> None: ...
+    def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: S) -> None: ...
 
-    def fill(self, ptr: int, byte: int, nbytes: int, stream: Stream) -> None: ...
+    def fill(self, ptr: int, byte: int, nbytes: int, stream: S) -> None: ...
 
-    def sleep(self, stream: Stream, microseconds: int) -> None:
+    def sleep(self, stream: S, microseconds: int) -> None:
         """Enqueue a spin of about ``microseconds`` on the stream (``torch.cuda._sleep``)."""
         ...
 
@@ -148,7 +176,7 @@ class Driver(Protocol):
         grid: Sequence[int] | int,
         block: Sequence[int] | int,
         args: Sequence[object],
-        stream: Stream,
+        stream: S,
     ) -> None:
         """Enqueue ``kernel`` with already-resolved arguments (pointers as ints, scalars)."""
         ...

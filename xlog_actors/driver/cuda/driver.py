@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,7 @@ import numpy.typing as npt
 from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
 from ..checks import check_kernel_args, check_microseconds
 from ..kernel import PARAM_DTYPES, Kernel
+from ..protocol import Driver
 from .call import EVENT_FLAGS, IMPORT_ERROR, STREAM_FLAGS, SUCCESS, cu, error_for, first_line, result_name
 from .context import CudaDevice, tls
 from .memory import CudaMemory
@@ -304,3 +305,9 @@ class CudaDriver(CudaMemory):
             self._closed = True
         for dev in self._devices:
             dev.close()
+
+
+if TYPE_CHECKING:
+    # Checked by mypy, never run: CudaDriver implements the driver protocol with its own stream
+    # and event types, with no override left unchecked.
+    _IMPLEMENTS: type[Driver[CudaStream, CudaEvent]] = CudaDriver
