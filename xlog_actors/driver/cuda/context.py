@@ -122,7 +122,17 @@ class CudaDevice:
 
     # -- failure ----------------------------------------------------------------------------
     def fail(self, err: object, what: str, requested: int = 0) -> NoReturn:
-        """Raise the typed error for ``err``; remember a sticky one."""
+        """Raise the typed error for ``err``; remember a sticky one.
+
+        Args:
+            err: the failed call's ``CUresult``.
+            what: the call and its subject (the device is prefixed).
+            requested: bytes an allocation asked for.
+        Raises:
+            OutOfMemory, ContextPoisoned, ContextLost, DriverError: always; ``CUDA_ERROR_INVALID_HANDLE``
+                becomes ``ContextLost``, as every handle passed to CUDA is one this driver believes live.
+        Thread rule: any thread.
+        """
         exc = error_for(err, f"device {self.ordinal}: {what}", requested=requested)
         if getattr(exc, "code", None) == "CUDA_ERROR_INVALID_HANDLE":
             # Every handle this driver passes to CUDA is one it made and believes live (handles
@@ -147,6 +157,12 @@ class CudaDevice:
         raise exc from None
 
     def poisoned_error(self) -> ContextPoisoned:
+        """The error every call on a poisoned device raises (not raised here).
+
+        Returns:
+            ``ContextPoisoned`` naming the sticky code.
+        Thread rule: any thread.
+        """
         return ContextPoisoned(
             f"device {self.ordinal}: context poisoned by a sticky error ({self.poisoned}); "
             "CUDA cannot recover it in this process",
@@ -157,7 +173,14 @@ class CudaDevice:
     def enter(self) -> None:
         """Make this device's context current in the calling thread (hot path: two loads and a
         compare when it already is). Raises ``ContextPoisoned`` once poisoned, ``DriverError``
-        once closed."""
+        once closed.
+
+        Raises:
+            ContextPoisoned: the device saw a sticky error.
+            DriverError: the driver is closed.
+            DeviceUnavailable: the first retain finds the device unusable.
+        Thread rule: any thread; acts on the calling thread.
+        """
         if self.poisoned is not None:
             raise self.poisoned_error()
         token = self.token
@@ -167,6 +190,12 @@ class CudaDevice:
             self.set_current()
 
     def set_current(self) -> None:
+        """Make ``ctx`` current in the calling thread, unconditionally, and note it in :data:`tls`.
+
+        Raises:
+            DriverError (or a subclass): ``cuCtxSetCurrent`` failed.
+        Thread rule: any thread; acts on the calling thread.
+        """
         (err,) = cu.cuCtxSetCurrent(self.ctx)
         if err != SUCCESS:
             tls.token = None
@@ -175,7 +204,16 @@ class CudaDevice:
 
     def retain(self) -> object:
         """Retain the primary context (first use, or after a rebuild), make it current here, and
-        set up its memory pool. On failure nothing stays retained."""
+        set up its memory pool. On failure nothing stays retained.
+
+        Returns:
+            The token of the context's current epoch.
+        Raises:
+            DriverError: the driver is closed, or CUDA refused.
+            ContextPoisoned: the device saw a sticky error.
+            DeviceUnavailable: the machine cannot give this device.
+        Thread rule: any thread; takes ``lock``.
+        """
         with self.lock:
             if self.closed:
                 raise DriverError("the CUDA driver is closed", code="CUDA_ERROR_DEINITIALIZED")
@@ -230,7 +268,16 @@ class CudaDevice:
 
     def function(self, kernel: Kernel) -> Any:
         """``kernel``'s ``CUfunction`` in the current context: compiled once per process and
-        architecture, loaded once per context. The caller has called :meth:`enter`."""
+        architecture, loaded once per context. The caller has called :meth:`enter`.
+
+        Args:
+            kernel: the kernel to load.
+        Returns:
+            The ``CUfunction``.
+        Raises:
+            DriverError: NVRTC cannot compile it, or CUDA cannot load it.
+        Thread rule: any thread; takes ``lock`` to load, never while holding a stream's gate.
+        """
         fn = self.functions.get(kernel)
         if fn is not None:
             return fn
@@ -256,7 +303,11 @@ class CudaDevice:
         """Destroy the handles finalizers left in ``graveyard``: those of the current context
         incarnation (a rebuild keeps the context, so handles of older epochs are still valid;
         a stream's finalizer enqueues it only when nothing else retired it). Handles of an older
-        incarnation died with it. Called on ordinary call paths, never from a finalizer."""
+        incarnation died with it. Called on ordinary call paths, never from a finalizer.
+
+        Thread rule: any thread but a finalizer; takes ``lock``, so never call it inside a stream's
+        gate.
+        """
         with self.lock:
             graveyard = self.graveyard
             while graveyard:
@@ -276,7 +327,12 @@ class CudaDevice:
 
     def drop_orphans(self, *, destroy: bool) -> None:
         """Forget keep-alive entries of closed streams whose copies ran (all of them when the
-        context is gone: nothing runs any more). ``destroy``: their events are still valid."""
+        context is gone: nothing runs any more). ``destroy``: their events are still valid.
+
+        Args:
+            destroy: True while the context lives (query and destroy the events), False once it is gone.
+        Thread rule: any thread; takes ``orphan_lock``.
+        """
         with self.orphan_lock:
             orphans = self.orphans
             if destroy:
@@ -318,7 +374,12 @@ class CudaDevice:
     def primary_active(self) -> bool:
         """Whether the primary context is active. False after a ``cuDevicePrimaryCtxReset``
         until someone retains it again: how a reset from outside is noticed. Uses only the
-        device handle, which a reset leaves valid."""
+        device handle, which a reset leaves valid.
+
+        Returns:
+            True when active, or when the query itself fails (then nothing is known to be lost).
+        Thread rule: any thread.
+        """
         err, _flags, active = cu.cuDevicePrimaryCtxGetState(self.cudev)
         return err != SUCCESS or bool(active)
 
@@ -385,7 +446,13 @@ class CudaDevice:
             self.fail(err, "cuCtxSynchronize")
 
     def rebuild(self) -> None:
-        """See :meth:`CudaDriver.rebuild_context`."""
+        """See :meth:`CudaDriver.rebuild_context`.
+
+        Raises:
+            DriverError: the driver is closed.
+            ContextPoisoned: the device saw a sticky error, or one surfaces while synchronizing.
+        Thread rule: any thread; takes ``lock`` and every stream's gate in turn.
+        """
         with self.lock:
             if self.closed:
                 raise DriverError("the CUDA driver is closed", code="CUDA_ERROR_DEINITIALIZED")
@@ -426,7 +493,10 @@ class CudaDevice:
 
     def close(self) -> None:
         """Wait for the context's work, destroy this driver's streams and modules, release the
-        retain. Never raises: closing is best effort (a poisoned context cannot do better)."""
+        retain. Never raises: closing is best effort (a poisoned context cannot do better).
+
+        Thread rule: any thread; takes ``lock`` and every stream's gate in turn.
+        """
         with self.lock:
             if self.closed:
                 return

@@ -19,6 +19,9 @@ raw NVRTC flags, which ``ProgramOptions`` cannot take, and cuda.core's context-i
 ``CUlibrary`` kernels and stream wrappers do not fit a driver that must drop and rebuild every
 per-context module in ``rebuild_context``; here each of the two steps is a single call.
 
+This module is over 400 lines only through its docstrings: each method states its CUDA call, its
+errors and its thread rule; the code itself is a thin layer over the package's parts.
+
 Thread rules: every method may be called from any thread. Each device has one re-entrant lock that
 guards its context's lifecycle (retain, rebuild, close), its stream registry and its loaded
 modules; the hot paths (allocation, copies, launches, event operations) take no device lock, only
@@ -107,6 +110,14 @@ class CudaDriver(CudaMemory):
     kind: Literal["cuda"] = "cuda"
 
     def __init__(self) -> None:
+        """Run ``cuInit``, count the devices and query each one's architecture.
+
+        Raises:
+            DeviceUnavailable: cuda-python or libcuda cannot be loaded, ``cuInit`` fails, no device is
+                visible, or a device cannot be queried; the message says which, with no cuda-python
+                exception chained.
+        Thread rule: any thread.
+        """
         if cu is None:
             raise DeviceUnavailable(
                 f"cuda-python is not importable ({IMPORT_ERROR}); install cuda-python>=13"
@@ -147,9 +158,23 @@ class CudaDriver(CudaMemory):
 
     # -- queries ----------------------------------------------------------------------------
     def device_count(self) -> int:
+        """The number of CUDA devices visible at construction. Thread rule: any thread.
+        """
         return len(self._devices)
 
     def device_name(self, ordinal: int) -> str:
+        """Device ``ordinal``'s product name (``cuDeviceGetName``).
+
+        Args:
+            ordinal: the device.
+        Returns:
+            The name.
+        Raises:
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed, or CUDA refused.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         dev = self._device(ordinal)
         err, name = cu.cuDeviceGetName(256, dev.cudev)
         if err != SUCCESS:
@@ -157,10 +182,32 @@ class CudaDriver(CudaMemory):
         return bytes(name).split(b"\0", 1)[0].decode(errors="replace").strip()
 
     def compute_capability(self, ordinal: int) -> str:
-        """The device's architecture as NVRTC names it (``"sm_90"``)."""
+        """The device's architecture as NVRTC names it (``"sm_90"``).
+
+        Args:
+            ordinal: the device.
+        Returns:
+            ``"sm_<major><minor>"``.
+        Raises:
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed.
+        Thread rule: any thread.
+        """
         return self._device(ordinal).arch
 
     def mem_info(self, ordinal: int) -> tuple[int, int]:
+        """``(free, total)`` bytes of device ``ordinal`` (``cuMemGetInfo``).
+
+        Args:
+            ordinal: the device.
+        Returns:
+            Free and total bytes now.
+        Raises:
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed, or CUDA refused.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; makes the device's context current in the calling thread.
+        """
         dev = self._device(ordinal)
         dev.enter()
         err, free, total = cu.cuMemGetInfo()
@@ -170,13 +217,34 @@ class CudaDriver(CudaMemory):
 
     def make_current(self, ordinal: int) -> None:
         """Make ``ordinal``'s context current in this thread, unconditionally (refreshes the
-        thread-local cache, e.g. after foreign code switched contexts)."""
+        thread-local cache, e.g. after foreign code switched contexts).
+
+        Args:
+            ordinal: the device.
+        Raises:
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed, or CUDA refused.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; acts on the calling thread.
+        """
         dev = self._device(ordinal)
         dev.enter()
         dev.set_current()
 
     # -- streams and events -----------------------------------------------------------------
     def create_stream(self, ordinal: int) -> CudaStream:
+        """A new ``CU_STREAM_NON_BLOCKING`` stream on device ``ordinal``.
+
+        Args:
+            ordinal: the device.
+        Returns:
+            The stream, registered with its device so a rebuild or close retires it.
+        Raises:
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed, or CUDA refused.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; takes the device lock.
+        """
         dev = self._device(ordinal)
         with dev.lock:  # the epoch read and the creation must not straddle a rebuild
             dev.enter()
@@ -190,6 +258,18 @@ class CudaDriver(CudaMemory):
         return stream
 
     def create_event(self, ordinal: int) -> CudaEvent:
+        """A new ``CU_EVENT_DISABLE_TIMING`` event on device ``ordinal``, never recorded.
+
+        Args:
+            ordinal: the device.
+        Returns:
+            The event.
+        Raises:
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed, or CUDA refused.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         dev = self._device(ordinal)
         dev.enter()
         if dev.graveyard:
@@ -201,6 +281,19 @@ class CudaDriver(CudaMemory):
         return CudaEvent(dev, event, epoch)
 
     def sleep(self, stream: CudaStream, microseconds: int) -> None:
+        """Enqueue the sleep kernel (:data:`~.nvrtc.SLEEP_KERNEL`): about ``microseconds`` of
+        wall-clock time on ``stream``.
+
+        Args:
+            stream: a stream of this driver.
+            microseconds: a non-negative duration.
+        Raises:
+            InvalidRequest: bad ``microseconds`` or ``stream``.
+            DriverError: NVRTC is missing (naming ``libnvrtc``); the stream was closed or its context
+                rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         us = check_microseconds(microseconds)
         self.launch(SLEEP_KERNEL, 1, 1, (int(us * 1000),), stream)
 
@@ -212,6 +305,23 @@ class CudaDriver(CudaMemory):
         args: Sequence[object],
         stream: CudaStream,
     ) -> None:
+        """Enqueue ``kernel`` with ``cuLaunchKernel``: compiled (once per process and architecture)
+        and loaded (once per context) first.
+
+        Args:
+            kernel: the kernel; its ``source`` is compiled with its ``options``.
+            grid: blocks per grid, 1 to 3 positive ints.
+            block: threads per block, 1 to 3 positive ints.
+            args: one value per ``kernel.params`` entry (pointers as ints, scalars).
+            stream: a stream of this driver.
+        Raises:
+            InvalidRequest: bad dimensions, arguments that do not match ``kernel.params``, or a stream
+                of another driver.
+            DriverError: the kernel does not compile or load; the stream was closed or its context
+                rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; loads outside the stream's gate (loading takes the device lock).
+        """
         check_kernel_args(kernel, args)
         g = _dims(grid, "grid")
         b = _dims(block, "block")
@@ -234,7 +344,16 @@ class CudaDriver(CudaMemory):
         an H200: a segfault). One driver call on the *device* handle, which stays valid: after a
         reset the primary context is inactive until someone retains it again. A context that a
         foreign library already re-created cannot be told apart this way; see
-        docs/fault-model.md."""
+        docs/fault-model.md.
+
+        Args:
+            ordinal: the device.
+        Raises:
+            ContextLost: the primary context was reset from outside.
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed.
+        Thread rule: any thread.
+        """
         dev = self._device(ordinal)
         if dev.token is None or dev.poisoned is not None:
             return  # not retained yet (nothing to lose), or poisoned (every call says so)
@@ -248,7 +367,17 @@ class CudaDriver(CudaMemory):
     def order_foreign_stream(self, handle: int, after: CudaStream) -> None:
         """Make a stream this driver does not own (``handle``: a raw ``CUstream``, or 1/2 for
         the legacy/per-thread default streams) wait for everything queued on ``after`` so far.
-        What a DLPack or CUDA Array Interface producer owes its consumer's stream."""
+        What a DLPack or CUDA Array Interface producer owes its consumer's stream.
+
+        Args:
+            handle: the foreign stream's raw handle.
+            after: a stream of this driver.
+        Raises:
+            InvalidRequest: ``after`` is no stream of this driver.
+            DriverError: CUDA refused the foreign handle, or ``after`` was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         stream = self._stream(after)
         event = stream.record_event()
         dev = stream._enter()
@@ -262,7 +391,18 @@ class CudaDriver(CudaMemory):
         """Make ``stream`` wait for everything queued so far on a stream this driver does not own
         (``handle``: a raw ``CUstream``; 0 or 1 the legacy default stream, 2 the per-thread
         default stream). The reverse of :meth:`order_foreign_stream`: what a consumer owes work
-        another library wrote on its own stream."""
+        another library wrote on its own stream.
+
+        Args:
+            stream: a stream of this driver.
+            handle: the foreign stream's raw handle.
+        Raises:
+            InvalidRequest: ``stream`` is no stream of this driver.
+            DriverError: CUDA refused the foreign handle, or ``stream`` was closed or its context
+                rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         s = self._stream(stream)
         dev = s._enter()
         if dev.graveyard:
@@ -295,10 +435,25 @@ class CudaDriver(CudaMemory):
         The primary context is not reset: it is the whole process's, and other users of it
         (PyTorch, CuPy, other drivers) keep their objects and go on working. After a reset from
         outside (the context already went, and our handles with it), nothing old is touched and
-        a fresh primary context is retained."""
+        a fresh primary context is retained.
+
+        Args:
+            ordinal: the device.
+        Raises:
+            ContextPoisoned: a sticky error was seen, or surfaces while synchronizing.
+            InvalidRequest: ``ordinal`` is out of range.
+            DriverError: the driver is closed.
+        Thread rule: any thread; work racing it on the device's streams either ran before (and was
+        waited for) or is refused.
+        """
         self._device(ordinal).rebuild()
 
     def close(self) -> None:
+        """Wait for each retained context's work, destroy what this driver made in it, and release
+        the retains. Idempotent; never raises (best effort: a poisoned context cannot do better).
+
+        Thread rule: any thread; concurrent calls close once.
+        """
         with self._close_lock:
             if self._closed:
                 return

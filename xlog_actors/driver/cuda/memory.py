@@ -54,6 +54,21 @@ class CudaMemory(CudaGates):
 
     # -- synchronous allocation -------------------------------------------------------------
     def alloc(self, ordinal: int, nbytes: int) -> int:
+        """Allocate ``nbytes`` with ``cuMemAlloc`` on device ``ordinal`` and add the pointer to the
+        device's live set.
+
+        Args:
+            ordinal: the device.
+            nbytes: a positive byte count.
+        Returns:
+            The pointer.
+        Raises:
+            InvalidRequest: bad ``ordinal`` or ``nbytes``.
+            OutOfMemory: the device cannot give ``nbytes``.
+            DriverError: the driver is closed.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; a call racing ``rebuild_context`` may leak its block.
+        """
         nbytes = check_nbytes(nbytes)
         dev = self._device(ordinal)
         dev.enter()
@@ -64,6 +79,19 @@ class CudaMemory(CudaGates):
         return int(ptr)
 
     def free(self, ordinal: int, ptr: int) -> None:
+        """Free an ``alloc`` pointer with ``cuMemFree`` (device-synchronizing, as CUDA's is).
+
+        Args:
+            ordinal: the device ``ptr`` was allocated on.
+            ptr: a live ``alloc`` pointer of this driver.
+        Raises:
+            InvalidRequest: bad ``ordinal``.
+            DriverError: ``ptr`` is no live ``alloc`` pointer of this driver (``CUDA_ERROR_INVALID_VALUE``),
+                or the driver is closed.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; it claims ``ptr`` from the live set first, so of two racing frees
+        (or a free and a rebuild) exactly one frees it.
+        """
         dev = self._device(ordinal)
         check_ptr(ptr, f"device {ordinal}: free")
         dev.enter()
@@ -83,6 +111,22 @@ class CudaMemory(CudaGates):
 
     # -- stream-ordered allocation ----------------------------------------------------------
     def alloc_async(self, nbytes: int, stream: CudaStream) -> int:
+        """Allocate ``nbytes`` from the device's default pool, ordered on ``stream``
+        (``cuMemAllocFromPoolAsync``), and add the pointer to the pool's live set.
+
+        Args:
+            nbytes: a positive byte count.
+            stream: a stream of this driver.
+        Returns:
+            The pointer.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or bad ``nbytes``.
+            OutOfMemory: the pool cannot give ``nbytes``.
+            DriverError: the stream was closed or its context rebuilt; the device has no pools
+                (``CUDA_ERROR_NOT_SUPPORTED``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
         s = stream if type(stream) is CudaStream else self._stream(stream)
@@ -114,6 +158,18 @@ class CudaMemory(CudaGates):
         return ptr
 
     def free_async(self, ptr: int, stream: CudaStream) -> None:
+        """Give ``ptr`` back to the pool once the work enqueued on ``stream`` so far ran
+        (``cuMemFreeAsync``).
+
+        Args:
+            ptr: a pointer from ``alloc_async``.
+            stream: a stream ordered after every use of ``ptr``.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver.
+            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         s = stream if type(stream) is CudaStream else self._stream(stream)
         if type(ptr) is not int or ptr <= 0:
             check_ptr(ptr, f"device {s.ordinal}: stream-ordered free")
@@ -136,6 +192,19 @@ class CudaMemory(CudaGates):
 
     # -- copies and work --------------------------------------------------------------------
     def copy_to_device(self, ptr: int, data: Buffer, stream: CudaStream) -> None:
+        """Enqueue ``cuMemcpyHtoDAsync`` of ``data`` to ``ptr``; the stream keeps ``data``
+        referenced until the copy ran.
+
+        Args:
+            ptr: the destination.
+            data: a contiguous buffer.
+            stream: a stream of this driver.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver.
+            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         # No snapshot: from pageable memory cuMemcpyHtoDAsync returns only once the bytes are
         # staged, so the caller may reuse its buffer at once; from page-locked memory the copy is
         # truly asynchronous and, as with cudaMemcpyAsync, the caller leaves the bytes alone until
@@ -145,12 +214,40 @@ class CudaMemory(CudaGates):
         self._copy_host(s, ptr, view, (view, data), to_device=True)
 
     def copy_to_host(self, ptr: int, nbytes: int, stream: CudaStream) -> bytearray:
+        """Enqueue ``cuMemcpyDtoHAsync`` of ``nbytes`` from ``ptr`` into a new buffer.
+
+        Args:
+            ptr: the source.
+            nbytes: a non-negative byte count.
+            stream: a stream of this driver.
+        Returns:
+            The buffer, valid once ``stream`` (or an event recorded after this call) is synchronized.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or bad ``nbytes``.
+            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         nbytes = check_nbytes(nbytes, "copy size")
         out = bytearray(nbytes)
         self.copy_to_host_into(ptr, out, stream)
         return out
 
     def copy_to_host_into(self, ptr: int, out: Buffer, stream: CudaStream) -> None:
+        """Enqueue ``cuMemcpyDtoHAsync`` from ``ptr`` into ``out``; the stream keeps ``out``
+        referenced until the copy ran. Pageable memory may make the call wait for the copy (CUDA's
+        behaviour); pinned memory makes it truly asynchronous.
+
+        Args:
+            ptr: the source.
+            out: a writable contiguous buffer; ``len(out)`` bytes are copied.
+            stream: a stream of this driver.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or ``out`` is read-only.
+            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         target = writable_bytes(out)
         s = self._stream_work(stream, (ptr, "copy to host"))
         # The view pins the buffer (a bytearray cannot be resized under it) until the copy ran.
@@ -175,6 +272,19 @@ class CudaMemory(CudaGates):
             s._keep_until_done(keep)
 
     def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: CudaStream) -> None:
+        """Enqueue ``cuMemcpyDtoDAsync`` of ``nbytes`` from ``src`` to ``dst``.
+
+        Args:
+            dst: the destination.
+            src: the source.
+            nbytes: a non-negative byte count.
+            stream: a stream of this driver.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or bad ``nbytes``.
+            DriverError: ``dst`` or ``src`` is no device pointer; the stream was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         nbytes = check_nbytes(nbytes, "copy size")
         s = self._stream_work(
             stream, (dst, "device-to-device copy destination"), (src, "device-to-device copy source")
@@ -186,6 +296,19 @@ class CudaMemory(CudaGates):
             dev.fail(err, f"cuMemcpyDtoDAsync({nbytes} bytes {src:#x} -> {dst:#x}, stream {s._id})")
 
     def fill(self, ptr: int, byte: int, nbytes: int, stream: CudaStream) -> None:
+        """Enqueue ``cuMemsetD8Async``: ``nbytes`` at ``ptr`` set to ``byte``.
+
+        Args:
+            ptr: the destination.
+            byte: an int in 0..255.
+            nbytes: a non-negative byte count.
+            stream: a stream of this driver.
+        Raises:
+            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, ``byte`` out of range, or bad ``nbytes``.
+            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+        """
         if type(byte) is not int or not 0 <= byte <= 255:
             raise InvalidRequest(f"fill byte must be an int in 0..255, got {byte!r}")
         nbytes = check_nbytes(nbytes, "fill size")

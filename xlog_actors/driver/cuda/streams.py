@@ -18,6 +18,10 @@
   lock): a collected stream or event hands its handles to its device's graveyard, which the next
   ``create_stream``/``create_event``/``record_event`` empties.
 
+This module is over 400 lines because streams and events are one concept here: a stream records
+and waits on events, keeps events as the markers of its copies, and shares their epoch checks;
+the per-method docstrings do the rest.
+
 Thread rule: every method may be called from any thread. Each stream's gate (a lock held across
 its liveness check and the CUDA call) makes work on a stream and a rebuild exclusive: the rebuild
 retires every stream through its gate before it synchronizes and frees, so stream work racing it
@@ -65,11 +69,16 @@ class CudaEvent:
 
     @property
     def ordinal(self) -> int:
+        """The device ordinal whose context made this event. Thread rule: any thread.
+        """
         return self._dev.ordinal
 
     @property
     def handle(self) -> int:
-        """The ``CUevent`` as an int."""
+        """The ``CUevent`` as an int.
+
+        Thread rule: any thread.
+        """
         return int(self._cu)
 
     def _enter(self) -> CudaDevice:
@@ -93,6 +102,15 @@ class CudaEvent:
         return dev
 
     def query(self) -> bool:
+        """Whether the work before the latest record ran (``cuEventQuery``); never blocks.
+
+        Returns:
+            True once it ran (or the event was never recorded), else False.
+        Raises:
+            DriverError: the event's context was rebuilt or closed (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         dev = self._enter()
         (err,) = cu.cuEventQuery(self._cu)
         if err == SUCCESS:
@@ -102,6 +120,13 @@ class CudaEvent:
         dev.fail(err, "cuEventQuery")
 
     def synchronize(self) -> None:
+        """Block until the work before the latest record ran (``cuEventSynchronize``).
+
+        Raises:
+            DriverError: the event's context was rebuilt or closed (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         dev = self._enter()
         (err,) = cu.cuEventSynchronize(self._cu)
         if err != SUCCESS:
@@ -163,18 +188,29 @@ class CudaStream:
     # -- protocol ---------------------------------------------------------------------------
     @property
     def id(self) -> int:
+        """The process-unique stream id, from 1. Thread rule: any thread.
+        """
         return self._id
 
     @property
     def ordinal(self) -> int:
+        """The device ordinal whose context made this stream. Thread rule: any thread.
+        """
         return self._dev.ordinal
 
     @property
     def handle(self) -> int:
+        """The ``CUstream`` as an int (kept after close, for messages). Thread rule: any thread.
+        """
         return self._handle
 
     def __cuda_stream__(self) -> tuple[int, int]:
-        """cuda.core's stream protocol: (version, handle)."""
+        """cuda.core's stream protocol: (version, handle).
+
+        Returns:
+            ``(0, handle)``.
+        Thread rule: any thread.
+        """
         return (0, self._handle)
 
     def _enter(self) -> CudaDevice:
@@ -202,6 +238,14 @@ class CudaStream:
         return dev
 
     def synchronize(self) -> None:
+        """Block until everything enqueued so far ran (``cuStreamSynchronize``), then drop the
+        host buffers of the copies that ran.
+
+        Raises:
+            DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; holds the stream's gate across the wait.
+        """
         with self._gate:
             dev = self._enter()
             (err,) = cu.cuStreamSynchronize(self._cu)
@@ -212,6 +256,15 @@ class CudaStream:
                 self._prune_locked()
 
     def query(self) -> bool:
+        """Whether everything enqueued so far ran (``cuStreamQuery``); never blocks.
+
+        Returns:
+            True when the stream is idle, else False.
+        Raises:
+            DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         with self._gate:
             dev = self._enter()
             (err,) = cu.cuStreamQuery(self._cu)
@@ -220,6 +273,15 @@ class CudaStream:
         return bool(err == SUCCESS)
 
     def record_event(self) -> CudaEvent:
+        """A new event (``cuEventCreate`` + ``cuEventRecord``) at the current end of this stream.
+
+        Returns:
+            The event, of this stream's device and epoch.
+        Raises:
+            DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         if self._dev.graveyard:
             self._enter().bury()  # outside the gate: it takes the device lock
         with self._gate:
@@ -234,6 +296,18 @@ class CudaStream:
         return wrapped
 
     def record(self, event: CudaEvent) -> None:
+        """Re-record ``event`` at the current end of this stream (``cuEventRecord``).
+
+        Hot path: the gate is taken with acquire/release, cheaper than ``with``.
+
+        Args:
+            event: a ``CudaEvent`` of this stream's device.
+        Raises:
+            InvalidRequest: ``event`` is no ``CudaEvent`` of this stream's device.
+            DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         if type(event) is not CudaEvent or event._dev is not self._dev:
             raise InvalidRequest(
                 f"{self!r} can only record an event of its own device and driver, got {event!r}"
@@ -250,6 +324,19 @@ class CudaStream:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
 
     def wait(self, event: CudaEvent) -> None:
+        """Make later work on this stream wait for ``event`` (``cuStreamWaitEvent``); never
+        blocks the host.
+
+        Hot path: the gate is taken with acquire/release, cheaper than ``with``.
+
+        Args:
+            event: a ``CudaEvent`` of this driver (of any device).
+        Raises:
+            InvalidRequest: ``event`` is no ``CudaEvent``.
+            DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
         if type(event) is not CudaEvent:
             raise InvalidRequest(f"{self!r} can only wait on a CudaEvent, got {event!r}")
         gate = self._gate
@@ -265,6 +352,14 @@ class CudaStream:
             dev.fail(err, f"cuStreamWaitEvent(stream {self._id})")
 
     def close(self) -> None:
+        """Destroy the stream once its queued work is done (``cuStreamDestroy``); never blocks.
+
+        Copies still in flight hand their host buffers to the device, which drops them as their
+        events fire. Idempotent; never raises (best effort), and touches no handle of a context
+        that is gone.
+
+        Thread rule: any thread; takes the stream's gate, then the device lock.
+        """
         with self._gate, self._lock:
             if self._closed is not None:
                 return
