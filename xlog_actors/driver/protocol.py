@@ -331,10 +331,10 @@ class Driver(Protocol[S, E_co]):
         Args:
             ptr: the destination.
             data: a contiguous buffer (its bytes are copied).
-            stream: the stream to enqueue on.
+            stream: the stream the copy is ordered on.
         Raises:
             DriverError: ``ptr`` is no device pointer.
-        Thread rule: any thread.
+        Thread rule: any thread; the caller must not resize ``data`` until the copy ran.
         """
         ...
 
@@ -343,8 +343,8 @@ class Driver(Protocol[S, E_co]):
 
         Args:
             ptr: the source.
-            nbytes: a non-negative byte count.
-            stream: the stream to enqueue on.
+            nbytes: how many bytes to copy (0 or more).
+            stream: the stream the copy is ordered on.
         Returns:
             The buffer, valid once ``stream`` (or an event recorded after this call) is
             synchronized.

@@ -105,6 +105,13 @@ class CudaDriver(CudaMemory):
     Construction runs ``cuInit`` and counts devices; it raises ``DeviceUnavailable`` (with the
     reason, never a cuda-python traceback) when cuda-python or libcuda cannot be loaded,
     ``cuInit`` fails, or no device is visible. Contexts are retained on each ordinal's first use.
+
+    Every method taking an ordinal raises ``InvalidRequest`` when it is out of range,
+    ``DriverError`` when the driver is closed or CUDA refuses the call (``ContextLost``, a
+    ``DriverError``, when the context was reset from outside), and ``ContextPoisoned`` once the
+    device saw a sticky error; ``OutOfMemory`` where the device runs out of memory.
+
+    Thread rule: any thread (see the module docstring).
     """
 
     kind: Literal["cuda"] = "cuda"
@@ -158,22 +165,16 @@ class CudaDriver(CudaMemory):
 
     # -- queries ----------------------------------------------------------------------------
     def device_count(self) -> int:
-        """The number of CUDA devices visible at construction. Thread rule: any thread.
-        """
+        """The number of CUDA devices visible at construction. Thread rule: any thread."""
         return len(self._devices)
 
     def device_name(self, ordinal: int) -> str:
         """Device ``ordinal``'s product name (``cuDeviceGetName``).
 
-        Args:
-            ordinal: the device.
-        Returns:
-            The name.
+        Arguments and result: as ``Driver.device_name``.
         Raises:
-            InvalidRequest: ``ordinal`` is out of range.
-            DriverError: the driver is closed, or CUDA refused.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread.
+            InvalidRequest, DriverError, ContextPoisoned: see the class docstring.
+        Thread rule: any thread; needs no context (the device handle suffices).
         """
         dev = self._device(ordinal)
         err, name = cu.cuDeviceGetName(256, dev.cudev)
@@ -198,14 +199,9 @@ class CudaDriver(CudaMemory):
     def mem_info(self, ordinal: int) -> tuple[int, int]:
         """``(free, total)`` bytes of device ``ordinal`` (``cuMemGetInfo``).
 
-        Args:
-            ordinal: the device.
-        Returns:
-            Free and total bytes now.
+        Arguments and result: as ``Driver.mem_info``.
         Raises:
-            InvalidRequest: ``ordinal`` is out of range.
-            DriverError: the driver is closed, or CUDA refused.
-            ContextPoisoned: the device saw a sticky error.
+            InvalidRequest, DriverError, ContextPoisoned: see the class docstring.
         Thread rule: any thread; makes the device's context current in the calling thread.
         """
         dev = self._device(ordinal)
@@ -219,12 +215,9 @@ class CudaDriver(CudaMemory):
         """Make ``ordinal``'s context current in this thread, unconditionally (refreshes the
         thread-local cache, e.g. after foreign code switched contexts).
 
-        Args:
-            ordinal: the device.
+        Arguments and result: as ``Driver.make_current``.
         Raises:
-            InvalidRequest: ``ordinal`` is out of range.
-            DriverError: the driver is closed, or CUDA refused.
-            ContextPoisoned: the device saw a sticky error.
+            InvalidRequest, DriverError, ContextPoisoned: see the class docstring.
         Thread rule: any thread; acts on the calling thread.
         """
         dev = self._device(ordinal)
@@ -235,14 +228,9 @@ class CudaDriver(CudaMemory):
     def create_stream(self, ordinal: int) -> CudaStream:
         """A new ``CU_STREAM_NON_BLOCKING`` stream on device ``ordinal``.
 
-        Args:
-            ordinal: the device.
-        Returns:
-            The stream, registered with its device so a rebuild or close retires it.
+        Arguments and result: as ``Driver.create_stream``.
         Raises:
-            InvalidRequest: ``ordinal`` is out of range.
-            DriverError: the driver is closed, or CUDA refused.
-            ContextPoisoned: the device saw a sticky error.
+            InvalidRequest, DriverError, ContextPoisoned: see the class docstring.
         Thread rule: any thread; takes the device lock.
         """
         dev = self._device(ordinal)
@@ -260,15 +248,10 @@ class CudaDriver(CudaMemory):
     def create_event(self, ordinal: int) -> CudaEvent:
         """A new ``CU_EVENT_DISABLE_TIMING`` event on device ``ordinal``, never recorded.
 
-        Args:
-            ordinal: the device.
-        Returns:
-            The event.
+        Arguments and result: as ``Driver.create_event``.
         Raises:
-            InvalidRequest: ``ordinal`` is out of range.
-            DriverError: the driver is closed, or CUDA refused.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread.
+            InvalidRequest, DriverError, ContextPoisoned: see the class docstring.
+        Thread rule: any thread; destroys collected handles first (takes the device lock then).
         """
         dev = self._device(ordinal)
         dev.enter()
@@ -284,9 +267,7 @@ class CudaDriver(CudaMemory):
         """Enqueue the sleep kernel (:data:`~.nvrtc.SLEEP_KERNEL`): about ``microseconds`` of
         wall-clock time on ``stream``.
 
-        Args:
-            stream: a stream of this driver.
-            microseconds: a non-negative duration.
+        Arguments and result: as ``Driver.sleep``.
         Raises:
             InvalidRequest: bad ``microseconds`` or ``stream``.
             DriverError: NVRTC is missing (naming ``libnvrtc``); the stream was closed or its context
@@ -298,22 +279,13 @@ class CudaDriver(CudaMemory):
         self.launch(SLEEP_KERNEL, 1, 1, (int(us * 1000),), stream)
 
     def launch(
-        self,
-        kernel: Kernel,
-        grid: Sequence[int] | int,
-        block: Sequence[int] | int,
-        args: Sequence[object],
+        self, kernel: Kernel, grid: Sequence[int] | int, block: Sequence[int] | int, args: Sequence[object],
         stream: CudaStream,
     ) -> None:
         """Enqueue ``kernel`` with ``cuLaunchKernel``: compiled (once per process and architecture)
         and loaded (once per context) first.
 
-        Args:
-            kernel: the kernel; its ``source`` is compiled with its ``options``.
-            grid: blocks per grid, 1 to 3 positive ints.
-            block: threads per block, 1 to 3 positive ints.
-            args: one value per ``kernel.params`` entry (pointers as ints, scalars).
-            stream: a stream of this driver.
+        Arguments and result: as ``Driver.launch``.
         Raises:
             InvalidRequest: bad dimensions, arguments that do not match ``kernel.params``, or a stream
                 of another driver.
@@ -346,8 +318,7 @@ class CudaDriver(CudaMemory):
         foreign library already re-created cannot be told apart this way; see
         docs/fault-model.md.
 
-        Args:
-            ordinal: the device.
+        Arguments and result: as ``Driver.check_context``.
         Raises:
             ContextLost: the primary context was reset from outside.
             InvalidRequest: ``ordinal`` is out of range.
@@ -437,8 +408,7 @@ class CudaDriver(CudaMemory):
         outside (the context already went, and our handles with it), nothing old is touched and
         a fresh primary context is retained.
 
-        Args:
-            ordinal: the device.
+        Arguments and result: as ``Driver.rebuild_context``.
         Raises:
             ContextPoisoned: a sticky error was seen, or surfaces while synchronizing.
             InvalidRequest: ``ordinal`` is out of range.

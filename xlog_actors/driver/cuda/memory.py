@@ -49,6 +49,11 @@ class CudaMemory(CudaGates):
     """The memory half of :class:`~xlog_actors.driver.cuda.CudaDriver`: allocation, copies and
     fills. Pointers are plain ints (device virtual addresses).
 
+    Every method taking a stream raises ``InvalidRequest`` when it is no ``CudaStream`` of this
+    driver, ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``) when it was closed or its context
+    rebuilt, and ``ContextPoisoned`` once the device saw a sticky error; each holds only the
+    stream's gate around its CUDA call.
+
     Thread rule: any thread (see the module docstring).
     """
 
@@ -57,11 +62,7 @@ class CudaMemory(CudaGates):
         """Allocate ``nbytes`` with ``cuMemAlloc`` on device ``ordinal`` and add the pointer to the
         device's live set.
 
-        Args:
-            ordinal: the device.
-            nbytes: a positive byte count.
-        Returns:
-            The pointer.
+        Arguments and result: as ``Driver.alloc``.
         Raises:
             InvalidRequest: bad ``ordinal`` or ``nbytes``.
             OutOfMemory: the device cannot give ``nbytes``.
@@ -81,9 +82,7 @@ class CudaMemory(CudaGates):
     def free(self, ordinal: int, ptr: int) -> None:
         """Free an ``alloc`` pointer with ``cuMemFree`` (device-synchronizing, as CUDA's is).
 
-        Args:
-            ordinal: the device ``ptr`` was allocated on.
-            ptr: a live ``alloc`` pointer of this driver.
+        Arguments and result: as ``Driver.free``.
         Raises:
             InvalidRequest: bad ``ordinal``.
             DriverError: ``ptr`` is no live ``alloc`` pointer of this driver (``CUDA_ERROR_INVALID_VALUE``),
@@ -114,18 +113,13 @@ class CudaMemory(CudaGates):
         """Allocate ``nbytes`` from the device's default pool, ordered on ``stream``
         (``cuMemAllocFromPoolAsync``), and add the pointer to the pool's live set.
 
-        Args:
-            nbytes: a positive byte count.
-            stream: a stream of this driver.
-        Returns:
-            The pointer.
+        Arguments and result: as ``Driver.alloc_async``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or bad ``nbytes``.
+            InvalidRequest: a bad ``nbytes``.
             OutOfMemory: the pool cannot give ``nbytes``.
-            DriverError: the stream was closed or its context rebuilt; the device has no pools
-                (``CUDA_ERROR_NOT_SUPPORTED``).
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            DriverError: the device has no pools (``CUDA_ERROR_NOT_SUPPORTED``).
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
@@ -161,14 +155,11 @@ class CudaMemory(CudaGates):
         """Give ``ptr`` back to the pool once the work enqueued on ``stream`` so far ran
         (``cuMemFreeAsync``).
 
-        Args:
-            ptr: a pointer from ``alloc_async``.
-            stream: a stream ordered after every use of ``ptr``.
+        Arguments and result: as ``Driver.free_async``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver.
-            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            DriverError: ``ptr`` is no device pointer.
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         s = stream if type(stream) is CudaStream else self._stream(stream)
         if type(ptr) is not int or ptr <= 0:
@@ -195,15 +186,11 @@ class CudaMemory(CudaGates):
         """Enqueue ``cuMemcpyHtoDAsync`` of ``data`` to ``ptr``; the stream keeps ``data``
         referenced until the copy ran.
 
-        Args:
-            ptr: the destination.
-            data: a contiguous buffer.
-            stream: a stream of this driver.
+        Arguments and result: as ``Driver.copy_to_device``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver.
-            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            DriverError: ``ptr`` is no device pointer.
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         # No snapshot: from pageable memory cuMemcpyHtoDAsync returns only once the bytes are
         # staged, so the caller may reuse its buffer at once; from page-locked memory the copy is
@@ -216,17 +203,12 @@ class CudaMemory(CudaGates):
     def copy_to_host(self, ptr: int, nbytes: int, stream: CudaStream) -> bytearray:
         """Enqueue ``cuMemcpyDtoHAsync`` of ``nbytes`` from ``ptr`` into a new buffer.
 
-        Args:
-            ptr: the source.
-            nbytes: a non-negative byte count.
-            stream: a stream of this driver.
-        Returns:
-            The buffer, valid once ``stream`` (or an event recorded after this call) is synchronized.
+        Arguments and result: as ``Driver.copy_to_host``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or bad ``nbytes``.
-            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            InvalidRequest: a bad ``nbytes``.
+            DriverError: ``ptr`` is no device pointer.
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         nbytes = check_nbytes(nbytes, "copy size")
         out = bytearray(nbytes)
@@ -238,15 +220,12 @@ class CudaMemory(CudaGates):
         referenced until the copy ran. Pageable memory may make the call wait for the copy (CUDA's
         behaviour); pinned memory makes it truly asynchronous.
 
-        Args:
-            ptr: the source.
-            out: a writable contiguous buffer; ``len(out)`` bytes are copied.
-            stream: a stream of this driver.
+        Arguments and result: as ``Driver.copy_to_host_into``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or ``out`` is read-only.
-            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            InvalidRequest: ``out`` is read-only.
+            DriverError: ``ptr`` is no device pointer.
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         target = writable_bytes(out)
         s = self._stream_work(stream, (ptr, "copy to host"))
@@ -274,16 +253,12 @@ class CudaMemory(CudaGates):
     def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: CudaStream) -> None:
         """Enqueue ``cuMemcpyDtoDAsync`` of ``nbytes`` from ``src`` to ``dst``.
 
-        Args:
-            dst: the destination.
-            src: the source.
-            nbytes: a non-negative byte count.
-            stream: a stream of this driver.
+        Arguments and result: as ``Driver.copy_device_to_device``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, or bad ``nbytes``.
-            DriverError: ``dst`` or ``src`` is no device pointer; the stream was closed or its context rebuilt.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            InvalidRequest: a bad ``nbytes``.
+            DriverError: ``dst`` or ``src`` is no device pointer.
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         nbytes = check_nbytes(nbytes, "copy size")
         s = self._stream_work(
@@ -298,16 +273,12 @@ class CudaMemory(CudaGates):
     def fill(self, ptr: int, byte: int, nbytes: int, stream: CudaStream) -> None:
         """Enqueue ``cuMemsetD8Async``: ``nbytes`` at ``ptr`` set to ``byte``.
 
-        Args:
-            ptr: the destination.
-            byte: an int in 0..255.
-            nbytes: a non-negative byte count.
-            stream: a stream of this driver.
+        Arguments and result: as ``Driver.fill``.
         Raises:
-            InvalidRequest: ``stream`` is no ``CudaStream`` of this driver, ``byte`` out of range, or bad ``nbytes``.
-            DriverError: ``ptr`` is no device pointer; the stream was closed or its context rebuilt.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread; holds only the stream's gate around the CUDA call.
+            InvalidRequest: ``byte`` out of range, or bad ``nbytes``.
+            DriverError: ``ptr`` is no device pointer.
+            ContextPoisoned, and the stream's errors: see the class docstring.
+        Thread rule: any thread.
         """
         if type(byte) is not int or not 0 <= byte <= 255:
             raise InvalidRequest(f"fill byte must be an int in 0..255, got {byte!r}")

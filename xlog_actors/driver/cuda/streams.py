@@ -109,7 +109,7 @@ class CudaEvent:
         Raises:
             DriverError: the event's context was rebuilt or closed (``CUDA_ERROR_INVALID_HANDLE``).
             ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread.
+        Thread rule: any thread; an allocator's hot path, so it takes no lock.
         """
         dev = self._enter()
         (err,) = cu.cuEventQuery(self._cu)
@@ -120,12 +120,13 @@ class CudaEvent:
         dev.fail(err, "cuEventQuery")
 
     def synchronize(self) -> None:
-        """Block until the work before the latest record ran (``cuEventSynchronize``).
+        """Block until the work before the latest record ran (``cuEventSynchronize``), spinning
+        or yielding as the context's scheduling policy says.
 
         Raises:
+            ContextPoisoned: the device saw a sticky error (perhaps raised by the awaited work).
             DriverError: the event's context was rebuilt or closed (``CUDA_ERROR_INVALID_HANDLE``).
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread.
+        Thread rule: any thread; blocks the calling thread only.
         """
         dev = self._enter()
         (err,) = cu.cuEventSynchronize(self._cu)
@@ -300,8 +301,7 @@ class CudaStream:
 
         Hot path: the gate is taken with acquire/release, cheaper than ``with``.
 
-        Args:
-            event: a ``CudaEvent`` of this stream's device.
+        Arguments and result: as ``Stream.record``.
         Raises:
             InvalidRequest: ``event`` is no ``CudaEvent`` of this stream's device.
             DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
@@ -329,8 +329,7 @@ class CudaStream:
 
         Hot path: the gate is taken with acquire/release, cheaper than ``with``.
 
-        Args:
-            event: a ``CudaEvent`` of this driver (of any device).
+        Arguments and result: as ``Stream.wait``.
         Raises:
             InvalidRequest: ``event`` is no ``CudaEvent``.
             DriverError: stream was closed or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``).
