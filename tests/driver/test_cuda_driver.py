@@ -33,16 +33,19 @@ import numpy as np
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.driver import cuda as cuda_mod
-from xlog_actors.driver.cuda import CudaDriver, CudaEvent, CudaStream, compile_cubin
-from xlog_actors.driver.cuda_errors import (
+from xlog_actors.driver.cuda import (
     CONTEXT_LOST_CODES,
     STICKY_CODES,
+    CudaDriver,
+    CudaEvent,
+    CudaStream,
     check,
+    compile_cubin,
     error_class_for,
     error_for,
     result_name,
 )
+from xlog_actors.driver.cuda import driver as cuda_mod  # where CudaDriver() reads ``cu``
 from xlog_actors.driver.open import DRIVER_ENV
 from xlog_actors.errors import (
     ContextLost,
@@ -60,8 +63,9 @@ REPO = Path(__file__).resolve().parents[2]
 UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 MiB = 1 << 20
 
-# The ten sticky codes the issue names; the table may hold more, never fewer.
-ISSUE_STICKY = (
+# The ten codes CUDA documents as sticky (the context is unusable afterwards); the table may hold
+# more, never fewer.
+REQUIRED_STICKY = (
     "CUDA_ERROR_ILLEGAL_ADDRESS",
     "CUDA_ERROR_ILLEGAL_INSTRUCTION",
     "CUDA_ERROR_MISALIGNED_ADDRESS",
@@ -165,7 +169,7 @@ def test_zero_devices_is_device_unavailable(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_missing_cuda_python_is_device_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_mod, "cu", None)
-    monkeypatch.setattr(cuda_mod, "_IMPORT_ERROR", "ModuleNotFoundError: simulated")
+    monkeypatch.setattr(cuda_mod, "IMPORT_ERROR", "ModuleNotFoundError: simulated")
     with pytest.raises(DeviceUnavailable, match="cuda-python"):
         CudaDriver()
 
@@ -182,8 +186,8 @@ def test_missing_nvrtc_names_the_library(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 # -- the CUresult table ---------------------------------------------------------------------
-def test_issue_sticky_codes_are_sticky() -> None:
-    for name in ISSUE_STICKY:
+def test_required_sticky_codes_are_sticky() -> None:
+    for name in REQUIRED_STICKY:
         assert hasattr(cu.CUresult, name), name
         assert name in STICKY_CODES
     assert {"CUDA_ERROR_CONTEXT_IS_DESTROYED", "CUDA_ERROR_INVALID_CONTEXT"} <= CONTEXT_LOST_CODES
@@ -758,7 +762,7 @@ def test_real_sticky_error_poisons_in_a_subprocess() -> None:
         """
         import xlog_actors as xa
         from xlog_actors.driver.cuda import CudaDriver
-        from xlog_actors.driver.cuda_errors import STICKY_CODES
+        from xlog_actors.driver.cuda import STICKY_CODES
 
         poke = xa.Kernel(name="xlog_poke", params=("ptr",), host=print,
                          source='extern "C" __global__ void xlog_poke(int* p) { *p = 1; }')

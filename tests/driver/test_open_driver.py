@@ -1,8 +1,7 @@
-"""SPEC 3: choosing a driver with ``open_driver`` and ``XLOG_ACTORS_DRIVER``."""
+"""Choosing a driver with ``open_driver`` and ``XLOG_ACTORS_DRIVER``."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -22,14 +21,6 @@ def cuda_reason() -> str | None:
         return None if drv.device_count() > 0 else "no CUDA device"
     finally:
         drv.close()
-
-
-CUDA_MODULE_MISSING = importlib.util.find_spec("xlog_actors.driver.cuda") is None
-needs_cuda_module = pytest.mark.xfail(
-    CUDA_MODULE_MISSING,
-    reason="xlog_actors/driver/cuda.py (the CUDA driver) is not written yet",
-    strict=True,
-)
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +68,6 @@ def test_bad_env_value_is_invalid_request(monkeypatch: pytest.MonkeyPatch) -> No
         xa.open_driver()
 
 
-@needs_cuda_module
 def test_auto_gives_host_without_a_gpu(opened: list[xa.Driver]) -> None:
     drv = xa.open_driver("auto")
     opened.append(drv)
@@ -90,7 +80,6 @@ def test_auto_gives_host_without_a_gpu(opened: list[xa.Driver]) -> None:
     assert default.kind == drv.kind
 
 
-@needs_cuda_module
 def test_cuda_without_a_gpu_is_device_unavailable() -> None:
     if cuda_reason() is None:
         pytest.skip("a CUDA GPU is reachable here")

@@ -1,4 +1,8 @@
-"""Choosing a driver: ``open_driver(kind)`` and the ``XLOG_ACTORS_DRIVER`` override."""
+"""Choosing a driver: ``open_driver(kind)`` and the ``XLOG_ACTORS_DRIVER`` override.
+
+The CUDA driver is imported only when one is asked for (or ``"auto"`` tries one), so choosing the
+host driver never imports cuda-python.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from .protocol import Driver
 
 __all__ = ["DRIVER_ENV", "default_driver", "open_driver"]
 
+#: The environment variable naming the driver ``open_driver()`` picks by default:
+#: ``auto``, ``cuda`` or ``host``.
 DRIVER_ENV = "XLOG_ACTORS_DRIVER"
 _KINDS = ("auto", "cuda", "host")
 
@@ -22,6 +28,15 @@ def open_driver(kind: Literal["auto", "cuda", "host"] | None = None) -> Driver:
     ``"host"``: the CUDA stream model emulated on the host; always available.
     ``"auto"``: cuda where a GPU is reachable, else host.
     ``None`` (or ``"auto"`` passed by default) takes ``XLOG_ACTORS_DRIVER`` when it is set.
+
+    Args:
+        kind: ``"auto"``, ``"cuda"``, ``"host"`` or None.
+    Returns:
+        A new driver; the caller closes it.
+    Raises:
+        InvalidRequest: an unknown ``kind``, or an unknown value of ``XLOG_ACTORS_DRIVER``.
+        DeviceUnavailable: ``"cuda"`` asked for where no GPU is reachable.
+    Thread rule: any thread.
     """
     if kind is None or kind == "auto":
         env = os.environ.get(DRIVER_ENV, "").strip().lower()
@@ -50,7 +65,15 @@ _default: Driver | None = None
 
 def default_driver() -> Driver:
     """The process-wide driver used where none is given (``XlogDeviceRuntime.try_get`` and
-    ``DeviceActor.start`` without ``driver=``): ``open_driver()`` on first use."""
+    ``DeviceActor.start`` without ``driver=``): ``open_driver()`` on first use.
+
+    Returns:
+        The process-wide driver (the same object on every call).
+    Raises:
+        InvalidRequest, DeviceUnavailable: as ``open_driver()``, on the first call.
+    Thread rule: any thread; the first calls should not race (two racing first calls may each
+    open a driver, and one of them is then dropped unclosed).
+    """
     global _default
     if _default is None:
         _default = open_driver()

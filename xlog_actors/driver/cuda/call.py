@@ -1,6 +1,7 @@
-"""Classification of every ``CUresult`` into the SPEC's typed errors (SPEC section 2).
+"""The raw driver call: ``cuda.bindings.driver``, its constants, and every ``CUresult`` mapped to
+a typed error.
 
-One small table and one helper:
+The mapping is one small table and one helper:
 
 * ``CUDA_ERROR_OUT_OF_MEMORY`` -> :class:`~xlog_actors.errors.OutOfMemory` (with ``.requested``);
 * the sticky set (:data:`STICKY_CODES`: illegal address, illegal instruction, misaligned address,
@@ -17,37 +18,64 @@ One small table and one helper:
 
 :func:`check` is on the allocation hot path: it compares to ``CUDA_SUCCESS`` first and does
 nothing else on success. Everything else here runs only on failures. This module needs neither a
-GPU nor libcuda: the table works on names, so it is unit-tested everywhere.
+GPU nor libcuda: the table works on names, so it is unit-tested everywhere. Without cuda-python
+``cu`` is None and :data:`IMPORT_ERROR` says why; the driver then refuses to start.
+
+Thread rule: everything here may be used from any thread (constants and pure functions).
 """
 
 from __future__ import annotations
 
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
-from ..errors import ContextLost, ContextPoisoned, DriverError, OutOfMemory, XlogError
+from ...errors import ContextLost, ContextPoisoned, DriverError, OutOfMemory, XlogError
 
 __all__ = [
     "CONTEXT_LOST_CODES",
+    "EVENT_FLAGS",
+    "IMPORT_ERROR",
+    "NOT_READY",
     "OOM_CODES",
     "STICKY_CODES",
+    "STREAM_FLAGS",
+    "SUCCESS",
     "check",
+    "cu",
     "error_class_for",
     "error_for",
+    "first_line",
     "result_name",
 ]
 
 try:  # cuda-python is a dependency, but the table must stay importable without it
-    from cuda.bindings import driver as _cu
+    from cuda.bindings import driver as cu
 
-    _CUresult: type | None = _cu.CUresult
-    _SUCCESS: object = _cu.CUresult.CUDA_SUCCESS
-except ImportError:  # pragma: no cover - only without cuda-python
-    _cu = None  # type: ignore[assignment]
+    #: Why ``cu`` is None (the import's error), or None when cuda-python imported.
+    IMPORT_ERROR: str | None = None
+except ImportError as _exc:  # pragma: no cover - cuda-python is a dependency
+    cu = None
+    IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
+
+# cuda.bindings' enum members are typed loosely: compare results to them as ``Any``.
+if cu is not None:
+    #: ``CUDA_SUCCESS``: what every call's result is compared to first.
+    SUCCESS: Any = cu.CUresult.CUDA_SUCCESS
+    #: ``CUDA_ERROR_NOT_READY``: a query's "not yet", not an error.
+    NOT_READY: Any = cu.CUresult.CUDA_ERROR_NOT_READY
+    #: The flags of every stream the driver creates (``CU_STREAM_NON_BLOCKING``).
+    STREAM_FLAGS: int = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    #: The flags of every event the driver creates (``CU_EVENT_DISABLE_TIMING``).
+    EVENT_FLAGS: int = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    _CUresult: type | None = cu.CUresult
+else:  # pragma: no cover
+    SUCCESS = 0
+    NOT_READY = 600
+    STREAM_FLAGS = 1
+    EVENT_FLAGS = 2
     _CUresult = None
-    _SUCCESS = 0
 
-#: Sticky errors: the context is unusable for the rest of the process. The first ten are the set
-#: the issue names; the last four are documented by CUDA with the same "the process must be
+#: Sticky errors: the context is unusable for the rest of the process. The first ten are the
+#: classic faults of a kernel or the hardware; the last four are documented by CUDA with the same "the process must be
 #: terminated" consequence (names missing from an older cuda-bindings simply never match).
 STICKY_CODES: Final[frozenset[str]] = frozenset(
     {
@@ -76,6 +104,7 @@ CONTEXT_LOST_CODES: Final[frozenset[str]] = frozenset(
     }
 )
 
+#: Out of device memory: ``OutOfMemory``, which carries the byte count asked for.
 OOM_CODES: Final[frozenset[str]] = frozenset({"CUDA_ERROR_OUT_OF_MEMORY"})
 
 
@@ -84,6 +113,12 @@ def result_name(result: object) -> str:
 
     Unknown ints become ``"CUresult(<n>)"`` rather than raising: an error path must never fail
     while describing an error.
+
+    Args:
+        result: a ``CUresult`` member, or its int value.
+    Returns:
+        The name (``"CUDA_ERROR_INVALID_VALUE"``), or ``"CUresult(<value>)"`` when unknown.
+    Thread rule: any thread.
     """
     name = getattr(result, "name", None)
     if isinstance(name, str):
@@ -97,7 +132,14 @@ def result_name(result: object) -> str:
 
 
 def error_class_for(code: str) -> type[XlogError]:
-    """The error class the table gives ``code`` (a ``CUresult`` name)."""
+    """The error class the table gives ``code``.
+
+    Args:
+        code: a ``CUresult`` name.
+    Returns:
+        ``OutOfMemory``, ``ContextPoisoned``, ``ContextLost`` or ``DriverError``.
+    Thread rule: any thread.
+    """
     if code in OOM_CODES:
         return OutOfMemory
     if code in STICKY_CODES:
@@ -110,13 +152,13 @@ def error_class_for(code: str) -> type[XlogError]:
 def _describe(result: object) -> str:
     """CUDA's own one-line description of ``result``, or ``""`` when it cannot be had (no
     libcuda, an unknown code). Only ever called on the failure path."""
-    if _cu is None:
+    if cu is None:
         return ""
     try:
-        err, text = _cu.cuGetErrorString(result)  # type: ignore[arg-type]
+        err, text = cu.cuGetErrorString(result)
     except Exception:  # noqa: BLE001 - no libcuda, or a code the bindings cannot convert
         return ""
-    if err != _SUCCESS or not text:
+    if err != SUCCESS or not text:
         return ""
     return text.decode() if isinstance(text, bytes) else str(text)
 
@@ -126,6 +168,15 @@ def error_for(result: object, what: str, *, requested: int = 0) -> XlogError:
 
     ``what`` names the call and its subject (``"device 0: cuMemAlloc(4096 bytes)"``); it starts
     the message. ``requested`` is the byte count of an allocation, carried by ``OutOfMemory``.
+
+    Args:
+        result: the failed call's ``CUresult`` (member or int).
+        what: the call and its subject, which starts the message.
+        requested: bytes an allocation asked for (``OutOfMemory.requested``).
+    Returns:
+        The typed error (not raised): the class :func:`error_class_for` names, ``.code`` the
+        result's name.
+    Thread rule: any thread.
     """
     code = result_name(result)
     description = _describe(result)
@@ -147,11 +198,35 @@ def check(result: object, what: str, *, requested: int = 0) -> None:
 
     Hot path: one comparison on success. ``raise ... from None`` keeps the traceback free of
     cuda-python internals.
+
+    Args:
+        result: a call's ``CUresult`` (member or int).
+        what: the call and its subject, for the message.
+        requested: bytes an allocation asked for.
+    Raises:
+        OutOfMemory, ContextPoisoned, ContextLost, DriverError: per :func:`error_class_for`.
+    Thread rule: any thread.
     """
-    if result == _SUCCESS:
+    if result == SUCCESS:
         return
     _raise(result, what, requested)
 
 
 def _raise(result: object, what: str, requested: int) -> NoReturn:
     raise error_for(result, what, requested=requested) from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its class name when it has none).
+
+    What error messages quote of a foreign exception (cuda.pathfinder's, NVRTC's loader's), so
+    that no foreign traceback leaks into ours.
+
+    Args:
+        exc: the exception to quote.
+    Returns:
+        One line of text.
+    Thread rule: any thread.
+    """
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
