@@ -209,3 +209,45 @@ def test_argument_errors_name_the_index_kind_and_value(
     with pytest.raises(InvalidRequest) as info:
         driver.launch(FILL_F32, 1, 1, [ptr, 1.0, 2.5], stream)
     assert "argument 2" in str(info.value) and "u64" in str(info.value) and "2.5" in str(info.value)
+
+
+def _three(dims: Any) -> tuple[int, int, int]:
+    values = [dims] if isinstance(dims, int) else list(dims)
+    return tuple(values + [1] * (3 - len(values)))  # type: ignore[return-value]
+
+
+# The dimension cases the shared check refuses as CUDA_ERROR_INVALID_VALUE (the negative ones cannot
+# even be passed to cuLaunchKernel's unsigned parameters).
+RAW_DIMENSIONS = [
+    pytest.param(case[2], case[3], id=case[0])
+    for case in BAD
+    if case[5] is INVALID_VALUE and not case[0].endswith("negative")
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("grid", "block"), RAW_DIMENSIONS)
+def test_cuda_itself_refuses_each_dimension_the_shared_check_refuses(grid: Any, block: Any) -> None:
+    """Both drivers refuse these launches in the shared check, before ``cuLaunchKernel``; here
+    ``cuLaunchKernel`` is called past the check with the same dimensions, to show that the real
+    device returns ``CUDA_ERROR_INVALID_VALUE`` for each: the host emulation mirrors the device,
+    not a guess of it. The kernel covers no element (n = 0), so a launch CUDA took would do
+    nothing, and the assertion would name it."""
+    from cuda.bindings import driver as cu
+
+    from xlog_actors.driver.cuda.driver import _pack_args
+
+    drv = xa.open_driver("cuda")
+    try:
+        stream = drv.create_stream(0)
+        ptr = drv.alloc(0, NBYTES)
+        fn = stream._enter().function(FILL_F32)
+        slots, pointers = _pack_args(FILL_F32, [ptr, 1.0, 0])
+        g, b = _three(grid), _three(block)
+        (err,) = cu.cuLaunchKernel(fn, *g, *b, 0, stream._cu, int(pointers.ctypes.data), 0)
+        del slots
+        stream.synchronize()
+        drv.free(0, ptr)
+        assert err == cu.CUresult.CUDA_ERROR_INVALID_VALUE, f"grid {g}, block {b}: cuLaunchKernel returned {err}"
+    finally:
+        drv.close()

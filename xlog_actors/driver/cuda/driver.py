@@ -46,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
-from ..checks import check_kernel_args, check_microseconds
+from ..checks import check_launch, check_microseconds
 from ..kernel import PARAM_DTYPES, Kernel
 from ..protocol import Driver
 from .call import EVENT_FLAGS, IMPORT_ERROR, STREAM_FLAGS, SUCCESS, cu, error_for, first_line, result_name
@@ -56,18 +56,6 @@ from .nvrtc import SLEEP_KERNEL
 from .streams import CudaEvent, CudaStream
 
 __all__ = ["CudaDriver"]
-
-
-def _dims(value: Sequence[int] | int, what: str) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, int) else tuple(value)
-    if not 1 <= len(dims) <= 3 or any(
-        type(d) is not int and not isinstance(d, np.integer) or isinstance(d, bool) or d < 1
-        for d in dims
-    ):
-        raise InvalidRequest(f"{what} must be a positive int or 1 to 3 positive ints, got {value!r}")
-    full = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
-    return full  # type: ignore[return-value]
-
 
 
 def _pack_args(kernel: Kernel, args: Sequence[object]) -> tuple[npt.NDArray[np.uint64], ...]:
@@ -287,16 +275,16 @@ class CudaDriver(CudaMemory):
 
         Arguments and result: as ``Driver.launch``.
         Raises:
-            InvalidRequest: bad dimensions, arguments that do not match ``kernel.params``, or a stream
-                of another driver.
+            InvalidRequest: malformed dimensions, arguments that do not match ``kernel.params``, or a
+                stream of another driver.
+            DriverError: ``CUDA_ERROR_INVALID_VALUE`` for a dimension outside the device's limits
+                (refused before ``cuLaunchKernel``, as it would refuse it).
             DriverError: the kernel does not compile or load; the stream was closed or its context
                 rebuilt.
             ContextPoisoned: the device saw a sticky error.
         Thread rule: any thread; loads outside the stream's gate (loading takes the device lock).
         """
-        check_kernel_args(kernel, args)
-        g = _dims(grid, "grid")
-        b = _dims(block, "block")
+        g, b = check_launch(kernel, grid, block, args)  # the very checks the host driver makes
         slots, pointers = _pack_args(kernel, args)
         s = self._stream_work(stream)
         fn = s._enter().function(kernel)  # outside the gate: loading may take the device lock
