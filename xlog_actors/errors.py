@@ -21,6 +21,7 @@ __all__ = [
     "DeviceUnavailable",
     "DriverError",
     "GpuRefStale",
+    "IllegalTransition",
     "InvalidRequest",
     "OutOfMemory",
     "ResourceError",
@@ -144,3 +145,17 @@ class CorruptionDetected(ResourceError):
     def __init__(self, message: str, *, block: Any) -> None:
         super().__init__(message)
         self.block: Any = block
+
+
+class IllegalTransition(XlogError):
+    """A ``DeviceLifecycle`` was asked for a transition its current status does not allow (for
+    example a rebuild of a poisoned device, or any change of a device stopped for good).
+
+    It is raised before anything changes: the lifecycle keeps its status, context and device
+    state. ``current`` is the status it was in, ``event`` the transition that was refused.
+    """
+
+    def __init__(self, message: str, *, current: str, event: str) -> None:
+        super().__init__(message)
+        self.current: str = current
+        self.event: str = event

@@ -347,7 +347,7 @@ def test_crash_of_the_actors_own_code_rebuilds(host_driver: xa.HostDriver, monke
 
 def test_crash_in_the_runtime_rebuilds(host_driver: xa.HostDriver) -> None:
     device = start(host_driver)
-    ctx = device.ask(xa.GetClient())._cell.ctx
+    ctx = device.ask(xa.GetClient())._cell.lifecycle.context
 
     def crashing(*args: Any) -> Any:
         raise KeyError("runtime bug")
@@ -491,7 +491,7 @@ def test_client_allocation_in_flight_when_the_context_goes_away(
     # out as an already-stale handle.
     device = start(host_driver)
     client = device.ask(xa.GetClient())
-    ctx = client._cell.ctx
+    ctx = client._cell.lifecycle.context
     inside, release = threading.Event(), threading.Event()
     real = ctx.runtime.allocate
 

@@ -1,4 +1,5 @@
-"""Layer 4: actors. Device state, handles, the device actor, supervision, library actors."""
+"""Layer 4: actors. Device state and lifecycle, handles, the device actor, supervision, library
+actors, and the messages they answer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
 from .kernel_actor import KernelActor
+from .lifecycle import DeviceLifecycle, DeviceStatus
 from .library_messages import (
     CopyDeviceToDevice,
     CopyToDevice,
@@ -45,7 +47,9 @@ __all__ = [
     "DeviceActor",
     "DeviceClient",
     "DeviceContext",
+    "DeviceLifecycle",
     "DeviceState",
+    "DeviceStatus",
     "DeviceStats",
     "Directive",
     "Fill",

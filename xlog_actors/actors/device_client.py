@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pykka
 
@@ -15,14 +15,47 @@ from ..errors import (
     InvalidRequest,
 )
 from ..memory.block import AllocTag, StreamId
+from .device_context import DeviceContext
 from .gpu_ref import GpuRef
-from .messages import Allocate, AllocateMany, Free
+from .lifecycle import DeviceLifecycle
+from .messages import Allocate, AllocateMany, Free, ReportFailure
 
-if TYPE_CHECKING:
-    from .device_actor import ContextCell
-    from .device_context import DeviceContext
+__all__ = ["ContextCell", "DeviceClient"]
 
-__all__ = ["DeviceClient"]
+
+class ContextCell:
+    """What a ``DeviceClient`` shares with its device actor: the device's lifecycle (its status
+    and current context), its ordinal and the actor's ref.
+
+    Thread rule: the actor alone changes the lifecycle; clients read it from any thread with
+    single attribute loads, and ``report_failure`` may be called from any thread.
+    """
+
+    __slots__ = ("actor_ref", "lifecycle", "ordinal")
+
+    def __init__(self, ordinal: int, actor_ref: pykka.ActorRef[Any], lifecycle: DeviceLifecycle[DeviceContext]) -> None:
+        """Args:
+            ordinal: the device's ordinal.
+            actor_ref: the device actor's ref (the slow path and failure reports go there).
+            lifecycle: the device's lifecycle, owned by the actor.
+        Thread rule: any thread (the actor makes one in its constructor).
+        """
+        self.ordinal = ordinal
+        self.actor_ref = actor_ref
+        self.lifecycle = lifecycle
+
+    def report_failure(self, error: BaseException, generation: int) -> None:
+        """Tell the device's supervisor about a context failure met outside the actor.
+
+        Args:
+            error: the ``ContextLost``/``ContextPoisoned`` met.
+            generation: the generation of the context it was met in.
+        Thread rule: any thread. A stopped device is not told (the caller already has its error).
+        """
+        try:
+            self.actor_ref.tell(ReportFailure(error, generation))
+        except pykka.ActorDeadError:
+            pass  # the device is gone; the caller already has its error
 
 
 class DeviceClient:
@@ -50,7 +83,7 @@ class DeviceClient:
         self._cell = cell
 
     def _current(self) -> DeviceContext | None:
-        ctx = self._cell.ctx
+        ctx = self._cell.lifecycle.context
         return ctx if ctx is not None and ctx.is_current() else None
 
     def _ask(self, message: Any) -> Any:
@@ -127,4 +160,4 @@ class DeviceClient:
         return self._cell.ordinal
 
     def __repr__(self) -> str:
-        return f"DeviceClient(device={self._cell.ordinal}, status={self._cell.status})"
+        return f"DeviceClient(device={self._cell.ordinal}, status={self._cell.lifecycle.status.value})"

@@ -7,6 +7,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ..driver.checks import check_nbytes
 from ..errors import (
     ContextPoisoned,
     CorruptionDetected,
@@ -19,12 +20,11 @@ from ..memory.block import AllocTag, DeviceBlock, StreamId
 from ..memory.report import enrich_out_of_memory
 from ..runtime.device_runtime import XlogDeviceRuntime
 from .device_state import DeviceState
+from .gpu_ref import GpuRef
 from .messages import Reclaim
 
 if TYPE_CHECKING:
     import pykka
-
-    from .gpu_ref import GpuRef
 
 __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "DeviceContext"]
 
@@ -105,8 +105,6 @@ class DeviceContext:
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef:
-        from .gpu_ref import GpuRef
-
         try:
             block = self.runtime.allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
@@ -116,9 +114,6 @@ class DeviceContext:
         return GpuRef._new(block, self)
 
     def allocate_many(self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag) -> list[GpuRef]:
-        from ..driver.checks import check_nbytes
-        from .gpu_ref import GpuRef
-
         if not isinstance(sizes, (list, tuple)):
             raise InvalidRequest(f"AllocateMany needs a list or tuple of sizes, got {type(sizes).__name__}")
         for size in sizes:
@@ -222,45 +217,3 @@ class DeviceContext:
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
         return errors
-
-    # -- interop ----------------------------------------------------------------------------------
-    def _require_cuda(self, what: str) -> None:
-        if self.driver.kind != "cuda":
-            raise AttributeError(f"{what} is only offered on the CUDA driver (this device runs on {self.driver.kind})")
-
-    def stream_handle(self, stream_id: StreamId | None) -> int | None:
-        if stream_id is None:
-            return None
-        stream = self.runtime.stream_pool.resolve(stream_id)
-        return None if stream is None else stream.handle
-
-    def cuda_array_interface(self, ref: GpuRef) -> dict[str, Any]:
-        self._require_cuda("__cuda_array_interface__")
-        block = ref.access()
-        handle = self.stream_handle(ref.last_write_stream)
-        return {
-            "shape": (block.nbytes,),
-            "typestr": "|u1",
-            "data": (block.ptr, False),
-            "version": 3,
-            "strides": None,
-            # CAI v3: the stream the data was last written on; None means "already
-            # synchronized". A non-blocking stream has a handle above 2, as the spec asks.
-            "stream": handle,
-        }
-
-    def dlpack(self, ref: GpuRef, stream: Any, kwargs: dict[str, Any]) -> Any:
-        self._require_cuda("__dlpack__")
-        from .interop import export_dlpack
-
-        return export_dlpack(ref, self, stream, kwargs)
-
-    def record_foreign_write(self, ref: GpuRef, stream: Any) -> None:
-        self._require_cuda("record_foreign_write")
-        from .interop import import_foreign_write
-
-        import_foreign_write(ref, self, stream)
-
-    def dlpack_device(self, ref: GpuRef) -> tuple[int, int]:
-        self._require_cuda("__dlpack_device__")
-        return (2, self.ordinal)  # kDLCUDA

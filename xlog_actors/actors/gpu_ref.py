@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import GpuRefStale
 from ..memory.block import AllocTag, DeviceBlock, StreamId
+from . import interop
+from .device_state import DeviceState
 
 if TYPE_CHECKING:
+    # A type-only back reference: a DeviceContext makes GpuRefs, and each GpuRef holds the
+    # DeviceContext it was made in; the two types truly refer to each other.
     from .device_context import DeviceContext
-    from .device_state import DeviceState
 
 __all__ = ["GpuRef"]
 
@@ -187,13 +190,13 @@ class GpuRef:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3: a 1-D ``uint8`` view of the allocation, with the stream of
         the last write (consumers order their work after it). Only on the CUDA driver."""
-        return self._context.cuda_array_interface(self)
+        return interop.cuda_array_interface(self)
 
     def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
-        return self._context.dlpack(self, stream, kwargs)
+        return interop.export_dlpack(self, stream, kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return self._context.dlpack_device(self)
+        return interop.dlpack_device(self)
 
     def record_foreign_write(self, stream: Any) -> None:
         """Declare that another library (PyTorch, CuPy, ...) wrote this memory on its own CUDA
@@ -203,7 +206,7 @@ class GpuRef:
         default stream, which waits for it. Call it after enqueuing the write, from any thread.
         Only on the CUDA driver (``AttributeError`` elsewhere); a stale handle raises
         ``GpuRefStale``, a stream that is none ``InvalidRequest``."""
-        self._context.record_foreign_write(self, stream)
+        interop.import_foreign_write(self, stream)
 
     def __repr__(self) -> str:
         b = self._block
@@ -215,6 +218,6 @@ class GpuRef:
 
 
 _setters = tuple(
-    GpuRef.__dict__[name].__set__  # type: ignore[attr-defined]
+    GpuRef.__dict__[name].__set__
     for name in ("_block", "_generation", "_state", "_token", "_context", "_last_write", "_released")
 )
