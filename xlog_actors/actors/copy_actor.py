@@ -46,7 +46,11 @@ class CopyActor(LibraryActor):
     def _to_device(self, msg: CopyToDevice) -> None:
         self._check_refs(msg, "ref")
         try:
-            data = memoryview(msg.data).cast("B")
+            view = memoryview(msg.data)
+            if "O" in view.format:
+                # An object array exports its PyObject pointers: never bytes for a device.
+                raise TypeError(f"dtype object (format {view.format!r}) holds Python objects, not data")
+            data = view.cast("B")
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(
                 "CopyToDevice.data must be a C-contiguous buffer (bytes, bytearray, a numpy array of a "
