@@ -63,7 +63,8 @@ def test_told_garbage_leaves_the_device_actor_alive(
         assert counters(device) == before  # answered: the actor lives, and nothing changed
     assert device.is_alive() and keep.access().nbytes == 1000
     assert host_driver.live_allocations(0) == 1
-    dropped = [r for r in caplog.records if r.name == "xlog_actors.actors.device_actor" and r.levelno == logging.WARNING]
+    module = "xlog_actors.actors.device_actor"
+    dropped = [r for r in caplog.records if r.name == module and r.levelno == logging.WARNING]
     assert len(dropped) == len(GARBAGE) + len(malformed)
     assert any("str" in r.getMessage() for r in dropped)
 

@@ -10,7 +10,6 @@ from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
 from .kernel_actor import KernelActor
-from .lifecycle import DeviceLifecycle, DeviceStatus
 from .library_messages import (
     CopyDeviceToDevice,
     CopyToDevice,
@@ -21,6 +20,7 @@ from .library_messages import (
     Launch,
     Out,
 )
+from .lifecycle import DeviceLifecycle, DeviceStatus
 from .messages import (
     Allocate,
     AllocateMany,

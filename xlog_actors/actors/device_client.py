@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pykka
 
@@ -87,22 +87,47 @@ class DeviceClient:
         return ctx if ctx is not None and ctx.is_current() else None
 
     def _ask(self, message: Any) -> Any:
-        """The slow path: the actor serves ``message`` (after a rebuild in progress)."""
+        """The slow path: the actor serves ``message`` (after a rebuild in progress). No timeout:
+        the device actor never waits on a client, and a rebuild takes as long as the driver."""
         try:
             return self._cell.actor_ref.ask(message)
         except pykka.ActorDeadError as exc:
             raise DeviceUnavailable(f"device {self._cell.ordinal}: its DeviceActor was stopped") from exc
 
     def allocate(self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED) -> GpuRef:
-        return self._direct(  # type: ignore[no-any-return]
-            lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)
-        )
+        """Allocate one block, as ``Allocate`` does, in the calling thread.
+
+        Args:
+            nbytes: a positive int.
+            stream: the stream the allocation is ordered on.
+            tag: what the allocation is for (statistics group by it).
+        Returns:
+            a ``GpuRef`` of the device's current generation.
+        Raises:
+            InvalidRequest, OutOfMemory, StreamMisuse, ContextPoisoned, DeviceUnavailable: as
+            ``Allocate`` (a lost or poisoned context is also reported to the device's supervisor).
+        Thread rule: any thread but the device actor's own.
+        """
+        return cast(GpuRef, self._direct(lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)))
 
     def allocate_many(
         self, sizes: list[int] | tuple[int, ...], stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> list[GpuRef]:
-        return self._direct(  # type: ignore[no-any-return]
-            lambda ctx: ctx.allocate_many(sizes, stream, tag), AllocateMany(sizes, stream, tag)
+        """Allocate one block per size, all or none, as ``AllocateMany`` does, in the calling thread.
+
+        Args:
+            sizes: a list or tuple of positive ints.
+            stream: the stream the allocations are ordered on.
+            tag: what the allocations are for.
+        Returns:
+            one ``GpuRef`` per size, in order.
+        Raises:
+            as :meth:`allocate`; on any error nothing stays allocated.
+        Thread rule: any thread but the device actor's own.
+        """
+        return cast(
+            "list[GpuRef]",
+            self._direct(lambda ctx: ctx.allocate_many(sizes, stream, tag), AllocateMany(sizes, stream, tag)),
         )
 
     def _direct(self, work: Callable[[DeviceContext], Any], fallback: Any) -> Any:
@@ -125,7 +150,16 @@ class DeviceClient:
         return self._ask(fallback)
 
     def free(self, ref: GpuRef) -> None:
-        """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message."""
+        """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message.
+
+        Args:
+            ref: a ``GpuRef`` of this device (an older generation's is a no-op).
+        Raises:
+            InvalidRequest: not a ``GpuRef``, or a handle of another device actor.
+            CorruptionDetected: a guard found its canaries overwritten (the block is freed anyway).
+            ContextLost, ContextPoisoned: met while freeing (reported to the supervisor too).
+        Thread rule: any thread but the device actor's own.
+        """
         if not isinstance(ref, GpuRef):
             raise InvalidRequest(f"free needs a GpuRef, got {type(ref).__name__}")
         ctx = self._current()
@@ -157,6 +191,7 @@ class DeviceClient:
 
     @property
     def device_id(self) -> int:
+        """The device's ordinal. Thread rule: any thread."""
         return self._cell.ordinal
 
     def __repr__(self) -> str:

@@ -196,9 +196,7 @@ class DeviceLifecycle(Generic[C]):
         """
         self._check("poison")
         self._state.poison()
-        old, self._context = self._context, None
-        self._status = DeviceStatus.POISONED
-        return old
+        return self._end(DeviceStatus.POISONED)
 
     def stop(self) -> C | None:
         """Stop for good: any status but ``stopped`` -> ``stopped``. Every handle becomes stale
@@ -212,6 +210,9 @@ class DeviceLifecycle(Generic[C]):
         """
         self._check("stop")
         self._state.begin_shutdown()
+        return self._end(DeviceStatus.STOPPED)
+
+    def _end(self, status: DeviceStatus) -> C | None:
         old, self._context = self._context, None
-        self._status = DeviceStatus.STOPPED
+        self._status = status
         return old
