@@ -1,4 +1,4 @@
-"""DeviceActor, its messages and DeviceClient (SPEC section 6; issue 5) on the host driver."""
+"""DeviceActor, its messages and DeviceClient on the host driver."""
 
 from __future__ import annotations
 

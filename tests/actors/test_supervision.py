@@ -1,4 +1,4 @@
-"""Supervision (SPEC section 6, Supervisor; issue 6) on the host driver, with
+"""Supervision on the host driver, with
 ``HostDriver.inject_fault``."""
 
 from __future__ import annotations
