@@ -5,6 +5,10 @@ The actor routes each message to its handler and each failure to its ``Superviso
 of the device (starting, running, rebuilding, broken, poisoned, stopped) are a
 ``DeviceLifecycle``, and the pykka loop that keeps the actor alive through a bad told message is
 ``ResilientActor``'s.
+
+The module is past 400 lines because the handlers and the supervision paths share the actor's
+state (lifecycle, subscribers, last error, supervisor); split apart, they would pass all of it
+back and forth.
 """
 
 from __future__ import annotations
@@ -329,11 +333,11 @@ class DeviceActor(ResilientActor):
 
     # -- handlers ---------------------------------------------------------------------------------
     def _on_allocate(self, msg: m.Allocate) -> GpuRef:
-        _check_stream_and_tag(msg)
+        m.check_stream_and_tag(msg)
         return self._context().allocate(msg.nbytes, msg.stream, msg.tag)
 
     def _on_allocate_many(self, msg: m.AllocateMany) -> list[GpuRef]:
-        _check_stream_and_tag(msg)
+        m.check_stream_and_tag(msg)
         return self._context().allocate_many(msg.sizes, msg.stream, msg.tag)
 
     def _on_free(self, msg: m.Free) -> None:
@@ -384,12 +388,12 @@ class DeviceActor(ResilientActor):
             raise SupervisedFailure(exc) from None
 
     def _on_subscribe(self, msg: m.Subscribe) -> None:
-        _check_actor_ref(msg)
+        m.check_actor_ref(msg)
         if msg.actor_ref not in self._subscribers:
             self._subscribers.append(msg.actor_ref)
 
     def _on_unsubscribe(self, msg: m.Unsubscribe) -> None:
-        _check_actor_ref(msg)
+        m.check_actor_ref(msg)
         if msg.actor_ref in self._subscribers:
             self._subscribers.remove(msg.actor_ref)
 
@@ -447,18 +451,3 @@ class DeviceActor(ResilientActor):
         if ctx is not None and msg.generation in (None, ctx.generation):
             self._after_failure(msg.error, counting=True)
 
-
-def _check_stream_and_tag(msg: m.Allocate | m.AllocateMany) -> None:
-    """The fields of an allocation message the runtime does not check itself."""
-    name = type(msg).__name__
-    if isinstance(msg.stream, bool) or not isinstance(msg.stream, int):
-        raise InvalidRequest(f"{name}.stream must be a StreamId, got {msg.stream!r}")
-    if not isinstance(msg.tag, str):
-        raise InvalidRequest(f"{name}.tag must be an AllocTag (a str), got {msg.tag!r}")
-
-
-def _check_actor_ref(msg: m.Subscribe | m.Unsubscribe) -> None:
-    if not isinstance(msg.actor_ref, pykka.ActorRef):
-        raise InvalidRequest(
-            f"{type(msg).__name__}.actor_ref must be a pykka ActorRef, got {type(msg.actor_ref).__name__}"
-        )

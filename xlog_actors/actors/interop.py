@@ -58,14 +58,22 @@ class ExportedRef(Protocol):
     ``GpuRef`` itself, so that this module does not import the handle that imports it."""
 
     @property
-    def context(self) -> _Context: ...
+    def context(self) -> _Context:
+        """The handle's context (driver, runtime, ordinal)."""
+        ...
 
     @property
-    def last_write_stream(self) -> StreamId | None: ...
+    def last_write_stream(self) -> StreamId | None:
+        """The stream of the handle's last recorded write."""
+        ...
 
-    def access(self) -> DeviceBlock: ...
+    def access(self) -> DeviceBlock:
+        """The handle's block, validated (``GpuRefStale`` otherwise)."""
+        ...
 
-    def record_write(self, stream_id: StreamId) -> None: ...
+    def record_write(self, stream_id: StreamId) -> None:
+        """Record a write on ``stream_id``."""
+        ...
 
 
 def require_cuda(ref: ExportedRef, what: str) -> None:
@@ -250,5 +258,7 @@ def import_foreign_write(ref: ExportedRef, stream: Any) -> None:
     if tracking:
         runtime.finish_block_use(block_id, sid, Access.WRITE)
     else:
-        ours.synchronize()  # an untracked stack: the write is complete before anyone sees it
+        # An untracked stack: the write is complete before anyone sees it. No timeout: the
+        # caller declared the foreign write already queued, so the wait ends with it.
+        ours.synchronize()
     ref.record_write(sid)

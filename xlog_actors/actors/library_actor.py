@@ -212,7 +212,10 @@ class LibraryActor(ResilientActor):
                 for block_id, access in merged:
                     runtime.finish_block_use(block_id, sid, access)
             if wait or (self._track and not self._tracking):
-                stream.synchronize()  # asked for, or an untracked stack: finish before anyone sees it
+                # Asked for, or an untracked stack: finish before anyone sees it. No timeout: the
+                # stream is this actor's own and holds only work it enqueued, which ends (a kernel
+                # that faults ends it with a sticky error, which this wait raises).
+                stream.synchronize()
         except XlogError as exc:
             # A rebuild that ran on the device actor's thread between the validation above and
             # this work took the context (its streams, its blocks) away: that is a stale handle,

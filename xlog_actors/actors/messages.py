@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import pykka
+
+from ..errors import InvalidRequest
 from ..memory.block import AllocTag, DeviceBlock, StreamId
 
 if TYPE_CHECKING:
-    import pykka
 
     from .gpu_ref import GpuRef
 
@@ -33,6 +35,8 @@ __all__ = [
     "ReportFailure",
     "Subscribe",
     "Unsubscribe",
+    "check_actor_ref",
+    "check_stream_and_tag",
 ]
 
 
@@ -226,3 +230,35 @@ class ReportFailure:
 
     error: BaseException
     generation: int | None
+
+
+def check_stream_and_tag(msg: Allocate | AllocateMany) -> None:
+    """Check the ``stream`` and ``tag`` fields of an allocation message (the runtime checks the
+    sizes itself).
+
+    Args:
+        msg: the message.
+    Raises:
+        InvalidRequest: ``stream`` is not an int (a ``StreamId``), or ``tag`` not a str.
+    Thread rule: any thread.
+    """
+    name = type(msg).__name__
+    if isinstance(msg.stream, bool) or not isinstance(msg.stream, int):
+        raise InvalidRequest(f"{name}.stream must be a StreamId, got {msg.stream!r}")
+    if not isinstance(msg.tag, str):
+        raise InvalidRequest(f"{name}.tag must be an AllocTag (a str), got {msg.tag!r}")
+
+
+def check_actor_ref(msg: Subscribe | Unsubscribe) -> None:
+    """Check the ``actor_ref`` field of a subscription message.
+
+    Args:
+        msg: the message.
+    Raises:
+        InvalidRequest: ``actor_ref`` is not a pykka ``ActorRef``.
+    Thread rule: any thread.
+    """
+    if not isinstance(msg.actor_ref, pykka.ActorRef):
+        raise InvalidRequest(
+            f"{type(msg).__name__}.actor_ref must be a pykka ActorRef, got {type(msg.actor_ref).__name__}"
+        )
