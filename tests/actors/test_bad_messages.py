@@ -330,3 +330,37 @@ def test_a_stopped_devices_answers_keep_their_cause(host_driver: xa.HostDriver) 
         assert device.ask(xa.GetStats(), timeout=TIMEOUT).status == "stopped"
     finally:
         device.stop()
+
+
+def test_a_library_actor_whose_device_stopped_before_it_started_answers_device_unavailable(
+    host_driver: xa.HostDriver, stop_actors: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xlog_actors.actors.library_actor as library_actor
+
+    device = xa.DeviceActor.start(0, driver=host_driver)
+    ref = device.ask(xa.Allocate(16), timeout=TIMEOUT)
+    device.stop()
+    # the device stops between the check in __init__ and on_start: let the check pass
+    monkeypatch.setattr(library_actor, "is_actor_ref_of", lambda ref, cls: True)
+    copy = xa.CopyActor.start(device)
+    with pytest.raises(xa.DeviceUnavailable, match="its DeviceActor was stopped"):
+        copy.ask(xa.Fill(ref, 1), timeout=TIMEOUT)
+    assert copy.is_alive()
+
+
+def test_a_crash_on_a_poisoned_device_does_not_rebuild_it(
+    host_driver: xa.HostDriver, stop_actors: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(self: xa.DeviceActor, msg: Any) -> None:
+        raise RuntimeError("a bug in a handler")
+
+    monkeypatch.setattr(xa.DeviceActor, "_on_report", crash)  # the handler table binds it at start
+    device = xa.DeviceActor.start(0, driver=host_driver)
+    host_driver.inject_fault(0, "sticky")
+    with pytest.raises(xa.ContextPoisoned):
+        device.ask(xa.Allocate(64), timeout=TIMEOUT)
+    # a crash of the actor's own code asks for a rebuild, which a poisoned device cannot have
+    with pytest.raises(RuntimeError, match="a bug"):
+        device.ask(xa.GetReport(), timeout=TIMEOUT)
+    s = device.ask(xa.GetStats(), timeout=TIMEOUT)
+    assert (s.status, s.generation, s.restarts) == ("poisoned", 0, 0)

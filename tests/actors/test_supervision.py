@@ -94,7 +94,11 @@ def test_restart_intensity_window() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_restarts": -1}, {"max_restarts": 1.5}, {"max_restarts": True}, {"within_s": 0}, {"within_s": "1"}]
+    "kwargs",
+    [
+        {"max_restarts": -1}, {"max_restarts": 1.5}, {"max_restarts": True}, {"within_s": 0}, {"within_s": "1"},
+        {"on_poisoned": "log"},
+    ],
 )
 def test_supervisor_arguments_validated(kwargs: dict[str, Any]) -> None:
     with pytest.raises(xa.InvalidRequest):

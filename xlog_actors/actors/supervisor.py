@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 #: process) restarts the process, which is the only way to recover a poisoned CUDA context.
 EXIT_POISONED = 75
 
+#: An escalation hook: ``hook(device_id, error)``, called once when a device is poisoned.
 PoisonHook = Callable[[int, BaseException], None]
 
 
