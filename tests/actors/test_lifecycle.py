@@ -67,7 +67,8 @@ def snapshot(lifecycle: DeviceLifecycle[str]) -> tuple[object, ...]:
 
 def test_a_new_lifecycle_is_starting_without_a_context() -> None:
     lifecycle: DeviceLifecycle[str] = DeviceLifecycle(DeviceState(0))
-    assert (lifecycle.status, lifecycle.context, lifecycle.generation, lifecycle.restarts) == (S.STARTING, None, 0, 0)
+    state = lifecycle.state
+    assert (lifecycle.status, lifecycle.context, state.generation, lifecycle.restarts) == (S.STARTING, None, 0, 0)
     assert lifecycle.needs_build and not lifecycle.ended
     assert DeviceStatus.RUNNING.value == "running" and DeviceStatus.STOPPED == "stopped"
 
@@ -75,7 +76,7 @@ def test_a_new_lifecycle_is_starting_without_a_context() -> None:
 @pytest.mark.parametrize(("start", "event"), list(ALLOWED), ids=lambda v: getattr(v, "value", v))
 def test_every_allowed_transition(start: DeviceStatus, event: str) -> None:
     lifecycle = in_status(start)
-    generation, restarts = lifecycle.generation, lifecycle.restarts
+    generation, restarts = lifecycle.state.generation, lifecycle.restarts
     returned = fire(lifecycle, event)
     end = ALLOWED[(start, event)]
     assert lifecycle.status is end
@@ -84,9 +85,9 @@ def test_every_allowed_transition(start: DeviceStatus, event: str) -> None:
     state = lifecycle.state
     if event == "begin_rebuild":
         assert returned == ((CTX if start is S.RUNNING else None), generation + 1)
-        assert lifecycle.generation == generation + 1
+        assert lifecycle.state.generation == generation + 1
     else:
-        assert lifecycle.generation == generation
+        assert lifecycle.state.generation == generation
     if event == "built":
         assert lifecycle.restarts == restarts + (1 if start is S.REBUILDING else 0)
     else:
@@ -129,7 +130,8 @@ def test_a_rebuild_cycle_makes_every_older_handle_token_stale() -> None:
     lifecycle.rebuild_failed()
     lifecycle.begin_rebuild()
     lifecycle.built("new")
-    assert (lifecycle.status, lifecycle.context, lifecycle.generation, lifecycle.restarts) == (S.RUNNING, "new", 2, 1)
+    state = lifecycle.state
+    assert (lifecycle.status, lifecycle.context, state.generation, lifecycle.restarts) == (S.RUNNING, "new", 2, 1)
     assert "status=running" in repr(lifecycle) and "generation=2" in repr(lifecycle)
 
 

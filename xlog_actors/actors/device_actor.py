@@ -263,7 +263,7 @@ class DeviceActor(ResilientActor):
         ctx = self._lifecycle.poison()
         if ctx is not None:
             ctx.open = False  # nothing can be freed into a poisoned context
-        self._notify(m.GenerationChanged(self._ordinal, self._lifecycle.generation, DeviceStatus.POISONED.value))
+        self._notify(m.GenerationChanged(self._ordinal, self._lifecycle.state.generation, DeviceStatus.POISONED.value))
         try:
             self._supervisor.on_poisoned(self._ordinal, exc)
         except Exception as hook_error:  # noqa: BLE001 - a failing hook must not kill the device
@@ -276,7 +276,7 @@ class DeviceActor(ResilientActor):
         ctx = self._lifecycle.stop()
         if ctx is not None:
             ctx.close(free_blocks=False)
-        self._notify(m.GenerationChanged(self._ordinal, self._lifecycle.generation, DeviceStatus.STOPPED.value))
+        self._notify(m.GenerationChanged(self._ordinal, self._lifecycle.state.generation, DeviceStatus.STOPPED.value))
 
     def _notify(self, message: m.GenerationChanged) -> None:
         alive = []
@@ -421,7 +421,7 @@ class DeviceActor(ResilientActor):
                 return self._on_stats(msg)
         return m.DeviceStats(
             device_id=self._ordinal,
-            generation=self._lifecycle.generation,
+            generation=self._lifecycle.state.generation,
             bytes_outstanding=outstanding,
             live_blocks=live,
             restarts=self._lifecycle.restarts,

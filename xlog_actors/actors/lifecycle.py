@@ -60,8 +60,8 @@ _ALLOWED: dict[str, frozenset[DeviceStatus]] = {
 class DeviceLifecycle(Generic[C]):
     """The status, current context and handle-validation state of one device.
 
-    Invariants: ``context`` is not None exactly while ``status`` is ``running``; ``generation``
-    grows by one on every ``begin_rebuild`` and never otherwise; ``restarts`` counts the rebuilds
+    Invariants: ``context`` is not None exactly while ``status`` is ``running``; the state's
+    ``generation`` grows by one on every ``begin_rebuild`` and never otherwise; ``restarts`` counts the rebuilds
     that completed; once ``poisoned`` or ``stopped``, the device state says so for good, so every
     handle of the device is stale.
 
@@ -104,11 +104,6 @@ class DeviceLifecycle(Generic[C]):
     def state(self) -> DeviceState:
         """The device state handles validate against. Thread rule: any thread."""
         return self._state
-
-    @property
-    def generation(self) -> int:
-        """The device state's generation. Thread rule: any thread."""
-        return self._state.generation
 
     @property
     def restarts(self) -> int:
