@@ -22,7 +22,7 @@ import xlog_actors as xa
 from xlog_actors.actors.messages import ReportFailure
 from xlog_actors.actors.supervisor import SupervisedFailure
 from xlog_actors.driver.kernel_library import SCALE_ADD_F32
-from xlog_actors.memory.stack import RESOURCE_ENV
+from xlog_actors.memory.stack import LOG_ENV, RESOURCE_ENV
 
 TIMEOUT = 5
 
@@ -273,6 +273,16 @@ def test_a_bad_default_description_is_refused_at_start(
         xa.DeviceActor.start(0, driver=host_driver)
     monkeypatch.setenv(RESOURCE_ENV, "direct")
     assert xa.DeviceActor.start(0, driver=host_driver).ask(xa.GetStats(), timeout=TIMEOUT).stack.startswith("direct")
+
+
+def test_a_log_path_from_the_environment_is_checked_at_start(
+    host_driver: xa.HostDriver, stop_actors: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOG_ENV, "/nonexistent-dir/alloc.csv")
+    count = running_actors()
+    with pytest.raises(xa.InvalidRequest, match="not a writable folder"):
+        xa.DeviceActor.start(0, driver=host_driver, resource="async+log")
+    assert running_actors() == count
 
 
 def test_good_descriptions_start(host_driver: xa.HostDriver, stop_actors: None, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from ..driver.protocol import Driver
 from ..errors import InvalidRequest
 from ..memory.adaptors import parse_size
 from ..memory.resource import DeviceMemoryResource
-from ..memory.stack import ADAPTORS, BASES, default_description
+from ..memory.stack import ADAPTORS, BASES, LOG_ENV, default_description
 from ..memory.stream_pool import StreamPool
 from ..runtime.device_runtime import check_device_ordinal
 from .supervisor import Supervisor
@@ -40,8 +40,8 @@ def check_resource_description(description: object) -> str:
     (``BASE[+ADAPTOR[:ARG]]...``) without building anything on a device.
 
     Each adaptor's argument is checked as its adaptor checks it: ``stats`` takes none,
-    ``budget`` needs a size, ``guard`` takes an optional size, ``log`` an optional path whose
-    folder must exist and be writable (``-`` is standard error).
+    ``budget`` needs a size, ``guard`` takes an optional size, ``log`` an optional path (default:
+    ``XLOG_ACTORS_LOG``) whose folder must exist and be writable (``-`` is standard error).
 
     Args:
         description: the description.
@@ -81,10 +81,11 @@ def _check_adaptor_argument(description: str, name: str, arg: str | None) -> Non
         parse_size(arg)
     if name == "guard" and arg is not None:
         parse_size(arg)
-    if name == "log" and arg is not None and arg != "-":
-        folder = os.path.dirname(os.path.abspath(arg))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise InvalidRequest(f"{where}: cannot create the log file {arg!r}: {folder!r} is not a writable folder")
+    if name == "log":
+        path = arg or os.environ.get(LOG_ENV, "").strip() or "-"  # what the adaptor will open
+        folder = os.path.dirname(os.path.abspath(path))
+        if path != "-" and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            raise InvalidRequest(f"{where}: cannot create the log file {path!r}: {folder!r} is not a writable folder")
 
 
 @dataclass(frozen=True, slots=True)
