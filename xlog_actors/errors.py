@@ -1,8 +1,8 @@
-"""The error hierarchy of SPEC section 2.
+"""The error hierarchy: every error the runtime raises is an :class:`XlogError`.
 
-Every error the runtime raises is an :class:`XlogError`. Errors carry the context a user needs to
-act on them (device, block, stream, what was expected) in their message and, where the SPEC names
-one, in a typed attribute (``.requested``, ``.generation``, ``.code``, ``.reason``, ``.block``).
+Errors carry the context a user needs to act on them (device, block, stream, what was expected)
+in their message and, where the public contract names one, in a typed attribute
+(``.requested``, ``.generation``, ``.code``, ``.reason``, ``.block``).
 
 Invariant, enforced by the code that raises them: a call that raises leaves every map and counter
 exactly as it was before the call.
@@ -21,6 +21,7 @@ __all__ = [
     "DeviceUnavailable",
     "DriverError",
     "GpuRefStale",
+    "IllegalTransition",
     "InvalidRequest",
     "OutOfMemory",
     "ResourceError",
@@ -31,7 +32,11 @@ __all__ = [
 
 
 class XlogError(Exception):
-    """Base of every error raised by xlog_actors."""
+    """Base of every error raised by xlog_actors.
+
+    Every error is an immutable report: raised on one thread, it may be handed to another (an
+    actor's asker) as it is. Thread rule: any thread.
+    """
 
 
 class ResourceError(XlogError):
@@ -40,7 +45,9 @@ class ResourceError(XlogError):
 
 class InvalidRequest(ResourceError, ValueError):
     """A request the runtime refuses before touching any state: a size that is not a positive
-    ``int``, an ordinal out of range, a block of another device, an unknown fault kind."""
+    ``int``, an ordinal out of range, a block of another device, an unknown fault kind, a
+    malformed message (the message names the field) or a bad configuration of an actor's
+    ``start`` (raised in the caller; nothing is started)."""
 
 
 class OutOfMemory(ResourceError, MemoryError):
@@ -92,8 +99,8 @@ class DriverError(ResourceError):
 class ContextLost(DriverError):
     """The device's context is gone (destroyed or reset from outside); the device must be rebuilt.
 
-    Not in the SPEC's table: a :class:`DriverError` subclass so that code written against the SPEC
-    still catches it, and so the supervisor can tell "rebuild" from "resume" by class.
+    A :class:`DriverError` subclass, so that code that catches driver errors still catches it,
+    and so the supervisor can tell "rebuild" from "resume" by class.
     """
 
 
@@ -144,3 +151,17 @@ class CorruptionDetected(ResourceError):
     def __init__(self, message: str, *, block: Any) -> None:
         super().__init__(message)
         self.block: Any = block
+
+
+class IllegalTransition(XlogError):
+    """A ``DeviceLifecycle`` was asked for a transition its current status does not allow (for
+    example a rebuild of a poisoned device, or any change of a device stopped for good).
+
+    It is raised before anything changes: the lifecycle keeps its status, context and device
+    state. ``current`` is the status it was in, ``event`` the transition that was refused.
+    """
+
+    def __init__(self, message: str, *, current: str, event: str) -> None:
+        super().__init__(message)
+        self.current: str = current
+        self.event: str = event

@@ -20,7 +20,7 @@ import numpy as np
 import pykka
 
 import xlog_actors as xa
-from xlog_actors.actors.device_context import DeviceContext
+from xlog_actors.actors import interop
 
 SLOW_US = 200_000
 #: GPU clock cycles of ``torch.cuda._sleep``: about 200 ms at an H200's 1.98 GHz. It only has
@@ -60,7 +60,7 @@ def _warm_up(device: pykka.ActorRef[Any], copy: pykka.ActorRef[Any], consume: Ca
 def _untrack() -> None:
     """What a producer that ignores the protocols' stream rules would do: no ``stream`` in the
     CUDA Array Interface and no ordering of the DLPack consumer's stream."""
-    DeviceContext.stream_handle = lambda self, sid: None  # type: ignore[method-assign,assignment]
+    interop.stream_handle = lambda ctx, sid: None
     xa.CudaDriver.order_foreign_stream = lambda self, handle, after: None  # type: ignore[method-assign]
 
 

@@ -1,4 +1,4 @@
-"""DeviceActor, its messages and DeviceClient (SPEC section 6; issue 5) on the host driver."""
+"""DeviceActor, its messages and DeviceClient on the host driver."""
 
 from __future__ import annotations
 
@@ -371,7 +371,7 @@ def test_allocate_whose_asker_timed_out_is_reclaimed(host_driver: xa.HostDriver,
     gate = threading.Event()
     started = threading.Event()
     client = device.ask(xa.GetClient())
-    real = client._cell.ctx.allocate_many  # type: ignore[union-attr]
+    real = client._cell.lifecycle.context.allocate_many  # type: ignore[union-attr]
 
     def slow_allocate_many(*args: Any, **kwargs: Any) -> Any:
         started.set()
@@ -379,7 +379,7 @@ def test_allocate_whose_asker_timed_out_is_reclaimed(host_driver: xa.HostDriver,
         return real(*args, **kwargs)
 
     # Make the actor busy with an AllocateMany that blocks until we open the gate.
-    client._cell.ctx.allocate_many = slow_allocate_many  # type: ignore[union-attr,method-assign]
+    client._cell.lifecycle.context.allocate_many = slow_allocate_many  # type: ignore[union-attr,method-assign]
     busy = device.ask(xa.AllocateMany([128] * 100), block=False)
     assert started.wait(5)
     with pytest.raises(pykka.Timeout):
@@ -456,7 +456,7 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
     client = device.ask(xa.GetClient())
     refs = client.allocate_many([256] * 100)
     keep = client.allocate(256)
-    ctx = client._cell.ctx
+    ctx = client._cell.lifecycle.context
     real_free = ctx.free
     calls: dict[int, int] = {}
 

@@ -1,4 +1,4 @@
-"""The memory report and adaptors as the device actor exposes them (issue 8)."""
+"""The memory report and adaptors as the device actor exposes them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GpuRef and DeviceState (SPEC section 6; issue 5) on the host driver.
+"""GpuRef and DeviceState on the host driver.
 
 Every test stops the actors it starts (``stop_all`` fixture) and the ``host_driver`` fixture
 closes its driver.

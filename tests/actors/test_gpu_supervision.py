@@ -1,4 +1,4 @@
-"""Supervision on a real GPU (issue 6): a sticky error poisons the device actor, and a Rebuild or a
+"""Supervision on a real GPU: a sticky error poisons the device actor, and a Rebuild or a
 primary-context reset from outside recovers in process with memory back to its baseline.
 
 Each case runs in a child process: a sticky error poisons the whole CUDA process, and a rebuild

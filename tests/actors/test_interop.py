@@ -1,4 +1,4 @@
-"""Zero-copy export of a GpuRef: ``__cuda_array_interface__`` (v3) and DLPack (issue 5)."""
+"""Zero-copy export of a GpuRef: ``__cuda_array_interface__`` (v3) and DLPack."""
 
 from __future__ import annotations
 

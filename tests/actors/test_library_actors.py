@@ -1,5 +1,5 @@
 """CopyActor and KernelActor: correct results with no explicit synchronization, typed errors for
-bad requests, and the hazard their tracking prevents (issue 7)."""
+bad requests, and the hazard their tracking prevents."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Two devices of one driver: one DeviceActor per ordinal, each with its own context, runtime,
-generation and library actors (issue 5, "one actor per ordinal"). The same test runs on the host
+generation and library actors (one actor per ordinal). The same test runs on the host
 driver with two emulated devices and, where two GPUs are reachable, on the CUDA driver."""
 
 from __future__ import annotations

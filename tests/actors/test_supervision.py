@@ -1,4 +1,4 @@
-"""Supervision (SPEC section 6, Supervisor; issue 6) on the host driver, with
+"""Supervision on the host driver, with
 ``HostDriver.inject_fault``."""
 
 from __future__ import annotations
@@ -94,7 +94,11 @@ def test_restart_intensity_window() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_restarts": -1}, {"max_restarts": 1.5}, {"max_restarts": True}, {"within_s": 0}, {"within_s": "1"}]
+    "kwargs",
+    [
+        {"max_restarts": -1}, {"max_restarts": 1.5}, {"max_restarts": True}, {"within_s": 0}, {"within_s": "1"},
+        {"on_poisoned": "log"},
+    ],
 )
 def test_supervisor_arguments_validated(kwargs: dict[str, Any]) -> None:
     with pytest.raises(xa.InvalidRequest):
@@ -347,7 +351,7 @@ def test_crash_of_the_actors_own_code_rebuilds(host_driver: xa.HostDriver, monke
 
 def test_crash_in_the_runtime_rebuilds(host_driver: xa.HostDriver) -> None:
     device = start(host_driver)
-    ctx = device.ask(xa.GetClient())._cell.ctx
+    ctx = device.ask(xa.GetClient())._cell.lifecycle.context
 
     def crashing(*args: Any) -> Any:
         raise KeyError("runtime bug")
@@ -491,7 +495,7 @@ def test_client_allocation_in_flight_when_the_context_goes_away(
     # out as an already-stale handle.
     device = start(host_driver)
     client = device.ask(xa.GetClient())
-    ctx = client._cell.ctx
+    ctx = client._cell.lifecycle.context
     inside, release = threading.Event(), threading.Event()
     real = ctx.runtime.allocate
 

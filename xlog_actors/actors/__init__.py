@@ -1,4 +1,5 @@
-"""Layer 4: actors. Device state, handles, the device actor, supervision, library actors."""
+"""Layer 4: actors. Device state and lifecycle, handles, the device actor, supervision, library
+actors, and the messages they answer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .library_messages import (
     Launch,
     Out,
 )
+from .lifecycle import DeviceLifecycle, DeviceStatus
 from .messages import (
     Allocate,
     AllocateMany,
@@ -45,7 +47,9 @@ __all__ = [
     "DeviceActor",
     "DeviceClient",
     "DeviceContext",
+    "DeviceLifecycle",
     "DeviceState",
+    "DeviceStatus",
     "DeviceStats",
     "Directive",
     "Fill",

@@ -16,7 +16,13 @@ __all__ = ["CopyActor"]
 
 
 class CopyActor(LibraryActor):
-    """``CopyActor.start(device)``; see :class:`LibraryActor` for streams and tracking.
+    """``CopyActor.start(device)``: copies and fills on its own stream of ``device`` (the
+    ``ActorRef`` of a running ``DeviceActor``); see :class:`LibraryActor` for streams, tracking,
+    and what it does with a message it does not understand.
+
+    It serves ``CopyToDevice``, ``CopyToHost``, ``CopyDeviceToDevice`` and ``Fill`` (see each
+    message for its reply and errors). A malformed message is answered with ``InvalidRequest``
+    naming the field, before anything is enqueued: no bytes move.
 
     Replies once the work is enqueued, except ``CopyToHost``, which replies with the bytes once
     they are on the host. That wait synchronizes the actor's *own* stream, which holds only this
@@ -26,21 +32,34 @@ class CopyActor(LibraryActor):
     the wait costs nothing another design would save.)
     """
 
+    expected_messages = "CopyToDevice, CopyToHost, CopyDeviceToDevice or Fill"
+
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
-        return {
+        handlers: dict[type, Callable[[Any], Any]] = {
             CopyToDevice: self._to_device,
             CopyToHost: self._to_host,
             CopyDeviceToDevice: self._device_to_device,
             Fill: self._fill,
-        }.get(type(message))
+        }
+        return handlers.get(type(message))
 
     def _to_device(self, msg: CopyToDevice) -> None:
-        self._check_refs(msg.ref)
-        data = memoryview(msg.data).cast("B")
+        self._check_refs(msg, "ref")
+        try:
+            view = memoryview(msg.data)
+            if "O" in view.format:
+                # An object array exports its PyObject pointers: never bytes for a device.
+                raise TypeError(f"dtype object (format {view.format!r}) holds Python objects, not data")
+            data = view.cast("B")
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(
+                "CopyToDevice.data must be a C-contiguous buffer (bytes, bytearray, a numpy array of a "
+                f"plain dtype), got {type(msg.data).__name__} ({exc})"
+            ) from None
         if len(data) == 0:
-            raise InvalidRequest("CopyToDevice: no data")
+            raise InvalidRequest("CopyToDevice.data is empty")
         if len(data) > msg.ref.nbytes:
-            raise InvalidRequest(f"CopyToDevice: {len(data)} bytes do not fit in {msg.ref!r}")
+            raise InvalidRequest(f"CopyToDevice.data: {len(data)} bytes do not fit in {msg.ref!r}")
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             driver.copy_to_device(blocks[0].ptr, data, stream)
@@ -48,10 +67,10 @@ class CopyActor(LibraryActor):
         self._run([(msg.ref, Access.WRITE)], enqueue)
 
     def _to_host(self, msg: CopyToHost) -> bytes:
-        self._check_refs(msg.ref)
+        self._check_refs(msg, "ref")
         nbytes = msg.ref.nbytes if msg.nbytes is None else msg.nbytes
         if type(nbytes) is not int or not 0 < nbytes <= msg.ref.nbytes:
-            raise InvalidRequest(f"CopyToHost: nbytes must be an int in 1..{msg.ref.nbytes}, got {msg.nbytes!r}")
+            raise InvalidRequest(f"CopyToHost.nbytes must be an int in 1..{msg.ref.nbytes}, got {msg.nbytes!r}")
         out: list[bytearray] = []
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
@@ -61,11 +80,11 @@ class CopyActor(LibraryActor):
         return bytes(out[0])
 
     def _device_to_device(self, msg: CopyDeviceToDevice) -> None:
-        self._check_refs(msg.src, msg.dst)
+        self._check_refs(msg, "src", "dst")
         if msg.src.nbytes > msg.dst.nbytes:
-            raise InvalidRequest(f"CopyDeviceToDevice: {msg.src!r} does not fit in {msg.dst!r}")
+            raise InvalidRequest(f"CopyDeviceToDevice.src: {msg.src!r} does not fit in dst {msg.dst!r}")
         if msg.src is msg.dst:
-            raise InvalidRequest("CopyDeviceToDevice: source and destination are the same handle")
+            raise InvalidRequest("CopyDeviceToDevice.dst: source and destination are the same handle")
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             driver.copy_device_to_device(blocks[1].ptr, blocks[0].ptr, blocks[0].nbytes, stream)
@@ -73,9 +92,9 @@ class CopyActor(LibraryActor):
         self._run([(msg.src, Access.READ), (msg.dst, Access.WRITE)], enqueue)
 
     def _fill(self, msg: Fill) -> None:
-        self._check_refs(msg.ref)
+        self._check_refs(msg, "ref")
         if type(msg.byte) is not int or not 0 <= msg.byte <= 255:
-            raise InvalidRequest(f"Fill: byte must be an int in 0..255, got {msg.byte!r}")
+            raise InvalidRequest(f"Fill.byte must be an int in 0..255, got {msg.byte!r}")
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             driver.fill(blocks[0].ptr, msg.byte, blocks[0].nbytes, stream)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import pykka
 
@@ -15,14 +15,47 @@ from ..errors import (
     InvalidRequest,
 )
 from ..memory.block import AllocTag, StreamId
+from .device_context import DeviceContext
 from .gpu_ref import GpuRef
-from .messages import Allocate, AllocateMany, Free
+from .lifecycle import DeviceLifecycle
+from .messages import Allocate, AllocateMany, Free, ReportFailure
 
-if TYPE_CHECKING:
-    from .device_actor import ContextCell
-    from .device_context import DeviceContext
+__all__ = ["ContextCell", "DeviceClient"]
 
-__all__ = ["DeviceClient"]
+
+class ContextCell:
+    """What a ``DeviceClient`` shares with its device actor: the device's lifecycle (its status
+    and current context), its ordinal and the actor's ref.
+
+    Thread rule: the actor alone changes the lifecycle; clients read it from any thread with
+    single attribute loads, and ``report_failure`` may be called from any thread.
+    """
+
+    __slots__ = ("actor_ref", "lifecycle", "ordinal")
+
+    def __init__(self, ordinal: int, actor_ref: pykka.ActorRef[Any], lifecycle: DeviceLifecycle[DeviceContext]) -> None:
+        """Args:
+            ordinal: the device's ordinal.
+            actor_ref: the device actor's ref (the slow path and failure reports go there).
+            lifecycle: the device's lifecycle, owned by the actor.
+        Thread rule: any thread (the actor makes one in its constructor).
+        """
+        self.ordinal = ordinal
+        self.actor_ref = actor_ref
+        self.lifecycle = lifecycle
+
+    def report_failure(self, error: BaseException, generation: int) -> None:
+        """Tell the device's supervisor about a context failure met outside the actor.
+
+        Args:
+            error: the ``ContextLost``/``ContextPoisoned`` met.
+            generation: the generation of the context it was met in.
+        Thread rule: any thread. A stopped device is not told (the caller already has its error).
+        """
+        try:
+            self.actor_ref.tell(ReportFailure(error, generation))
+        except pykka.ActorDeadError:
+            pass  # the device is gone; the caller already has its error
 
 
 class DeviceClient:
@@ -50,26 +83,51 @@ class DeviceClient:
         self._cell = cell
 
     def _current(self) -> DeviceContext | None:
-        ctx = self._cell.ctx
+        ctx = self._cell.lifecycle.context
         return ctx if ctx is not None and ctx.is_current() else None
 
     def _ask(self, message: Any) -> Any:
-        """The slow path: the actor serves ``message`` (after a rebuild in progress)."""
+        """The slow path: the actor serves ``message`` (after a rebuild in progress). No timeout:
+        the device actor never waits on a client, and a rebuild takes as long as the driver."""
         try:
             return self._cell.actor_ref.ask(message)
         except pykka.ActorDeadError as exc:
             raise DeviceUnavailable(f"device {self._cell.ordinal}: its DeviceActor was stopped") from exc
 
     def allocate(self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED) -> GpuRef:
-        return self._direct(  # type: ignore[no-any-return]
-            lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)
-        )
+        """Allocate one block, as ``Allocate`` does, in the calling thread.
+
+        Args:
+            nbytes: a positive int.
+            stream: the stream the allocation is ordered on.
+            tag: what the allocation is for (statistics group by it).
+        Returns:
+            a ``GpuRef`` of the device's current generation.
+        Raises:
+            InvalidRequest, OutOfMemory, StreamMisuse, ContextPoisoned, DeviceUnavailable: as
+            ``Allocate`` (a lost or poisoned context is also reported to the device's supervisor).
+        Thread rule: any thread but the device actor's own.
+        """
+        return cast(GpuRef, self._direct(lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)))
 
     def allocate_many(
         self, sizes: list[int] | tuple[int, ...], stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
     ) -> list[GpuRef]:
-        return self._direct(  # type: ignore[no-any-return]
-            lambda ctx: ctx.allocate_many(sizes, stream, tag), AllocateMany(sizes, stream, tag)
+        """Allocate one block per size, all or none, as ``AllocateMany`` does, in the calling thread.
+
+        Args:
+            sizes: a list or tuple of positive ints.
+            stream: the stream the allocations are ordered on.
+            tag: what the allocations are for.
+        Returns:
+            one ``GpuRef`` per size, in order.
+        Raises:
+            as :meth:`allocate`; on any error nothing stays allocated.
+        Thread rule: any thread but the device actor's own.
+        """
+        return cast(
+            "list[GpuRef]",
+            self._direct(lambda ctx: ctx.allocate_many(sizes, stream, tag), AllocateMany(sizes, stream, tag)),
         )
 
     def _direct(self, work: Callable[[DeviceContext], Any], fallback: Any) -> Any:
@@ -92,7 +150,16 @@ class DeviceClient:
         return self._ask(fallback)
 
     def free(self, ref: GpuRef) -> None:
-        """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message."""
+        """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message.
+
+        Args:
+            ref: a ``GpuRef`` of this device (an older generation's is a no-op).
+        Raises:
+            InvalidRequest: not a ``GpuRef``, or a handle of another device actor.
+            CorruptionDetected: a guard found its canaries overwritten (the block is freed anyway).
+            ContextLost, ContextPoisoned: met while freeing (reported to the supervisor too).
+        Thread rule: any thread but the device actor's own.
+        """
         if not isinstance(ref, GpuRef):
             raise InvalidRequest(f"free needs a GpuRef, got {type(ref).__name__}")
         ctx = self._current()
@@ -124,7 +191,8 @@ class DeviceClient:
 
     @property
     def device_id(self) -> int:
+        """The device's ordinal. Thread rule: any thread."""
         return self._cell.ordinal
 
     def __repr__(self) -> str:
-        return f"DeviceClient(device={self._cell.ordinal}, status={self._cell.status})"
+        return f"DeviceClient(device={self._cell.ordinal}, status={self._cell.lifecycle.status.value})"

@@ -7,6 +7,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ..driver.checks import check_nbytes
 from ..errors import (
     ContextPoisoned,
     CorruptionDetected,
@@ -19,12 +20,11 @@ from ..memory.block import AllocTag, DeviceBlock, StreamId
 from ..memory.report import enrich_out_of_memory
 from ..runtime.device_runtime import XlogDeviceRuntime
 from .device_state import DeviceState
+from .gpu_ref import GpuRef
 from .messages import Reclaim
 
 if TYPE_CHECKING:
     import pykka
-
-    from .gpu_ref import GpuRef
 
 __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "DeviceContext"]
 
@@ -54,6 +54,12 @@ class DeviceContext:
         state: DeviceState,
         actor_ref: pykka.ActorRef[Any],
     ) -> None:
+        """Args:
+            runtime: the generation's runtime (stream pool and resource stack).
+            state: the device state; the context takes its current generation and token.
+            actor_ref: the device actor, which frees the blocks ``reclaim`` queues.
+        Thread rule: the device actor's thread.
+        """
         self.runtime = runtime
         self.driver = runtime.driver
         self.ordinal = runtime.device_ordinal
@@ -79,7 +85,13 @@ class DeviceContext:
 
     # -- validation -----------------------------------------------------------------------------
     def check_usable(self) -> None:
-        """Raise the typed error of a device that cannot take new work right now."""
+        """Raise the typed error of a device that cannot take new work right now.
+
+        Raises:
+            DeviceUnavailable: stopped. ContextPoisoned: poisoned. GpuRefStale: this generation
+            was replaced ("context rebuilt").
+        Thread rule: any thread.
+        """
         state = self.state_ref()
         if state is None or not state.accepting_ops:
             raise DeviceUnavailable(f"device {self.ordinal} was stopped")
@@ -90,12 +102,21 @@ class DeviceContext:
 
     def is_current(self) -> bool:
         """True while this is the device's usable context: open, and the state unchanged since
-        it was built (no rebuild, shutdown or poisoning)."""
+        it was built (no rebuild, shutdown or poisoning). Thread rule: any thread."""
         state = self.state_ref()
         return self.open and state is not None and state.token is self.token
 
     def check_ref(self, ref: GpuRef) -> DeviceBlock:
-        """Validate ``ref`` and that it belongs to this device; its block."""
+        """Validate ``ref`` and that it belongs to this device.
+
+        Args:
+            ref: the handle.
+        Returns:
+            its block.
+        Raises:
+            GpuRefStale: the handle cannot be used. InvalidRequest: a handle of another device.
+        Thread rule: any thread.
+        """
         block = ref.access()
         if block.device_ordinal != self.ordinal:
             raise InvalidRequest(
@@ -105,8 +126,19 @@ class DeviceContext:
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef:
-        from .gpu_ref import GpuRef
+        """Allocate one block of this generation and wrap it in a ``GpuRef``.
 
+        Args:
+            nbytes: a positive int.
+            stream: the stream the allocation is ordered on.
+            tag: what it is for.
+        Returns:
+            the handle.
+        Raises:
+            InvalidRequest, StreamMisuse: a bad argument.
+            OutOfMemory: with the stack's figures added to its message.
+        Thread rule: any thread.
+        """
         try:
             block = self.runtime.allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
@@ -116,9 +148,18 @@ class DeviceContext:
         return GpuRef._new(block, self)
 
     def allocate_many(self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag) -> list[GpuRef]:
-        from ..driver.checks import check_nbytes
-        from .gpu_ref import GpuRef
+        """Allocate one block per size, all or none.
 
+        Args:
+            sizes: a list or tuple of positive ints (all checked before any allocation).
+            stream: the stream the allocations are ordered on.
+            tag: what they are for.
+        Returns:
+            one handle per size, in order.
+        Raises:
+            as :meth:`allocate`; blocks allocated before a failure are freed again.
+        Thread rule: any thread.
+        """
         if not isinstance(sizes, (list, tuple)):
             raise InvalidRequest(f"AllocateMany needs a list or tuple of sizes, got {type(sizes).__name__}")
         for size in sizes:
@@ -141,7 +182,18 @@ class DeviceContext:
         return [GpuRef._new(block, self) for block in blocks]
 
     def free(self, block: DeviceBlock) -> bool:
-        """Free ``block`` if it is still one of this context's; False when it was not."""
+        """Free ``block`` if it is still one of this context's.
+
+        Args:
+            block: the block to free.
+        Returns:
+            True when it was freed; False when it was not this context's (already freed, or
+            the context is closed).
+        Raises:
+            CorruptionDetected: a guard found its canaries overwritten (freed all the same).
+            ResourceError: the resource refused; the block stays this context's.
+        Thread rule: any thread.
+        """
         live = self.blocks.get(block.ptr)
         if live is None or live.generation != block.generation or not self.open:
             return False
@@ -164,7 +216,13 @@ class DeviceContext:
 
     def reclaim(self, block: DeviceBlock, wake: bool = False) -> None:
         """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
-        queue it and wake the actor with a ``Reclaim``."""
+        queue it and wake the actor with a ``Reclaim``.
+
+        Args:
+            block: the block whose last handle went away.
+            wake: wake the actor now, whatever the block's size.
+        Thread rule: any thread, a garbage collector's included.
+        """
         if self.open:
             reclaims = self.reclaims
             reclaims.append(block)
@@ -183,7 +241,11 @@ class DeviceContext:
 
     def drain_reclaims(self) -> None:
         """Free every block ``reclaim`` queued. The actor's thread only. A free that fails puts
-        its block back at the head of the queue for the next drain and raises."""
+        its block back at the head of the queue for the next drain and raises.
+
+        Raises:
+            CorruptionDetected: reported, not retried. ResourceError: the free failed.
+        """
         self.wake_pending = False
         reclaims = self.reclaims
         while reclaims:
@@ -199,7 +261,14 @@ class DeviceContext:
     def close(self, free_blocks: bool) -> list[BaseException]:
         """End this generation. With ``free_blocks`` (an orderly stop), give every live block
         back and reap; otherwise (a rebuild) the driver already dropped the memory. Returns the
-        errors met on the way, for the caller to report."""
+        errors met on the way, for the caller to report. Idempotent.
+
+        Args:
+            free_blocks: give every live block back first.
+        Returns:
+            the errors met (none is raised).
+        Thread rule: the device actor's thread.
+        """
         errors: list[BaseException] = []
         with self._lock:
             if not self.open:
@@ -222,45 +291,3 @@ class DeviceContext:
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
         return errors
-
-    # -- interop ----------------------------------------------------------------------------------
-    def _require_cuda(self, what: str) -> None:
-        if self.driver.kind != "cuda":
-            raise AttributeError(f"{what} is only offered on the CUDA driver (this device runs on {self.driver.kind})")
-
-    def stream_handle(self, stream_id: StreamId | None) -> int | None:
-        if stream_id is None:
-            return None
-        stream = self.runtime.stream_pool.resolve(stream_id)
-        return None if stream is None else stream.handle
-
-    def cuda_array_interface(self, ref: GpuRef) -> dict[str, Any]:
-        self._require_cuda("__cuda_array_interface__")
-        block = ref.access()
-        handle = self.stream_handle(ref.last_write_stream)
-        return {
-            "shape": (block.nbytes,),
-            "typestr": "|u1",
-            "data": (block.ptr, False),
-            "version": 3,
-            "strides": None,
-            # CAI v3: the stream the data was last written on; None means "already
-            # synchronized". A non-blocking stream has a handle above 2, as the spec asks.
-            "stream": handle,
-        }
-
-    def dlpack(self, ref: GpuRef, stream: Any, kwargs: dict[str, Any]) -> Any:
-        self._require_cuda("__dlpack__")
-        from .interop import export_dlpack
-
-        return export_dlpack(ref, self, stream, kwargs)
-
-    def record_foreign_write(self, ref: GpuRef, stream: Any) -> None:
-        self._require_cuda("record_foreign_write")
-        from .interop import import_foreign_write
-
-        import_foreign_write(ref, self, stream)
-
-    def dlpack_device(self, ref: GpuRef) -> tuple[int, int]:
-        self._require_cuda("__dlpack_device__")
-        return (2, self.ordinal)  # kDLCUDA

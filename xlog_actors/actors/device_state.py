@@ -21,6 +21,11 @@ class DeviceState:
     __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "token")
 
     def __init__(self, device_id: int) -> None:
+        """A state at generation 0, accepting operations, not poisoned.
+
+        Args:
+            device_id: the device's ordinal.
+        """
         self._device_id = device_id
         self._generation = 0
         self._accepting = True
@@ -30,32 +35,43 @@ class DeviceState:
 
     @property
     def device_id(self) -> int:
+        """The device's ordinal."""
         return self._device_id
 
     @property
     def generation(self) -> int:
+        """0 at start, bumped by every context rebuild."""
         return self._generation
 
     @property
     def accepting_ops(self) -> bool:
+        """False for good once ``begin_shutdown`` ran."""
         return self._accepting
 
     @property
     def poisoned(self) -> bool:
+        """True for good once ``poison`` ran."""
         return self._poisoned
 
     def bump_generation(self) -> int:
+        """Start a new generation: every handle of an older one is stale ("context rebuilt").
+
+        Returns:
+            the new generation.
+        """
         with self._lock:
             self._generation += 1
             self.token = object()
             return self._generation
 
     def begin_shutdown(self) -> None:
+        """Refuse new operations for good: every handle is stale ("device shutting down")."""
         with self._lock:
             self._accepting = False
             self.token = object()
 
     def poison(self) -> None:
+        """Mark the context poisoned for good: every handle is stale ("context poisoned")."""
         with self._lock:
             self._poisoned = True
             self.token = object()

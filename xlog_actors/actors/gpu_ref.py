@@ -1,4 +1,4 @@
-"""``GpuRef``: the handle users and worker actors hold (the seed's ``gpu_ref.rs``)."""
+"""``GpuRef``: the handle users and worker actors hold."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import GpuRefStale
 from ..memory.block import AllocTag, DeviceBlock, StreamId
+from . import interop
+from .device_state import DeviceState
 
 if TYPE_CHECKING:
+    # A type-only back reference: a DeviceContext makes GpuRefs, and each GpuRef holds the
+    # DeviceContext it was made in; the two types truly refer to each other.
     from .device_context import DeviceContext
-    from .device_state import DeviceState
 
 __all__ = ["GpuRef"]
 
@@ -35,6 +38,8 @@ class GpuRef:
       a driver call from a garbage-collector thread, and never into a newer generation's context
       (the actor ignores frees of an older generation, whose memory went with its context).
     * Copying returns the same handle; pickling is refused (a handle is process-local).
+
+    Thread rule: any thread; a handle may be shared between threads and actors.
     """
 
     __slots__ = ("__weakref__", "_block", "_context", "_generation", "_last_write", "_released", "_state", "_token")
@@ -83,12 +88,24 @@ class GpuRef:
 
     # -- validation ---------------------------------------------------------------------------
     def access(self) -> DeviceBlock:
+        """Validate the handle (see the class docstring for the order of the checks).
+
+        Returns:
+            the block, safe to use until the device's next status change.
+        Raises:
+            GpuRefStale: with the first reason that applies.
+        Thread rule: any thread.
+        """
         state = self._state()
         if state is not None and state.token is self._token and not self._released:
             return self._block
-        raise self._stale(state)
+        error = self._stale(state)
+        if error is None:
+            return self.access()
+        raise error
 
-    def _stale(self, state: DeviceState | None) -> GpuRefStale:
+    def _stale(self, state: DeviceState | None) -> GpuRefStale | None:
+        """Why the handle is stale; None when it is not (its token is then refreshed)."""
         where = f"device {self._block.device_ordinal}, block {self._block.ptr:#x}, generation {self._generation}"
         if state is None:
             return GpuRefStale("device state dropped", where)
@@ -102,19 +119,26 @@ class GpuRef:
             return GpuRefStale("released", where)
         # The token moved for a reason that did not invalidate this handle: refresh it.
         _setters[3](self, state.token)
-        return self.access()  # type: ignore[return-value]
+        return None
 
     def raw_device_ptr(self) -> int:
-        """The device address, after validating the handle."""
+        """The device address, after validating the handle.
+
+        Raises:
+            GpuRefStale: the handle cannot be used.
+        Thread rule: any thread.
+        """
         return self.access().ptr
 
     # -- facts --------------------------------------------------------------------------------
     @property
     def generation(self) -> int:
+        """The generation the handle was made in. Thread rule: any thread."""
         return self._generation
 
     @property
     def nbytes(self) -> int:
+        """The allocation's size in bytes. Thread rule: any thread."""
         return self._block.nbytes
 
     def __len__(self) -> int:
@@ -122,14 +146,17 @@ class GpuRef:
 
     @property
     def tag(self) -> AllocTag:
+        """What the allocation is for. Thread rule: any thread."""
         return self._block.tag
 
     @property
     def alloc_stream(self) -> StreamId:
+        """The stream the allocation was ordered on. Thread rule: any thread."""
         return self._block.alloc_stream
 
     @property
     def device_id(self) -> int | None:
+        """The device's ordinal; None once the device state is gone. Thread rule: any thread."""
         state = self._state()
         return None if state is None else state.device_id
 
@@ -140,24 +167,36 @@ class GpuRef:
 
     @property
     def released(self) -> bool:
+        """True once ``release()`` or ``Free`` freed the handle. Thread rule: any thread."""
         return self._released
 
     @property
     def context(self) -> DeviceContext:
+        """The ``DeviceContext`` (generation) the handle was made in. Thread rule: any thread."""
         return self._context
 
     # -- the shared cell ------------------------------------------------------------------------
     @property
     def last_write_stream(self) -> StreamId | None:
+        """The stream of the last recorded write (None: none yet); shared by every holder.
+
+        Thread rule: any thread.
+        """
         return self._last_write
 
     def record_write(self, stream_id: StreamId) -> None:
+        """Record that work on ``stream_id`` wrote this memory (library actors call it after
+        enqueueing). Thread rule: any thread; the last call wins.
+        """
         _setters[5](self, StreamId(stream_id))
 
     # -- lifetime -------------------------------------------------------------------------------
     def release(self) -> None:
         """Free the memory now rather than when the last reference goes. Idempotent; every
-        holder's ``access()`` then raises ``GpuRefStale("released")``."""
+        holder's ``access()`` then raises ``GpuRefStale("released")``.
+
+        Thread rule: any thread (the free itself is handed to the device actor).
+        """
         if self._mark_released():
             self._context.reclaim(self._block, wake=True)
 
@@ -187,13 +226,22 @@ class GpuRef:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3: a 1-D ``uint8`` view of the allocation, with the stream of
         the last write (consumers order their work after it). Only on the CUDA driver."""
-        return self._context.cuda_array_interface(self)
+        return interop.cuda_array_interface(self)
 
     def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
-        return self._context.dlpack(self, stream, kwargs)
+        """DLPack export (a 1-D ``uint8`` tensor); the consumer's ``stream`` waits for the last write.
+
+        Raises:
+            AttributeError: not on the CUDA driver.
+            InvalidRequest: a bad ``stream``.
+            GpuRefStale: the handle cannot be used.
+        Thread rule: any thread.
+        """
+        return interop.export_dlpack(self, stream, kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return self._context.dlpack_device(self)
+        """``(kDLCUDA, ordinal)``; ``AttributeError`` off the CUDA driver. Thread rule: any thread."""
+        return interop.dlpack_device(self)
 
     def record_foreign_write(self, stream: Any) -> None:
         """Declare that another library (PyTorch, CuPy, ...) wrote this memory on its own CUDA
@@ -202,8 +250,17 @@ class GpuRef:
         protocols) then waits for that write, and ``last_write_stream`` names the device's
         default stream, which waits for it. Call it after enqueuing the write, from any thread.
         Only on the CUDA driver (``AttributeError`` elsewhere); a stale handle raises
-        ``GpuRefStale``, a stream that is none ``InvalidRequest``."""
-        self._context.record_foreign_write(self, stream)
+        ``GpuRefStale``, a stream that is none ``InvalidRequest``.
+
+        Args:
+            stream: the writer's stream.
+        Raises:
+            AttributeError: not on the CUDA driver.
+            InvalidRequest: ``stream`` is not a stream.
+            GpuRefStale: the handle cannot be used.
+        Thread rule: any thread.
+        """
+        interop.import_foreign_write(self, stream)
 
     def __repr__(self) -> str:
         b = self._block
@@ -215,6 +272,6 @@ class GpuRef:
 
 
 _setters = tuple(
-    GpuRef.__dict__[name].__set__  # type: ignore[attr-defined]
+    GpuRef.__dict__[name].__set__
     for name in ("_block", "_generation", "_state", "_token", "_context", "_last_write", "_released")
 )

@@ -6,24 +6,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pykka
 
 from ..driver.protocol import Driver, Stream
-from ..errors import ContextLost, ContextPoisoned, GpuRefStale, InvalidRequest, XlogError
+from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
-from .device_actor import ReportFailure
+from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
-from .messages import Attach, GenerationChanged, Subscribe, Unsubscribe
+from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
+from .pykka_internals import ResilientActor, is_actor_ref_of
 
 __all__ = ["LibraryActor"]
 
-logger = logging.getLogger("xlog_actors.library")
+logger = logging.getLogger(__name__)
 
 
-class LibraryActor(pykka.ThreadingActor):
+class LibraryActor(ResilientActor):
     """Base of ``CopyActor`` and ``KernelActor``.
 
     Each instance owns one stream of its device's current context. It re-attaches (new context,
@@ -35,14 +36,38 @@ class LibraryActor(pykka.ThreadingActor):
     its own stream before it replies, so every piece of work is complete when its reply
     arrives: slower, still correct.
 
+    No message stops it: an unknown or malformed one that is told is logged and dropped; one that
+    is asked is answered with ``InvalidRequest`` naming the field at fault.
+
     Thread rules: everything runs on the actor's thread, where ``on_start`` made the context
     current; the resource's tracking calls are thread-safe.
     """
 
+    #: The names of the messages a subclass serves, for the answer to one it does not understand.
+    expected_messages: str = ""
+
     def __init__(self, device: pykka.ActorRef[Any], *, track: bool = True) -> None:
+        """Args:
+            device: the ``ActorRef`` of a running ``DeviceActor``.
+            track: False switches the cross-stream tracking off (tests and the demo only).
+        Raises:
+            InvalidRequest: ``device`` is not the ref of a running ``DeviceActor`` (another
+                kind of actor, a stopped one, anything else), or ``track`` is not a bool.
+                Nothing is started, and nothing is stopped.
+        Thread rule: the caller's thread (``start`` runs it there, before the actor exists).
+        """
+        if not is_actor_ref_of(device, DeviceActor):
+            what = (
+                f"a ref of a stopped {device.actor_class.__name__}"
+                if isinstance(device, pykka.ActorRef) and not device.is_alive()
+                else f"a ref of a {device.actor_class.__name__}"
+                if isinstance(device, pykka.ActorRef)
+                else f"a {type(device).__name__}"
+            )
+            raise InvalidRequest(f"{type(self).__name__}.start needs the ActorRef of a running DeviceActor, got {what}")
+        if not isinstance(track, bool):
+            raise InvalidRequest(f"{type(self).__name__}.start: track must be a bool, got {track!r}")
         super().__init__()
-        if not isinstance(device, pykka.ActorRef):
-            raise InvalidRequest(f"a library actor needs the DeviceActor's ActorRef, got {type(device).__name__}")
         self._device = device
         self._track = track
         self._ctx: DeviceContext | None = None
@@ -52,7 +77,15 @@ class LibraryActor(pykka.ThreadingActor):
         self._driver: Driver | None = None
 
     def on_start(self) -> None:
-        self._device.tell(Subscribe(self.actor_ref))
+        """Subscribe to the device's status changes and attach to its context.
+        Thread rule: the actor's thread (pykka calls it)."""
+        try:
+            self._device.tell(Subscribe(self.actor_ref))
+        except pykka.ActorDeadError:
+            # The device stopped after the check in __init__: every piece of work then answers
+            # with DeviceUnavailable (see _attach).
+            logger.warning("%s: its device stopped before it started", type(self).__name__)
+            return
         try:
             self._attach()  # so ``stream_id`` names this actor's stream from the start
         except XlogError as exc:
@@ -64,6 +97,7 @@ class LibraryActor(pykka.ThreadingActor):
                 self._report(exc, None)
 
     def on_stop(self) -> None:
+        """Unsubscribe from the device. Thread rule: the actor's thread (pykka calls it)."""
         try:
             self._device.tell(Unsubscribe(self.actor_ref))
         except pykka.ActorDeadError:
@@ -71,10 +105,18 @@ class LibraryActor(pykka.ThreadingActor):
 
     @property
     def stream_id(self) -> StreamId:
+        """The stream of the device's current context this actor works on.
+        Thread rule: the actor's thread (read it from outside through ``proxy()``)."""
         return self._stream_id
 
     def _attach(self) -> DeviceContext:
-        ctx: DeviceContext = self._device.ask(Attach())
+        # The device actor never waits on a library actor, so this ask cannot deadlock; it
+        # has no timeout because the device may be in the middle of a rebuild, which takes as
+        # long as the driver does.
+        try:
+            ctx = cast(DeviceContext, self._device.ask(Attach()))
+        except pykka.ActorDeadError as exc:
+            raise DeviceUnavailable(f"{type(self).__name__}: its DeviceActor was stopped") from exc
         ctx.driver.make_current(ctx.ordinal)
         self._stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(self._stream_id)
@@ -93,12 +135,23 @@ class LibraryActor(pykka.ThreadingActor):
         return ctx
 
     def on_receive(self, message: Any) -> Any:
+        """Serve ``message``: the reply, or its typed error.
+
+        Raises:
+            InvalidRequest: a message this actor does not understand, or a malformed one.
+            XlogError: the message's own error; a lost or poisoned context is also reported
+                to the device's supervisor.
+        Thread rule: the actor's thread (pykka calls it).
+        """
         if isinstance(message, GenerationChanged):
             self._ctx = None  # re-attach lazily, on the next piece of work
             return None
         handler = self._handler(message)
         if handler is None:
-            raise InvalidRequest(f"{type(self).__name__} does not understand {type(message).__name__} messages")
+            raise InvalidRequest(
+                f"{type(self).__name__} does not understand {type(message).__name__} messages; "
+                f"expected {self.expected_messages}"
+            )
         ctx = self._ctx
         try:
             return handler(message)
@@ -120,10 +173,13 @@ class LibraryActor(pykka.ThreadingActor):
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         raise NotImplementedError
 
-    def _check_refs(self, *refs: object) -> None:
-        for ref in refs:
-            if not isinstance(ref, GpuRef):
-                raise InvalidRequest(f"{type(self).__name__}: expected a GpuRef, got {type(ref).__name__}")
+    @staticmethod
+    def _check_refs(message: object, *fields: str) -> None:
+        """Each named field of ``message`` must be a ``GpuRef``; else ``InvalidRequest`` naming it."""
+        for name in fields:
+            value = getattr(message, name)
+            if not isinstance(value, GpuRef):
+                raise InvalidRequest(f"{type(message).__name__}.{name} must be a GpuRef, got {type(value).__name__}")
 
     def _run(
         self,
@@ -137,7 +193,6 @@ class LibraryActor(pykka.ThreadingActor):
         finish (a copy to the host must hand over its bytes), inside the same guard, so a rebuild
         that retires the stream meanwhile reads as a stale handle too."""
         refs = [ref for ref, _ in uses]
-        self._check_refs(*refs)
         ctx = self._context_for(refs)
         ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
         blocks = [ctx.check_ref(ref) for ref in refs]
@@ -157,7 +212,10 @@ class LibraryActor(pykka.ThreadingActor):
                 for block_id, access in merged:
                     runtime.finish_block_use(block_id, sid, access)
             if wait or (self._track and not self._tracking):
-                stream.synchronize()  # asked for, or an untracked stack: finish before anyone sees it
+                # Asked for, or an untracked stack: finish before anyone sees it. No timeout: the
+                # stream is this actor's own and holds only work it enqueued, which ends (a kernel
+                # that faults ends it with a sticky error, which this wait raises).
+                stream.synchronize()
         except XlogError as exc:
             # A rebuild that ran on the device actor's thread between the validation above and
             # this work took the context (its streams, its blocks) away: that is a stale handle,

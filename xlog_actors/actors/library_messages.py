@@ -1,8 +1,15 @@
-"""Messages of the library actors (``CopyActor``, ``KernelActor``) and kernel argument wrappers."""
+"""Messages of the library actors (``CopyActor``, ``KernelActor``) and kernel argument wrappers.
+
+Every message is a frozen dataclass. A field of the wrong type or value is answered with
+``InvalidRequest`` naming the field (``CopyToDevice.data``, ``Launch.args[2]``), before anything
+is enqueued. Every message may also be answered with ``GpuRefStale`` (a handle that cannot be
+used), ``ContextLost``/``ContextPoisoned`` (reported to the device's supervisor as well) or
+``DeviceUnavailable`` (the device is stopped).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +32,14 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class CopyToDevice:
-    """Reply: None once the copy is enqueued. ``data`` (any buffer) lands at the start of
-    ``ref``; it may be shorter than the allocation."""
+    """Copy host bytes to the start of a device allocation.
+
+    Fields: ``ref``, the ``GpuRef`` written; ``data``, a C-contiguous buffer of plain data
+    (bytes, bytearray, a numpy array of any non-object dtype), 1 to ``ref.nbytes`` bytes long.
+    Reply: None once the copy is enqueued; ``ref.last_write_stream`` names the actor's stream.
+    Errors: ``InvalidRequest`` naming ``ref`` or ``data`` (not a buffer, an object array, not
+    contiguous, empty, longer than the allocation).
+    """
 
     ref: GpuRef
     data: Any
@@ -34,7 +47,12 @@ class CopyToDevice:
 
 @dataclass(frozen=True, slots=True)
 class CopyToHost:
-    """Reply: ``bytes`` of the first ``nbytes`` (default: all) of ``ref``, once on the host."""
+    """Copy the start of a device allocation to the host.
+
+    Fields: ``ref``, the ``GpuRef`` read; ``nbytes``, an int in 1..``ref.nbytes`` (None: all).
+    Reply: ``bytes``, once they are on the host (every earlier write to ``ref`` is waited for).
+    Errors: ``InvalidRequest`` naming ``ref`` or ``nbytes``.
+    """
 
     ref: GpuRef
     nbytes: int | None = None
@@ -42,7 +60,13 @@ class CopyToHost:
 
 @dataclass(frozen=True, slots=True)
 class CopyDeviceToDevice:
-    """Reply: None once enqueued. Copies all of ``src`` to the start of ``dst``."""
+    """Copy all of one allocation to the start of another.
+
+    Fields: ``src``, the ``GpuRef`` read; ``dst``, another ``GpuRef``, at least as large.
+    Reply: None once the copy is enqueued.
+    Errors: ``InvalidRequest`` naming ``src`` or ``dst`` (not a handle, too small, the same
+    handle).
+    """
 
     src: GpuRef
     dst: GpuRef
@@ -50,7 +74,12 @@ class CopyDeviceToDevice:
 
 @dataclass(frozen=True, slots=True)
 class Fill:
-    """Reply: None once enqueued. Sets every byte of ``ref`` to ``byte``."""
+    """Set every byte of an allocation.
+
+    Fields: ``ref``, the ``GpuRef`` written; ``byte``, an int in 0..255.
+    Reply: None once the fill is enqueued.
+    Errors: ``InvalidRequest`` naming ``ref`` or ``byte``.
+    """
 
     ref: GpuRef
     byte: int
@@ -58,29 +87,51 @@ class Fill:
 
 @dataclass(frozen=True, slots=True)
 class BufferArg:
+    """A buffer argument of a kernel: made by :func:`In`, :func:`Out` or :func:`InOut`.
+
+    Fields: ``ref``, the ``GpuRef``; ``access``, how the kernel uses it (the waits and the
+    write record follow from it).
+    """
+
     ref: GpuRef
     access: Access
 
 
-def In(ref: GpuRef) -> BufferArg:
-    """A kernel argument the kernel only reads."""
-    return BufferArg(ref, Access.READ)
+def _buffer_arg(name: str, access: Access, uses: str) -> Callable[[GpuRef], BufferArg]:
+    """The wrapper ``name`` of a kernel argument the kernel ``uses``."""
+
+    def wrap(ref: GpuRef) -> BufferArg:
+        return BufferArg(ref, access)
+
+    wrap.__name__ = wrap.__qualname__ = name
+    wrap.__doc__ = f"""A kernel argument the kernel {uses}: ``BufferArg(ref, {access})``.
+
+    Args:
+        ref: the ``GpuRef`` (checked when the ``Launch`` is served).
+    Returns:
+        the wrapped argument for ``Launch.args``.
+    Thread rule: any thread.
+    """
+    return wrap
 
 
-def Out(ref: GpuRef) -> BufferArg:
-    """A kernel argument the kernel only writes."""
-    return BufferArg(ref, Access.WRITE)
-
-
-def InOut(ref: GpuRef) -> BufferArg:
-    """A kernel argument the kernel reads and writes."""
-    return BufferArg(ref, Access.READ_WRITE)
+In = _buffer_arg("In", Access.READ, "only reads")
+Out = _buffer_arg("Out", Access.WRITE, "only writes")
+InOut = _buffer_arg("InOut", Access.READ_WRITE, "reads and writes")
 
 
 @dataclass(frozen=True, slots=True)
 class Launch:
-    """Reply: None once the kernel is enqueued. ``args`` are ``In``/``Out``/``InOut`` buffers
-    and scalars, in the kernel's parameter order."""
+    """Launch a kernel.
+
+    Fields: ``kernel``, a ``Kernel``; ``grid`` and ``block``, an int or up to three ints (the
+    driver checks them against the device's limits); ``args``, a list or tuple with one entry
+    per kernel parameter, in order: ``In``/``Out``/``InOut`` for a ``ptr`` parameter, a scalar
+    otherwise.
+    Reply: None once the kernel is enqueued; every ``Out``/``InOut`` handle records the write.
+    Errors: ``InvalidRequest`` naming ``kernel`` or ``args[i]`` (a bare ``GpuRef``, a buffer
+    for a scalar, a scalar for a buffer, the wrong count); the driver's launch errors.
+    """
 
     kernel: Kernel
     grid: int | Sequence[int]

@@ -1,20 +1,29 @@
-"""The messages a ``DeviceActor`` answers (SPEC section 6). All are frozen dataclasses."""
+"""The messages a ``DeviceActor`` answers, and what it tells its subscribers.
+
+Every message is a frozen dataclass: it can be shared between threads without a copy. A message
+that is asked gets its reply, or its typed error; one that is told and fails is logged and dropped
+(the actor lives on). A malformed message (a field of the wrong type) is answered with
+``InvalidRequest`` naming the field, and changes nothing.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import pykka
+
+from ..errors import InvalidRequest
 from ..memory.block import AllocTag, DeviceBlock, StreamId
 
 if TYPE_CHECKING:
-    import pykka
 
     from .gpu_ref import GpuRef
 
 __all__ = [
     "Allocate",
     "AllocateMany",
+    "Attach",
     "DeviceStats",
     "Free",
     "GenerationChanged",
@@ -22,14 +31,25 @@ __all__ = [
     "GetReport",
     "GetStats",
     "Rebuild",
+    "Reclaim",
+    "ReportFailure",
     "Subscribe",
     "Unsubscribe",
+    "check_actor_ref",
+    "check_stream_and_tag",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class Allocate:
-    """Reply: a ``GpuRef`` of ``nbytes`` bytes, stream-ordered on ``stream``."""
+    """Allocate one block.
+
+    Fields: ``nbytes`` (a positive int), ``stream`` (a ``StreamId`` of the device's stream pool;
+    the allocation is stream-ordered on it), ``tag`` (a str, grouped by in statistics).
+    Reply: a ``GpuRef`` of ``nbytes`` bytes.
+    Errors: ``InvalidRequest`` (a bad field), ``OutOfMemory``/``BudgetExceeded``, ``StreamMisuse``
+    (an unknown stream), ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
+    """
 
     nbytes: int
     stream: StreamId = StreamId.DEFAULT
@@ -38,8 +58,13 @@ class Allocate:
 
 @dataclass(frozen=True, slots=True)
 class AllocateMany:
-    """Reply: ``list[GpuRef]``, one per size, all or none (one actor round trip for many
-    allocations)."""
+    """Allocate several blocks in one round trip, all or none.
+
+    Fields: ``sizes`` (a list or tuple of positive ints), ``stream`` and ``tag`` as in
+    :class:`Allocate`.
+    Reply: ``list[GpuRef]``, one per size, in order.
+    Errors: as :class:`Allocate`; on any error nothing stays allocated.
+    """
 
     sizes: tuple[int, ...] | list[int]
     stream: StreamId = StreamId.DEFAULT
@@ -48,34 +73,64 @@ class AllocateMany:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """Reply: None. Frees ``ref`` now; idempotent (a released or stale ref is a no-op)."""
+    """Free a handle now rather than when its last reference goes.
+
+    Fields: ``ref``, a ``GpuRef`` of this device.
+    Reply: None. Idempotent: a released handle, or one of an older generation, is a no-op.
+    Errors: ``InvalidRequest`` (not a ``GpuRef``, or a handle of another device actor),
+    ``CorruptionDetected`` (a guard found its canaries overwritten; the block is freed anyway).
+    """
 
     ref: GpuRef
 
 
 @dataclass(frozen=True, slots=True)
 class Rebuild:
-    """Reply: the new generation. Every older ``GpuRef`` is stale ("context rebuilt")."""
+    """Rebuild the device's context on purpose (not counted against the restart intensity).
+
+    Fields: ``reason``, a str for the log.
+    Reply: the new generation; every older ``GpuRef`` is stale ("context rebuilt").
+    Errors: ``InvalidRequest`` (``reason`` not a str), ``ContextPoisoned`` (a poisoned device
+    cannot be rebuilt in this process), ``DeviceUnavailable`` (stopped for good, or the rebuild
+    failed: the device is then broken and the next request retries).
+    """
 
     reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
-    """Reply: None. ``actor_ref`` is told ``GenerationChanged`` on every bump."""
+    """Subscribe an actor to the device's status changes.
+
+    Fields: ``actor_ref``, a pykka ``ActorRef``; it is told :class:`GenerationChanged` after
+    every rebuild, poisoning or stop for good. A stopped subscriber is dropped.
+    Reply: None (subscribing twice is a no-op).
+    Errors: ``InvalidRequest`` (not an ``ActorRef``).
+    """
 
     actor_ref: pykka.ActorRef[Any]
 
 
 @dataclass(frozen=True, slots=True)
 class Unsubscribe:
+    """Undo :class:`Subscribe`.
+
+    Fields: ``actor_ref``, the pykka ``ActorRef`` that subscribed.
+    Reply: None (an actor that was not subscribed is a no-op).
+    Errors: ``InvalidRequest`` (not an ``ActorRef``).
+    """
+
     actor_ref: pykka.ActorRef[Any]
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationChanged:
-    """Told to subscribers after a rebuild (or to ``"poisoned"``/``"stopped"`` status changes,
-    with the unchanged generation)."""
+    """Told to subscribers when the device's status changed.
+
+    Fields: ``device_id``; ``generation`` (bumped after a rebuild, unchanged for the others);
+    ``status``: ``"running"`` after a rebuild, ``"poisoned"``, or ``"stopped"``.
+    Reply: none (it is told, never asked).
+    """
 
     device_id: int
     generation: int
@@ -84,22 +139,49 @@ class GenerationChanged:
 
 @dataclass(frozen=True, slots=True)
 class GetStats:
-    """Reply: ``DeviceStats``; completed frees are reaped first."""
+    """Ask for the device's figures; completed frees are reaped first.
+
+    Fields: none.
+    Reply: :class:`DeviceStats`. A device that is not running still answers (with zero
+    figures and its status).
+    Errors: none of its own.
+    """
 
 
 @dataclass(frozen=True, slots=True)
 class GetReport:
-    """Reply: a ``MemoryReport`` of the device's stack, listing every live block with its tag,
-    stream and age (``.format()`` renders it; ``.as_dict()`` is JSON-ready)."""
+    """Ask for a memory report of the device's stack.
+
+    Fields: none.
+    Reply: a ``MemoryReport`` listing every live block with its tag, stream and age
+    (``.format()`` renders it; ``.as_dict()`` is JSON-ready).
+    Errors: ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
+    """
 
 
 @dataclass(frozen=True, slots=True)
 class GetClient:
-    """Reply: a ``DeviceClient`` for direct, thread-safe allocation without a round trip."""
+    """Ask for a client that allocates without an actor round trip.
+
+    Fields: none.
+    Reply: a ``DeviceClient`` for direct, thread-safe allocation.
+    Errors: none.
+    """
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceStats:
+    """The reply to :class:`GetStats`.
+
+    Fields: ``device_id``; ``generation``; ``bytes_outstanding`` (live and freed-but-not-yet-
+    reaped bytes); ``live_blocks`` (handles of this generation not yet freed); ``restarts``
+    (completed rebuilds); ``status`` (``starting``, ``running``, ``rebuilding``, ``broken``,
+    ``poisoned`` or ``stopped``); ``driver`` (its kind); ``stack`` (the resource stack's
+    description); ``mem_free``/``mem_total`` (the driver's figures, None when not running);
+    ``report``: the memory report without its per-block list (statistics, budget, live blocks
+    grouped by tag and by stream with the oldest age; ``GetReport`` has every block).
+    """
+
     device_id: int
     generation: int
     bytes_outstanding: int
@@ -110,14 +192,17 @@ class DeviceStats:
     stack: str
     mem_free: int | None = None
     mem_total: int | None = None
-    #: the memory report without its per-block list: statistics, budget, live blocks grouped by
-    #: tag and by stream with the oldest age (``GetReport`` has every block)
     report: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Reclaim:
-    """Internal: a ``GpuRef`` of ``generation`` went away or was released."""
+    """Internal wake-up: a ``GpuRef`` of ``generation`` went away or was released, and its
+    ``block`` waits in that context's reclaim queue.
+
+    Fields: ``block``, ``generation``.
+    Reply: None (it is told); a reclaim of an older generation is ignored.
+    """
 
     block: DeviceBlock
     generation: int
@@ -125,4 +210,55 @@ class Reclaim:
 
 @dataclass(frozen=True, slots=True)
 class Attach:
-    """Internal: a library actor asks for the current ``DeviceContext``."""
+    """Internal: a library actor asks for the device's current context.
+
+    Fields: none.
+    Reply: the running ``DeviceContext`` (a broken one is rebuilt first).
+    Errors: ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class ReportFailure:
+    """Internal: a ``DeviceClient`` or a library actor met a context failure in another thread,
+    for the device's supervisor to act on.
+
+    Fields: ``error``, what was met; ``generation``, the context it was met in (None: the
+    current one). A report about an older context is ignored: a rebuild already replaced it.
+    Reply: None (it is told).
+    """
+
+    error: BaseException
+    generation: int | None
+
+
+def check_stream_and_tag(msg: Allocate | AllocateMany) -> None:
+    """Check the ``stream`` and ``tag`` fields of an allocation message (the runtime checks the
+    sizes itself).
+
+    Args:
+        msg: the message.
+    Raises:
+        InvalidRequest: ``stream`` is not an int (a ``StreamId``), or ``tag`` not a str.
+    Thread rule: any thread.
+    """
+    name = type(msg).__name__
+    if isinstance(msg.stream, bool) or not isinstance(msg.stream, int):
+        raise InvalidRequest(f"{name}.stream must be a StreamId, got {msg.stream!r}")
+    if not isinstance(msg.tag, str):
+        raise InvalidRequest(f"{name}.tag must be an AllocTag (a str), got {msg.tag!r}")
+
+
+def check_actor_ref(msg: Subscribe | Unsubscribe) -> None:
+    """Check the ``actor_ref`` field of a subscription message.
+
+    Args:
+        msg: the message.
+    Raises:
+        InvalidRequest: ``actor_ref`` is not a pykka ``ActorRef``.
+    Thread rule: any thread.
+    """
+    if not isinstance(msg.actor_ref, pykka.ActorRef):
+        raise InvalidRequest(
+            f"{type(msg).__name__}.actor_ref must be a pykka ActorRef, got {type(msg.actor_ref).__name__}"
+        )

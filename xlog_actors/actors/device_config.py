@@ -1,0 +1,150 @@
+"""``DeviceConfig``: the whole configuration of a ``DeviceActor``, checked before the actor starts.
+
+``DeviceActor.start`` runs its constructor in the caller's thread, and the constructor checks its
+configuration here: a bad ordinal, driver, resource description (unknown base or adaptor, a bad
+budget or guard size, a log file that cannot be created) or supervisor raises ``InvalidRequest``
+in the caller, and no actor is left running. Only the building of the stack on the device waits
+for the actor's thread, where the device's context is current.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from ..driver.open import default_driver
+from ..driver.protocol import Driver
+from ..errors import InvalidRequest
+from ..memory.adaptors import parse_size
+from ..memory.resource import DeviceMemoryResource
+from ..memory.stack import ADAPTORS, BASES, LOG_ENV, default_description
+from ..memory.stream_pool import StreamPool
+from ..runtime.device_runtime import check_device_ordinal
+from .supervisor import Supervisor
+
+__all__ = ["DeviceConfig", "ResourceFactory", "ResourceSpec", "check_resource_description"]
+
+#: Builds a device's resource stack: ``factory(driver, ordinal, stream_pool)``.
+ResourceFactory = Callable[[Driver, int, StreamPool], DeviceMemoryResource]
+#: A stack description (``"async+stats"``), a factory, or None for the default description.
+ResourceSpec = str | ResourceFactory | None
+
+#: What a ``DeviceActor`` calls on its driver; a driver without them is refused at start.
+_DRIVER_METHODS = ("device_count", "make_current", "check_context", "rebuild_context", "mem_info")
+
+
+def check_resource_description(description: object) -> str:
+    """Check a resource stack description against the grammar ``build_resource`` reads
+    (``BASE[+ADAPTOR[:ARG]]...``) without building anything on a device.
+
+    Each adaptor's argument is checked as its adaptor checks it: ``stats`` takes none,
+    ``budget`` needs a size, ``guard`` takes an optional size, ``log`` an optional path (default:
+    ``XLOG_ACTORS_LOG``) whose folder must exist and be writable (``-`` is standard error).
+
+    Args:
+        description: the description.
+    Returns:
+        the description, stripped.
+    Raises:
+        InvalidRequest: not a non-empty str, an unknown base or adaptor, or a bad argument;
+            the message names the part at fault and what is expected.
+    Thread rule: any thread.
+    """
+    if not isinstance(description, str) or not description.strip():
+        raise InvalidRequest(f"resource description must be a non-empty string, got {description!r}")
+    parts = [p.strip() for p in description.strip().split("+")]
+    if parts[0].lower() not in BASES:
+        raise InvalidRequest(
+            f"resource description {description!r}: unknown base {parts[0]!r}; expected one of {sorted(BASES)}"
+        )
+    for part in parts[1:]:
+        name, _, raw_arg = part.partition(":")
+        name = name.strip().lower()
+        arg = raw_arg.strip() or None
+        if name not in ADAPTORS:
+            raise InvalidRequest(
+                f"resource description {description!r}: unknown adaptor {name!r}; expected one of {sorted(ADAPTORS)}"
+            )
+        _check_adaptor_argument(description, name, arg)
+    return description.strip()
+
+
+def _check_adaptor_argument(description: str, name: str, arg: str | None) -> None:
+    where = f"resource description {description!r}: adaptor {name!r}"
+    if name == "stats" and arg is not None:
+        raise InvalidRequest(f"{where} takes no argument, got {arg!r}")
+    if name == "budget":
+        if arg is None:
+            raise InvalidRequest(f"{where} needs a size, for example 'budget:8GiB'")
+        parse_size(arg)
+    if name == "guard" and arg is not None:
+        parse_size(arg)
+    if name == "log":
+        path = arg or os.environ.get(LOG_ENV, "").strip() or "-"  # what the adaptor will open
+        folder = os.path.dirname(os.path.abspath(path))
+        if path != "-" and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            raise InvalidRequest(f"{where}: cannot create the log file {path!r}: {folder!r} is not a writable folder")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """A checked ``DeviceActor`` configuration.
+
+    Fields: ``ordinal`` (in range for ``driver``), ``driver``, ``resource`` (a checked
+    description, or a factory), ``supervisor``.
+
+    Thread rule: immutable; any thread.
+    """
+
+    ordinal: int
+    driver: Driver
+    resource: str | ResourceFactory
+    supervisor: Supervisor
+
+    @classmethod
+    def check(
+        cls,
+        ordinal: object,
+        driver: object = None,
+        resource: object = None,
+        supervisor: object = None,
+    ) -> DeviceConfig:
+        """Check every part of a ``DeviceActor``'s configuration.
+
+        Args:
+            ordinal: the device ordinal (an int below the driver's device count).
+            driver: a driver, or None for ``default_driver()``.
+            resource: a stack description, a factory ``(driver, ordinal, stream_pool) ->
+                resource``, or None for ``XLOG_ACTORS_RESOURCE`` (else ``"async"``).
+            supervisor: a ``Supervisor``, or None for the defaults.
+        Returns:
+            the checked configuration (None replaced by the defaults).
+        Raises:
+            InvalidRequest: any part is bad; the message names it and what is expected.
+            DeviceUnavailable: ``driver`` is None and no driver can be opened.
+        Thread rule: any thread.
+        """
+        if driver is None:
+            driver = default_driver()
+        missing = [name for name in _DRIVER_METHODS if not callable(getattr(driver, name, None))]
+        if missing:
+            raise InvalidRequest(
+                f"driver must be an xlog_actors Driver, got {driver!r} (it has no {', '.join(missing)})"
+            )
+        checked_driver = cast(Driver, driver)  # duck-checked just above: the protocol is not runtime-checkable
+        checked_ordinal = check_device_ordinal(ordinal, checked_driver)
+        if resource is None:
+            resource = default_description()
+        if isinstance(resource, str):
+            checked_resource: str | ResourceFactory = check_resource_description(resource)
+        elif callable(resource):
+            checked_resource = resource
+        else:
+            raise InvalidRequest(f"resource must be a stack description or a factory, got {resource!r}")
+        if supervisor is None:
+            supervisor = Supervisor()
+        if not isinstance(supervisor, Supervisor):
+            raise InvalidRequest(f"supervisor must be a Supervisor, got {type(supervisor).__name__}")
+        return cls(checked_ordinal, checked_driver, checked_resource, supervisor)
