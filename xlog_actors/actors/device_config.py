@@ -9,7 +9,6 @@ for the actor's thread, where the device's context is current.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -17,14 +16,13 @@ from typing import cast
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
-from ..memory.adaptors import parse_size
 from ..memory.resource import DeviceMemoryResource
-from ..memory.stack import ADAPTORS, BASES, LOG_ENV, default_description
+from ..memory.stack import check_description, default_description
 from ..memory.stream_pool import StreamPool
 from ..runtime.device_runtime import check_device_ordinal
 from .supervisor import Supervisor
 
-__all__ = ["DeviceConfig", "ResourceFactory", "ResourceSpec", "check_resource_description"]
+__all__ = ["DeviceConfig", "ResourceFactory", "ResourceSpec"]
 
 #: Builds a device's resource stack: ``factory(driver, ordinal, stream_pool)``.
 ResourceFactory = Callable[[Driver, int, StreamPool], DeviceMemoryResource]
@@ -33,59 +31,6 @@ ResourceSpec = str | ResourceFactory | None
 
 #: What a ``DeviceActor`` calls on its driver; a driver without them is refused at start.
 _DRIVER_METHODS = ("device_count", "make_current", "check_context", "rebuild_context", "mem_info")
-
-
-def check_resource_description(description: object) -> str:
-    """Check a resource stack description against the grammar ``build_resource`` reads
-    (``BASE[+ADAPTOR[:ARG]]...``) without building anything on a device.
-
-    Each adaptor's argument is checked as its adaptor checks it: ``stats`` takes none,
-    ``budget`` needs a size, ``guard`` takes an optional size, ``log`` an optional path (default:
-    ``XLOG_ACTORS_LOG``) whose folder must exist and be writable (``-`` is standard error).
-
-    Args:
-        description: the description.
-    Returns:
-        the description, stripped.
-    Raises:
-        InvalidRequest: not a non-empty str, an unknown base or adaptor, or a bad argument;
-            the message names the part at fault and what is expected.
-    Thread rule: any thread.
-    """
-    if not isinstance(description, str) or not description.strip():
-        raise InvalidRequest(f"resource description must be a non-empty string, got {description!r}")
-    parts = [p.strip() for p in description.strip().split("+")]
-    if parts[0].lower() not in BASES:
-        raise InvalidRequest(
-            f"resource description {description!r}: unknown base {parts[0]!r}; expected one of {sorted(BASES)}"
-        )
-    for part in parts[1:]:
-        name, _, raw_arg = part.partition(":")
-        name = name.strip().lower()
-        arg = raw_arg.strip() or None
-        if name not in ADAPTORS:
-            raise InvalidRequest(
-                f"resource description {description!r}: unknown adaptor {name!r}; expected one of {sorted(ADAPTORS)}"
-            )
-        _check_adaptor_argument(description, name, arg)
-    return description.strip()
-
-
-def _check_adaptor_argument(description: str, name: str, arg: str | None) -> None:
-    where = f"resource description {description!r}: adaptor {name!r}"
-    if name == "stats" and arg is not None:
-        raise InvalidRequest(f"{where} takes no argument, got {arg!r}")
-    if name == "budget":
-        if arg is None:
-            raise InvalidRequest(f"{where} needs a size, for example 'budget:8GiB'")
-        parse_size(arg)
-    if name == "guard" and arg is not None:
-        parse_size(arg)
-    if name == "log":
-        path = arg or os.environ.get(LOG_ENV, "").strip() or "-"  # what the adaptor will open
-        folder = os.path.dirname(os.path.abspath(path))
-        if path != "-" and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
-            raise InvalidRequest(f"{where}: cannot create the log file {path!r}: {folder!r} is not a writable folder")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +83,8 @@ class DeviceConfig:
         if resource is None:
             resource = default_description()
         if isinstance(resource, str):
-            checked_resource: str | ResourceFactory = check_resource_description(resource)
+            check_description(resource)  # the whole grammar and every adaptor argument, building nothing
+            checked_resource: str | ResourceFactory = resource.strip()
         elif callable(resource):
             checked_resource = resource
         else:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
@@ -18,6 +20,7 @@ from .adaptors import (
     GuardResource,
     LoggingResource,
     StatisticsResource,
+    check_guard_bytes,
 )
 from .async_resource import AsyncCudaResource
 from .direct import DirectCudaResource
@@ -25,16 +28,23 @@ from .resource import DeviceMemoryResource
 from .sizes import parse_size
 from .stream_pool import StreamPool
 
-__all__ = ["ADAPTORS", "BASES", "LOG_ENV", "RESOURCE_ENV", "build_resource", "default_description"]
+__all__ = [
+    "ADAPTORS",
+    "BASES",
+    "LOG_ENV",
+    "RESOURCE_ENV",
+    "AdaptorSpec",
+    "StackPlan",
+    "build_resource",
+    "check_description",
+    "default_description",
+]
 
 #: The environment variable holding the default stack description.
 RESOURCE_ENV = "XLOG_ACTORS_RESOURCE"
 
 #: ``factory(driver, ordinal, stream_pool)``: builds a base resource.
 BaseFactory = Callable[[Driver, int, StreamPool], DeviceMemoryResource]
-#: ``factory(upstream, argument)``: wraps ``upstream``; ``argument`` is the text after ``:``, or
-#: None. Raises ``InvalidRequest`` for an argument it cannot take.
-AdaptorFactory = Callable[[DeviceMemoryResource, "str | None"], DeviceMemoryResource]
 
 #: The one table of base resources the grammar knows: name -> factory(driver, ordinal, pool).
 BASES: dict[str, BaseFactory] = {
@@ -43,28 +53,101 @@ BASES: dict[str, BaseFactory] = {
 }
 
 
-def _stats(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
+@dataclass(frozen=True, slots=True)
+class AdaptorSpec:
+    """How the grammar reads one adaptor.
+
+    ``parse(argument)`` checks the text after ``:`` (None where there is none) without building
+    anything and returns what ``build`` takes, or raises ``InvalidRequest`` naming what it
+    expects; ``build(upstream, parsed)`` wraps ``upstream``. Splitting the two lets a whole
+    description be checked before a device is touched (``check_description``).
+
+    Thread rule: immutable; any thread.
+    """
+
+    parse: Callable[[str | None], Any]
+    build: Callable[[DeviceMemoryResource, Any], DeviceMemoryResource]
+
+
+def _no_argument(arg: str | None) -> None:
     if arg is not None:
-        raise InvalidRequest(f"adaptor 'stats' takes no argument, got {arg!r}")
-    return StatisticsResource(upstream)
+        raise InvalidRequest(f"takes no argument, got {arg!r}")
 
 
-def _log(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
-    return LoggingResource(upstream, arg or os.environ.get(LOG_ENV, "").strip() or "-")
+def _log_target(arg: str | None) -> str:
+    path = arg or os.environ.get(LOG_ENV, "").strip() or "-"
+    folder = os.path.dirname(os.path.abspath(path))
+    if path != "-" and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        raise InvalidRequest(f"cannot create the log file {path!r}: {folder!r} is not a writable folder")
+    return path
 
 
-def _budget(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
+def _budget_size(arg: str | None) -> int:
     if arg is None:
-        raise InvalidRequest("adaptor 'budget' needs a size, for example 'budget:8GiB'")
-    return BudgetResource(upstream, parse_size(arg))
+        raise InvalidRequest("needs a size, for example 'budget:8GiB'")
+    return parse_size(arg)
 
 
-def _guard(upstream: DeviceMemoryResource, arg: str | None) -> DeviceMemoryResource:
-    return GuardResource(upstream, DEFAULT_GUARD_BYTES if arg is None else parse_size(arg))
+def _guard_size(arg: str | None) -> int:
+    return check_guard_bytes(DEFAULT_GUARD_BYTES if arg is None else parse_size(arg))
 
 
-#: The one table of adaptors the grammar knows: name -> factory(upstream, argument).
-ADAPTORS: dict[str, AdaptorFactory] = {"stats": _stats, "log": _log, "budget": _budget, "guard": _guard}
+#: The one table of adaptors the grammar knows, by name.
+ADAPTORS: dict[str, AdaptorSpec] = {
+    "stats": AdaptorSpec(_no_argument, lambda upstream, _none: StatisticsResource(upstream)),
+    "log": AdaptorSpec(_log_target, LoggingResource),
+    "budget": AdaptorSpec(_budget_size, BudgetResource),
+    "guard": AdaptorSpec(_guard_size, GuardResource),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StackPlan:
+    """A checked description: the base's factory and each adaptor's spec with its parsed argument,
+    innermost first. Thread rule: immutable; any thread."""
+
+    base: BaseFactory
+    adaptors: tuple[tuple[AdaptorSpec, Any], ...]
+
+
+def check_description(description: object) -> StackPlan:
+    """Check a stack description completely, building nothing.
+
+    Args:
+        description: ``BASE[+ADAPTOR[:ARG]]...``, names case-insensitive (see :data:`BASES` and
+            :data:`ADAPTORS`).
+    Returns:
+        the plan ``build_resource`` follows.
+    Raises:
+        InvalidRequest: not a non-empty str, an unknown base or adaptor, or an argument its adaptor
+            cannot take (a bad size, a guard size that is not a multiple of 256, a log file whose
+            folder is missing or not writable); the message names the part at fault.
+    Thread rule: any thread (the ``log`` adaptor's default path is read from the environment).
+    """
+    if not isinstance(description, str) or not description.strip():
+        raise InvalidRequest(f"resource description must be a non-empty string, got {description!r}")
+    parts = [p.strip() for p in description.strip().split("+")]
+    base = BASES.get(parts[0].lower())
+    if base is None:
+        raise InvalidRequest(
+            f"resource description {description!r}: unknown base {parts[0]!r}; expected one of {sorted(BASES)}"
+        )
+    adaptors: list[tuple[AdaptorSpec, Any]] = []
+    for part in parts[1:]:
+        raw_name, _, raw_arg = part.partition(":")
+        name = raw_name.strip().lower()
+        spec = ADAPTORS.get(name)
+        if spec is None:
+            raise InvalidRequest(
+                f"resource description {description!r}: unknown adaptor {raw_name!r}; "
+                f"expected one of {sorted(ADAPTORS)}"
+            )
+        try:
+            parsed = spec.parse(raw_arg.strip() or None)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"resource description {description!r}: adaptor {name!r}: {exc}") from None
+        adaptors.append((spec, parsed))
+    return StackPlan(base, tuple(adaptors))
 
 
 def default_description() -> str:
@@ -98,30 +181,13 @@ def build_resource(
     Returns:
         The outermost resource of the new stack.
     Raises:
-        InvalidRequest: the description is empty or names an unknown base or adaptor (refused
-            before anything is built), or gives an adaptor an argument it cannot take (refused
-            when that adaptor is built; the layers below it hold no memory yet).
+        InvalidRequest: the description fails ``check_description`` (refused before anything is
+            built).
         DriverError: a base or adaptor could not be built.
     Thread rule: any thread.
     """
-    if not isinstance(description, str) or not description.strip():
-        raise InvalidRequest(f"resource description must be a non-empty string, got {description!r}")
-    parts = [p.strip() for p in description.strip().split("+")]
-    base = BASES.get(parts[0].lower())
-    if base is None:
-        raise InvalidRequest(
-            f"resource description {description!r}: unknown base {parts[0]!r}; expected one of {sorted(BASES)}"
-        )
-    wrappers: list[tuple[AdaptorFactory, str | None]] = []
-    for part in parts[1:]:
-        name, _, arg = part.partition(":")
-        factory = ADAPTORS.get(name.strip().lower())
-        if factory is None:
-            raise InvalidRequest(
-                f"resource description {description!r}: unknown adaptor {name!r}; expected one of {sorted(ADAPTORS)}"
-            )
-        wrappers.append((factory, arg.strip() or None))
-    resource = base(driver, ordinal, stream_pool)
-    for factory, argument in wrappers:
-        resource = factory(resource, argument)
+    plan = check_description(description)
+    resource = plan.base(driver, ordinal, stream_pool)
+    for spec, parsed in plan.adaptors:
+        resource = spec.build(resource, parsed)
     return resource

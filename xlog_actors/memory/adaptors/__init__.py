@@ -18,7 +18,7 @@ adaptor around the previous one).
 from __future__ import annotations
 
 from .budget import BudgetResource
-from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource
+from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource, check_guard_bytes
 from .log_resource import LOG_ENV, LOG_HEADER, LoggingResource
 from .statistics import StatisticsResource
 from .upstream import ResourceAdaptor
@@ -33,5 +33,6 @@ __all__ = [
     "LoggingResource",
     "ResourceAdaptor",
     "StatisticsResource",
+    "check_guard_bytes",
 ]
 

@@ -17,7 +17,7 @@ from ..sizes import format_size
 from ..stream_pool import StreamPool
 from .upstream import ResourceAdaptor
 
-__all__ = ["CANARY_PATTERN", "DEFAULT_GUARD_BYTES", "GuardResource"]
+__all__ = ["CANARY_PATTERN", "DEFAULT_GUARD_BYTES", "GuardResource", "check_guard_bytes"]
 
 #: The size of each canary when none is given: the allocation alignment (256 bytes), the least
 #: that keeps the block as aligned as the upstream's.
@@ -27,6 +27,23 @@ DEFAULT_GUARD_BYTES = ALIGNMENT
 #: caught.
 CANARY_PATTERN = b"\xca\xfe\xba\xbe\xf0\x0d\xfa\xce"
 
+
+
+def check_guard_bytes(guard_bytes: object) -> int:
+    """The size of each canary, checked.
+
+    Args:
+        guard_bytes: the size asked for.
+    Returns:
+        it, as an int.
+    Raises:
+        InvalidRequest: not a positive int, or not a multiple of the allocation alignment (256).
+    Thread rule: any thread.
+    """
+    checked = check_nbytes(guard_bytes, "guard size")
+    if checked % ALIGNMENT:
+        raise InvalidRequest(f"guard size must be a multiple of {ALIGNMENT} bytes, got {checked}")
+    return checked
 
 class GuardResource(ResourceAdaptor):
     """Allocates ``nbytes + 2 * guard_bytes`` upstream and hands out the middle: the block's
@@ -82,11 +99,7 @@ class GuardResource(ResourceAdaptor):
         Thread rule: any thread.
         """
         super().__init__(upstream)
-        guard_bytes = check_nbytes(guard_bytes, "guard size")
-        if guard_bytes % ALIGNMENT:
-            raise InvalidRequest(
-                f"guard size must be a multiple of {ALIGNMENT} bytes, got {guard_bytes}"
-            )
+        guard_bytes = check_guard_bytes(guard_bytes)
         driver: Driver | None = getattr(upstream, "driver", None)
         if driver is None:
             raise InvalidRequest(
