@@ -46,7 +46,8 @@ def _parser() -> OneLineParser:
         help="batches through the pipeline, >= 1 (default: 64 on a GPU, 32 on the host)",
     )
     demo.add_argument(
-        "--batch-mib", type=positive_float, default=None, help="MiB per batch, > 0 (default: 16 on a GPU, 1 on the host)"
+        "--batch-mib", type=positive_float, default=None,
+        help="MiB per batch, > 0 (default: 16 on a GPU, 1 on the host)",
     )
     demo.add_argument("--depth", type=at_least(1), default=4, help="batches in flight at once, >= 1")
     demo.add_argument(

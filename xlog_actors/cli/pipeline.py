@@ -49,7 +49,7 @@ def make_batch(index: int, n: int) -> np.ndarray:
 
 
 def expected(index: int, n: int) -> np.ndarray:
-    out = make_batch(index, n) * np.float32(ALPHA)
+    out: np.ndarray = make_batch(index, n) * np.float32(ALPHA)
     out += np.float32(BETA)
     return out
 
@@ -162,7 +162,7 @@ class _Producer(pykka.ThreadingActor):
     def produce(self, index: int) -> None:
         assert self.transformer is not None
         try:
-            ref = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT))
+            ref = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT), block=True)
             if self.cfg.producer_delay_us:
                 # Make the copy actor's stream slow before the copy: what tracking must order.
                 ctx = ref.context
@@ -196,7 +196,7 @@ class _Transformer(pykka.ThreadingActor):
         if not isinstance(message, _Transform):
             return
         try:
-            out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT))
+            out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT), block=True)
             grid, block = launch_shape(self.n)
             self.kernels.ask(Launch(SCALE_ADD_F32, grid, block, [Out(out), In(message.ref), ALPHA, BETA, self.n]))
         except GpuRefStale:
@@ -220,7 +220,7 @@ class _Consumer(pykka.ThreadingActor):
         if not isinstance(message, _Consume):
             return
         try:
-            data = self.copy.ask(CopyToHost(message.ref))
+            data = self.copy.ask(CopyToHost(message.ref), block=True)
         except GpuRefStale:
             self.tally.stale()
             self.producer.tell(_Produce(message.index))
@@ -244,7 +244,7 @@ def run_pipeline(
     if cfg.batch_bytes % 4 or cfg.batch_bytes <= 0:
         raise ValueError("batch_bytes must be a positive multiple of 4")
     n = cfg.batch_bytes // 4
-    references = {}
+    references: dict[int, bytes] = {}
 
     def verify(index: int, data: bytes) -> bool:
         want = references.get(index)
@@ -279,7 +279,7 @@ def run_pipeline(
         seconds = time.perf_counter() - t0
         if progress is not None:
             progress(cfg.batches - tally.remaining, cfg.batches)
-        stats = device.ask(GetStats())
+        stats = device.ask(GetStats(), block=True)
     finally:
         for ref in reversed(started):
             ref.stop()
