@@ -128,10 +128,15 @@ class _Tally:
             if self.remaining == 0:
                 self.done.set()
 
-    def stale(self) -> None:
-        """A stage met a stale handle: its batch is produced again."""
-        with self.lock:
-            self.stale_retries += 1
+    def failed(self, stage: str, index: int, exc: XlogError, producer: pykka.ActorRef[Any]) -> None:
+        """A stage's request for batch ``index`` failed. A stale handle (a rebuild happened)
+        sends the batch back to ``producer`` to be made again; any other error ends the run."""
+        if isinstance(exc, GpuRefStale):
+            with self.lock:
+                self.stale_retries += 1
+            producer.tell(_Produce(index))
+        else:
+            self.fail(f"{stage}, batch {index}: {exc!r}")
 
     def fail(self, message: str) -> None:
         with self.lock:
@@ -171,12 +176,8 @@ class _Producer(pykka.ThreadingActor):
                 if stream is not None:
                     self.driver.sleep(stream, self.cfg.producer_delay_us)
             self.copy.ask(CopyToDevice(ref, make_batch(index, self.n)))
-        except GpuRefStale:
-            self.tally.stale()
-            self.actor_ref.tell(_Produce(index))
-            return
         except XlogError as exc:
-            self.tally.fail(f"producer, batch {index}: {exc!r}")
+            self.tally.failed("producer", index, exc, self.actor_ref)
             return
         if self.cfg.rebuild_at == index and not self.rebuilt:
             self.rebuilt = True
@@ -199,12 +200,8 @@ class _Transformer(pykka.ThreadingActor):
             out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT), block=True)
             grid, block = launch_shape(self.n)
             self.kernels.ask(Launch(SCALE_ADD_F32, grid, block, [Out(out), In(message.ref), ALPHA, BETA, self.n]))
-        except GpuRefStale:
-            self.tally.stale()
-            self.producer.tell(_Produce(message.index))
-            return
         except XlogError as exc:
-            self.tally.fail(f"transformer, batch {message.index}: {exc!r}")
+            self.tally.failed("transformer", message.index, exc, self.producer)
             return
         # The input handle is dropped here: its free waits (tracked) for the kernel's read.
         self.consumer.tell(_Consume(message.index, out))
@@ -221,12 +218,8 @@ class _Consumer(pykka.ThreadingActor):
             return
         try:
             data = self.copy.ask(CopyToHost(message.ref), block=True)
-        except GpuRefStale:
-            self.tally.stale()
-            self.producer.tell(_Produce(message.index))
-            return
         except XlogError as exc:
-            self.tally.fail(f"consumer, batch {message.index}: {exc!r}")
+            self.tally.failed("consumer", message.index, exc, self.producer)
             return
         self.tally.finish(message.index, self.verify(message.index, data))
         self.producer.tell("next")

@@ -112,33 +112,35 @@ def interleave(
     for _ in range(warmup):
         ours(batch)
         ref(rb)
-    clock = time.perf_counter_ns
     a: list[float] = []
     b: list[float] = []
     da = batch * ours_ops
     db = rb * ref_ops
-    deadline = clock() + int(budget_s * 1e9)
+    deadline = time.perf_counter_ns() + int(budget_s * 1e9)
     with no_gc():
         for i in range(samples):
             if i & 1:
-                t0 = clock()
-                ref(rb)
-                t1 = clock()
-                ours(batch)
-                t2 = clock()
+                t0, t1, t2 = _timed_pair(ref, rb, ours, batch)
                 b.append((t1 - t0) / db)
                 a.append((t2 - t1) / da)
             else:
-                t0 = clock()
-                ours(batch)
-                t1 = clock()
-                ref(rb)
-                t2 = clock()
+                t0, t1, t2 = _timed_pair(ours, batch, ref, rb)
                 a.append((t1 - t0) / da)
                 b.append((t2 - t1) / db)
             if i + 1 >= min_samples and t2 > deadline:
                 break
     return a, b
+
+
+def _timed_pair(first: Op, n1: int, second: Op, n2: int) -> tuple[int, int, int]:
+    """``first(n1)`` then ``second(n2)``, with the clock read before, between and after."""
+    clock = time.perf_counter_ns
+    t0 = clock()
+    first(n1)
+    t1 = clock()
+    second(n2)
+    t2 = clock()
+    return t0, t1, t2
 
 
 def timer_overhead_ns() -> float:

@@ -114,21 +114,6 @@ class RowResult:
         return self._fig(statistics.median(self.ours))
 
     @property
-    def p99(self) -> float:
-        """Our nearest-rank 99th percentile, in the row's unit (the slow tail)."""
-        return self._fig(percentile(self.ours, 99))
-
-    @property
-    def ref_median(self) -> float:
-        """The reference's median, in the row's unit."""
-        return self._fig(statistics.median(self.ref))
-
-    @property
-    def ref_p99(self) -> float:
-        """The reference's 99th percentile, in the row's unit."""
-        return self._fig(percentile(self.ref, 99))
-
-    @property
     def ratio(self) -> float:
         """Ours / reference: of median times (time rows) or of median rates (rate rows)."""
         ours, ref = statistics.median(self.ours), statistics.median(self.ref)
@@ -160,11 +145,11 @@ class RowResult:
             "measures": self.measures,
             "unit": self.unit,
             "median": self.median,
-            "p99": self.p99,
+            "p99": self._fig(percentile(self.ours, 99)),  # for a rate: the rate of the slow tail
             "reference": {
                 "name": self.reference_name,
-                "median": self.ref_median,
-                "p99": self.ref_p99,
+                "median": self._fig(statistics.median(self.ref)),
+                "p99": self._fig(percentile(self.ref, 99)),
                 "samples": len(self.ref),
                 "ops_per_sample": self.ref_ops_per_sample or self.ops_per_sample,
             },

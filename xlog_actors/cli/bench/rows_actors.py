@@ -15,7 +15,7 @@ from ...driver.protocol import Stream
 from .harness import Context, Group, Op, Row, given
 from .plan import SIZE
 from .result import Target
-from .twins import stream_ordered_twin
+from .twins import alloc_free_loop, stream_ordered_twin
 
 __all__ = ["ACTOR", "Echo", "Plain"]
 
@@ -136,16 +136,6 @@ def _client(base: _Actors) -> Iterator[_Client]:
         client.free(ref)
 
 
-def _client_pair(f: _Client) -> Op:
-    c_alloc, c_free = f.client.allocate, f.client.free
-
-    def ours_client(n: int) -> None:
-        for _ in range(n):
-            c_free(c_alloc(SIZE))
-
-    return ours_client
-
-
 def _access(f: _Client) -> Op:
     access = f.ref.access
 
@@ -175,7 +165,7 @@ ACTOR = Group("device actor", (
         ref_batch=lambda p: p.many_count * p.many[1], target=Target("ratio", "<=", 3.0),
         note="includes the 64 frees told back to the device (handled before the next ask)"),
     Row("DeviceClient allocate+free", "DeviceClient.allocate(4 KiB) + DeviceClient.free, in the calling thread",
-        _client, _client_pair, lambda f: f.raw, lambda p: p.client,
+        _client, lambda f: alloc_free_loop(f.client.allocate, f.client.free), lambda f: f.raw, lambda p: p.client,
         note="informational: the direct path for code that allocates in a loop"),
     Row("GpuRef.access", "GpuRef.access() of a live handle (validation fast path)", _client, _access, _noop,
         lambda p: p.access, reference="a no-op method call returning a slot attribute (context only)",

@@ -4,7 +4,7 @@ with live blocks, and the peers' allocators beside the same raw twin."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,10 +13,10 @@ from ...memory.async_resource import AsyncCudaResource
 from ...memory.block import Access, BlockId, StreamId
 from ...memory.direct import DirectCudaResource
 from ...memory.stream_pool import StreamPool
-from .harness import Context, Group, Op, Row, interleave
-from .plan import SIZE
+from .harness import Context, Group, Op, Row, Setup, interleave
+from .plan import SIZE, Plan
 from .result import Target
-from .twins import check, cu, stream_ordered_twin
+from .twins import alloc_free_loop, check, cu, raise_unless_success, stream_ordered_twin
 
 __all__ = ["ASYNC", "DIRECT", "SCALING", "TRACKING"]
 
@@ -47,13 +47,15 @@ def _async(ctx: Context) -> Iterator[_Async]:
 
 
 def _resource_pair(f: _Async | _Direct) -> Op:
-    alloc, dealloc = f.res.allocate, f.res.deallocate
+    return alloc_free_loop(f.res.allocate, f.res.deallocate)
 
-    def ours(n: int) -> None:
-        for _ in range(n):
-            dealloc(alloc(SIZE))
 
-    return ours
+def _driver_share(name: str, measures: str, setup: Setup, op: Callable[[Any], Op], spec: Callable[[Plan], Any],
+                  of_row: str) -> Row:
+    """An informational row: the driver layer alone beside the same raw twin as ``of_row``.
+    On the host driver the driver layer is the twin itself, so the row is skipped there."""
+    return Row(name, measures, setup, op, lambda f: f.raw, spec, host_skip=REFERENCE_ITSELF,
+               note=f"informational: the driver wrapper's share of the {of_row} row")
 
 
 def _driver_async_pair(f: _Async) -> Op:
@@ -70,9 +72,8 @@ ASYNC = Group("stream-ordered allocation", (
     Row("AsyncCudaResource alloc+free", "AsyncCudaResource.allocate(4 KiB) + deallocate on its default stream",
         _async, _resource_pair, lambda f: f.raw, lambda p: p.alloc, target=Target("ratio", "<=", 1.5),
         note="raw twin on the same stream handle; PyTorch's caching allocator is about 1.37x of raw on an H200"),
-    Row("driver alloc_async+free_async", "CudaDriver.alloc_async(4 KiB) + free_async: the driver layer alone",
-        _async, _driver_async_pair, lambda f: f.raw, lambda p: p.alloc, host_skip=REFERENCE_ITSELF,
-        note="informational: the driver wrapper's share of the AsyncCudaResource row"),
+    _driver_share("driver alloc_async+free_async", "CudaDriver.alloc_async(4 KiB) + free_async: the driver layer "
+                  "alone", _async, _driver_async_pair, lambda p: p.alloc, "AsyncCudaResource"),
 ))
 
 
@@ -95,8 +96,7 @@ def _raw_sync_pair(driver: Driver) -> tuple[Op, str]:
             for _ in range(n):
                 err, ptr = mem_alloc(SIZE)
                 (err2,) = mem_free(ptr)
-            if err != cuda.CUresult.CUDA_SUCCESS or err2 != cuda.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"raw cuMemAlloc/cuMemFree failed: {err} {err2}")
+            raise_unless_success(cuda, "cuMemAlloc/cuMemFree", err, err2)
 
         return raw, "raw cuMemAlloc+cuMemFree (cuda.bindings)"
     host_alloc, host_free = driver.alloc, driver.free
@@ -126,9 +126,8 @@ def _driver_sync_pair(f: _Direct) -> Op:
 DIRECT = Group("synchronous allocation", (
     Row("DirectCudaResource alloc+free", "DirectCudaResource.allocate(4 KiB) + deallocate", _direct,
         _resource_pair, lambda f: f.raw, lambda p: p.direct, target=Target("ratio", "<=", 1.1)),
-    Row("driver alloc+free", "CudaDriver.alloc(0, 4 KiB) + free: the driver layer alone", _direct,
-        _driver_sync_pair, lambda f: f.raw, lambda p: p.direct, host_skip=REFERENCE_ITSELF,
-        note="informational: the driver wrapper's share of the DirectCudaResource row"),
+    _driver_share("driver alloc+free", "CudaDriver.alloc(0, 4 KiB) + free: the driver layer alone", _direct,
+                  _driver_sync_pair, lambda p: p.direct, "DirectCudaResource"),
 ))
 
 
@@ -160,8 +159,7 @@ def _raw_record_wait(driver: Driver, st1: Stream, st2: Stream, events: list[Any]
             for _ in range(n):
                 (err,) = record(event, h1)
                 (err2,) = wait(h2, event, 0)
-            if err != cuda.CUresult.CUDA_SUCCESS or err2 != cuda.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"raw cuEventRecord/cuStreamWaitEvent failed: {err} {err2}")
+            raise_unless_success(cuda, "cuEventRecord/cuStreamWaitEvent", err, err2)
 
         return raw, "raw cuEventRecord+cuStreamWaitEvent (cuda.bindings)"
     host_event = driver.create_event(0)
@@ -232,9 +230,8 @@ TRACKING = Group("cross-stream tracking", (
         lambda p: p.event, target=Target("ratio", "<=", 2.0),
         note="steady state: one wait on the write's fence and one in-place re-record of the stream's read event "
         "per op"),
-    Row("driver record+wait", "CudaStream.record(event) + other.wait(event): the driver layer alone", _tracking,
-        _driver_record_wait, lambda f: f.raw, lambda p: p.event, host_skip=REFERENCE_ITSELF,
-        note="informational: the driver wrapper's share of the tracking row"),
+    _driver_share("driver record+wait", "CudaStream.record(event) + other.wait(event): the driver layer alone",
+                  _tracking, _driver_record_wait, lambda p: p.event, "tracking"),
 ))
 
 
@@ -263,9 +260,7 @@ def _scaling(ctx: Context) -> Iterator[_Scaling]:
         raw, raw_name = stream_ordered_twin(driver, stream)
         figures = _Scaling(raw_name)
 
-        def op(n: int) -> None:
-            for _ in range(n):
-                dealloc(alloc(SIZE))
+        op = alloc_free_loop(alloc, dealloc)
 
         def measure(ours: list[float], twin: list[float]) -> None:
             samples, batch = plan.scale

@@ -22,7 +22,7 @@ from ...driver.protocol import Driver, Stream
 from .harness import Context, Group, Op, Row
 from .plan import Plan, size_text
 from .result import Target
-from .twins import HostBuffer, cu
+from .twins import HostBuffer, cu, raise_unless_success
 
 __all__ = ["COPIES"]
 
@@ -73,8 +73,7 @@ def _raw_h2d(b: _Copies, dptr: int, host: HostBuffer) -> tuple[Op, str]:
             for _ in range(n):
                 memcpy(dptr, hptr, nbytes, h)
                 (err,) = stream_sync(h)
-            if err != cuda.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"raw cuMemcpyHtoDAsync/cuStreamSynchronize failed: {err}")
+            raise_unless_success(cuda, "cuMemcpyHtoDAsync/cuStreamSynchronize", err)
 
         return raw, "raw cuMemcpyHtoDAsync + cuStreamSynchronize, same pinned buffer and destination"
     return _driver_h2d(driver, stream, dptr, arr), "HostDriver.copy_to_device + synchronize"
@@ -143,8 +142,7 @@ def _raw_d2d(b: _Copies, d_dst: int, d_src: int) -> tuple[Op, str]:
                 for _ in range(k):
                     memcpy(d_dst, d_src, nbytes, h)
                 (err,) = stream_sync(h)
-            if err != cuda.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"raw cuMemcpyDtoDAsync/cuStreamSynchronize failed: {err}")
+            raise_unless_success(cuda, "cuMemcpyDtoDAsync/cuStreamSynchronize", err)
 
         return raw, f"raw cuMemcpyDtoDAsync x{k} + cuStreamSynchronize"
     return _driver_d2d(b, d_dst, d_src), f"HostDriver.copy_device_to_device x{k} + synchronize"

@@ -8,6 +8,7 @@ driver (which *is* the lowest layer there) they call ``HostDriver`` directly.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,25 @@ from ...driver.protocol import Driver, Stream
 from .harness import Op
 from .plan import SIZE
 
-__all__ = ["HostBuffer", "check", "cu", "stream_ordered_twin"]
+__all__ = ["HostBuffer", "alloc_free_loop", "check", "cu", "raise_unless_success", "stream_ordered_twin"]
+
+
+def alloc_free_loop(alloc: Callable[[int], Any], free: Callable[[Any], Any]) -> Op:
+    """The operation of every allocator row: ``free(alloc(4 KiB))``, ``n`` times.
+
+    Args:
+        alloc: an allocate method taking a size (bound once, outside the timed loop).
+        free: its free method.
+    Returns:
+        The timed operation.
+    Thread rule: call the operation on the bench's thread.
+    """
+
+    def ours(n: int) -> None:
+        for _ in range(n):
+            free(alloc(SIZE))
+
+    return ours
 
 
 def cu() -> Any:
@@ -52,6 +71,24 @@ def check(cu: Any, result: Any, what: str) -> Any:
     return result[1] if len(result) == 2 else result[1:]
 
 
+def raise_unless_success(cuda: Any, what: str, *errors: Any) -> None:
+    """Raise when any of a raw twin's last results is an error (checked once per sample, after
+    its loop, so the loop itself stays the bare calls).
+
+    Args:
+        cuda: the ``cuda.bindings.driver`` module.
+        what: the raw calls, for the message.
+        errors: the ``CUresult`` of each call's last run.
+    Raises:
+        RuntimeError: naming the calls and their results.
+    Thread rule: any thread.
+    """
+    ok = cuda.CUresult.CUDA_SUCCESS
+    for err in errors:
+        if err != ok:
+            raise RuntimeError(f"raw {what} failed: {' '.join(map(str, errors))}")
+
+
 def stream_ordered_twin(driver: Driver, stream: Stream) -> tuple[Op, str]:
     """The raw twin of a stream-ordered 4 KiB allocate + free on ``stream``, and its name.
 
@@ -74,8 +111,7 @@ def stream_ordered_twin(driver: Driver, stream: Stream) -> tuple[Op, str]:
             for _ in range(n):
                 err, ptr = alloc(SIZE, h)
                 (err2,) = free(ptr, h)
-            if err != cuda.CUresult.CUDA_SUCCESS or err2 != cuda.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"raw cuMemAllocAsync/cuMemFreeAsync failed: {err} {err2}")
+            raise_unless_success(cuda, "cuMemAllocAsync/cuMemFreeAsync", err, err2)
 
         return raw, "raw cuMemAllocAsync+cuMemFreeAsync (cuda.bindings)"
 
