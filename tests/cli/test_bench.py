@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +68,7 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 10  # the ten targets
+    assert len(targeted) == 10  # the ten rows with a target
 
 
 def test_only_selects_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,3 +160,15 @@ def host_driver_for_bench() -> Iterator[xa.Driver]:
         yield driver
     finally:
         driver.close()
+
+
+@pytest.mark.parametrize("what", ["profile", "decompose"])
+def test_profile_and_decompose_run_on_the_host(what: str) -> None:
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "xlog_actors.cli.bench", what, "--driver", "host", "--ops", "100"],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    marker = "=== GpuRef.access" if what == "profile" else "GpuRef.access()"
+    assert marker in proc.stdout

@@ -35,20 +35,39 @@ from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
 
-__all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "make_batch", "run_pipeline"]
+__all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "expected", "make_batch", "run_pipeline"]
 
 ALPHA = 3.0
+"""The kernel's scale: each output element is ``ALPHA * x + BETA``."""
 BETA = 0.5
+"""The kernel's offset."""
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
 
 
 def make_batch(index: int, n: int) -> np.ndarray:
-    """Batch ``index``: small integers, so every result is exact in float32."""
+    """Batch ``index``: small integers, so every result is exact in float32.
+
+    Args:
+        index: the batch's number (varies the values).
+        n: elements.
+    Returns:
+        A new float32 array of ``n`` elements.
+    Thread rule: any thread.
+    """
     return ((np.arange(n, dtype=np.int64) * 7 + index * 13) % 4096).astype(np.float32)
 
 
 def expected(index: int, n: int) -> np.ndarray:
+    """The host reference of batch ``index`` after the kernel: ``ALPHA * x + BETA`` in float32.
+
+    Args:
+        index: the batch's number.
+        n: elements.
+    Returns:
+        A new float32 array.
+    Thread rule: any thread.
+    """
     out: np.ndarray = make_batch(index, n) * np.float32(ALPHA)
     out += np.float32(BETA)
     return out
@@ -56,6 +75,12 @@ def expected(index: int, n: int) -> np.ndarray:
 
 @dataclass
 class PipelineConfig:
+    """How a pipeline run is shaped. ``batches`` and ``depth`` must be at least 1 (the command
+    line checks them), ``batch_bytes`` a positive multiple of 4, ``rebuild_at`` a batch index.
+
+    Thread rule: build it, then hand it to :func:`run_pipeline`; not changed after.
+    """
+
     batches: int = 32
     batch_bytes: int = 1 << 20
     depth: int = 4  # batches in flight at once
@@ -67,6 +92,11 @@ class PipelineConfig:
 
 @dataclass
 class PipelineResult:
+    """What a pipeline run did: batches verified or mismatched, stale retries, errors, time.
+
+    Thread rule: any thread; built once by :func:`run_pipeline`.
+    """
+
     batches: int
     batch_bytes: int
     verified: int
@@ -81,6 +111,7 @@ class PipelineResult:
 
     @property
     def ok(self) -> bool:
+        """Every batch verified, none mismatched, no error."""
         return self.verified == self.batches and not self.mismatched and not self.errors
 
     @property
@@ -233,9 +264,25 @@ def run_pipeline(
     progress: Callable[[int, int], None] | None = None,
 ) -> PipelineResult:
     """Run the pipeline on ``driver``'s device ``ordinal`` (or an already started ``device``)
-    and verify every batch against the host reference."""
+    and verify every batch against the host reference.
+
+    Args:
+        driver: the driver to run on.
+        cfg: the run's shape.
+        ordinal: the device, when ``device`` is not given.
+        device: a started ``DeviceActor`` to use (not stopped here); None starts one (stopped after).
+        progress: called with ``(done, total)`` about five times a second and at the end.
+    Returns:
+        The result; a run that times out after ``cfg.timeout_s`` says so in ``errors``.
+    Raises:
+        ValueError: ``batch_bytes`` is not a positive multiple of 4, or ``batches``/``depth`` < 1
+            (nothing would ever finish).
+    Thread rule: any thread but the pipeline's own actors' (it blocks until the run ends).
+    """
     if cfg.batch_bytes % 4 or cfg.batch_bytes <= 0:
-        raise ValueError("batch_bytes must be a positive multiple of 4")
+        raise ValueError(f"batch_bytes must be a positive multiple of 4, got {cfg.batch_bytes}")
+    if cfg.batches < 1 or cfg.depth < 1:
+        raise ValueError(f"batches and depth must be at least 1, got batches={cfg.batches} depth={cfg.depth}")
     n = cfg.batch_bytes // 4
     references: dict[int, bytes] = {}
 

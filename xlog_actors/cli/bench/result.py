@@ -16,7 +16,7 @@ __all__ = ["RowResult", "Skipped", "Target", "percentile"]
 
 @dataclass(frozen=True)
 class Target:
-    """What the issue asks of a row: ``metric`` (``"ratio"`` or ``"median"``, the latter in the
+    """What a row must meet: ``metric`` (``"ratio"`` or ``"median"``, the latter in the
     row's unit) ``op`` (``"<="``, ``"<"``, ``">="``) ``value``. Immutable; any thread."""
 
     metric: str
