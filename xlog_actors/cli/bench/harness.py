@@ -39,7 +39,9 @@ __all__ = [
     "Group",
     "Op",
     "Row",
+    "Setup",
     "SkipRow",
+    "given",
     "interleave",
     "no_gc",
     "run_group",
@@ -52,6 +54,7 @@ Op = Callable[[int], Any]
 PlanInt: TypeAlias = int | Callable[[Plan], int]
 Text: TypeAlias = str | Callable[[Any, Plan], str]
 Setup: TypeAlias = Callable[[Any], AbstractContextManager[Any]]
+"""A row's (or a group's) setup: called with what it builds on, entered as a context manager."""
 
 
 class SkipRow(Exception):
