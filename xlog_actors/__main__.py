@@ -1,3 +1,5 @@
+"""``python -m xlog_actors``: the ``xlog-actors`` command line."""
+
 import sys
 
 from .cli import main

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import xlog_actors as xa
 from xlog_actors.cli import main
-from xlog_actors.cli.bench_rows import RowResult, Target, percentile, row_names
+from xlog_actors.cli.bench import Group, Row, RowResult, SkipRow, Target, collect, percentile, row_names
+from xlog_actors.cli.bench.harness import Op, given
 
 ROW_KEYS = {"name", "median", "p99", "reference", "ratio", "target", "direction", "unit"}
 
@@ -62,7 +68,7 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 10  # the issue's ten targets
+    assert len(targeted) == 10  # the ten rows with a target
 
 
 def test_only_selects_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,3 +105,70 @@ def test_ratio_directions() -> None:
     assert rate_row.passed is False
     absolute = RowResult("a", "", "r", ours=[100.0], ref=[50.0], ops_per_sample=1, target=Target("median", "<", 0.5))
     assert absolute.passed is True
+
+
+def test_a_row_declared_in_a_few_lines_runs_through_the_harness(host_driver_for_bench: xa.Driver) -> None:
+    """A new row is data: a name, what it measures, a setup, an operation, a twin, a plan entry
+    and a target. The harness times it beside its twin and builds its figures."""
+
+    def op(f: object) -> Op:
+        return lambda n: sum(range(20 * n))
+
+    def twin(f: object) -> Op:
+        return lambda n: sum(range(n))
+
+    row = Row("sum of 20n", "sum(range(20 n))", given, op, twin, lambda p: p.alloc,
+              reference="sum(range(n))", target=Target("ratio", ">=", 1.0))
+    doc = collect(host_driver_for_bench, quick=True, groups=[Group("test rows", (row,))])
+    assert doc["errors"] == []
+    (got,) = doc["rows"]
+    assert got["name"] == "sum of 20n" and got["reference"]["name"] == "sum(range(n))"
+    assert _positive_finite(got["ratio"]) and got["ratio"] > 2  # twenty times the work, far above noise
+    assert got["pass"] is True and got["informational"] is False
+    assert got["samples"] >= 5 and got["ops_per_sample"] == 10
+
+
+def test_a_row_that_cannot_run_here_is_skipped_with_its_reason(host_driver_for_bench: xa.Driver) -> None:
+    def unusable(f: object) -> Op:
+        raise SkipRow("no such peer")
+
+    rows = (
+        Row("cuda only", "x", given, unusable, unusable, lambda p: p.alloc, host_skip="CUDA driver only"),
+        Row("absent peer", "x", given, unusable, unusable, lambda p: p.alloc),
+    )
+    doc = collect(host_driver_for_bench, quick=True, groups=[Group("test rows", rows)])
+    assert doc["rows"] == [] and doc["errors"] == []
+    assert doc["skipped"] == [{"name": "cuda only", "reason": "CUDA driver only"},
+                              {"name": "absent peer", "reason": "no such peer"}]
+
+
+def test_a_failing_row_is_reported_as_an_error_of_its_group(host_driver_for_bench: xa.Driver) -> None:
+    def broken(f: object) -> Op:
+        raise RuntimeError("the device holds other bytes")
+
+    row = Row("broken", "x", given, broken, broken, lambda p: p.alloc)
+    doc = collect(host_driver_for_bench, quick=True, groups=[Group("test rows", (row,))])
+    assert doc["rows"] == []
+    assert [e["group"] for e in doc["errors"]] == ["test rows"]
+    assert "RuntimeError: the device holds other bytes" in doc["errors"][0]["error"]
+
+
+@pytest.fixture
+def host_driver_for_bench() -> Iterator[xa.Driver]:
+    driver = xa.HostDriver()
+    try:
+        yield driver
+    finally:
+        driver.close()
+
+
+@pytest.mark.parametrize("what", ["profile", "decompose"])
+def test_profile_and_decompose_run_on_the_host(what: str) -> None:
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "xlog_actors.cli.bench", what, "--driver", "host", "--ops", "100"],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    marker = "=== GpuRef.access" if what == "profile" else "GpuRef.access()"
+    assert marker in proc.stdout

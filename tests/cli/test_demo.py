@@ -1,4 +1,4 @@
-"""The main job: the demo pipeline and the ``info``/``demo`` commands (issue 7)."""
+"""The main job: the demo pipeline and the ``info``/``demo`` commands."""
 
 from __future__ import annotations
 
@@ -64,3 +64,9 @@ def test_module_entry_point_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "host-emulated device 0" in proc.stdout
+
+
+@pytest.mark.parametrize(("batches", "depth"), [(0, 4), (4, 0), (-1, 4), (4, -1)])
+def test_run_pipeline_refuses_a_run_that_could_never_finish(driver: xa.Driver, batches: int, depth: int) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        run_pipeline(driver, PipelineConfig(batches=batches, depth=depth, batch_bytes=1 << 12))

@@ -1,26 +1,40 @@
-"""Layer 5: the command line. ``xlog-actors info | demo | bench`` (also ``python -m xlog_actors``)."""
+"""Layer 5: the command line. ``xlog-actors info | demo | bench`` (also ``python -m xlog_actors``).
+
+Every flag is checked before any work starts: a mistake is one line on stderr naming the flag and
+what it accepts, with exit status 2; ``--driver cuda`` where no GPU is usable is one line naming what
+is missing, with exit status 1. A closed stdout (``xlog-actors info | head -c1``) ends quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
+from .driver_choice import KINDS, NoGpu
+from .options import EXIT_USAGE, OneLineParser, UsageError, at_least, positive_float, writable_file
+
 __all__ = ["main"]
+
+EXIT_NO_GPU = 1
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
 
 def _add_driver(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--driver",
-        choices=("auto", "cuda", "host"),
+        choices=KINDS,
         default=None,
         help="which driver to run on (default: XLOG_ACTORS_DRIVER, else auto: the GPU where one is reachable)",
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xlog-actors", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _parser() -> OneLineParser:
+    parser = OneLineParser(prog="xlog-actors", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"xlog-actors {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     info = sub.add_parser("info", help="driver, devices, memory, default stack, versions")
     _add_driver(info)
@@ -28,14 +42,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the main job: a pipeline of worker actors passing GpuRefs across streams")
     _add_driver(demo)
     demo.add_argument(
-        "--batches", type=int, default=None, help="batches through the pipeline (default: 64 on a GPU, 32 on the host)"
+        "--batches", type=at_least(1), default=None,
+        help="batches through the pipeline, >= 1 (default: 64 on a GPU, 32 on the host)",
     )
     demo.add_argument(
-        "--batch-mib", type=float, default=None, help="MiB per batch (default: 16 on a GPU, 1 on the host)"
+        "--batch-mib", type=positive_float, default=None,
+        help="MiB per batch, > 0 (default: 16 on a GPU, 1 on the host)",
     )
-    demo.add_argument("--depth", type=int, default=4, help="batches in flight at once")
+    demo.add_argument("--depth", type=at_least(1), default=4, help="batches in flight at once, >= 1")
     demo.add_argument(
-        "--rebuild-at", type=int, default=None, help="rebuild the device's context when this batch is produced"
+        "--rebuild-at", type=at_least(0), default=None,
+        help="rebuild the device's context when this batch (0 .. batches-1) is produced",
     )
     demo.add_argument(
         "--no-tracking",
@@ -43,18 +60,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="switch the library actors' tracking off (shows the corruption it prevents)",
     )
     demo.add_argument(
-        "--slow-producer-us", type=int, default=0, help="spin this long on the producer's stream before each input copy"
+        "--slow-producer-us", type=at_least(0), default=0,
+        help="spin this long (µs, >= 0) on the producer's stream before each input copy",
     )
 
     bench = sub.add_parser("bench", help="the benchmark suite: each figure beside its raw driver twin")
     _add_driver(bench)
     bench.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    bench.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    bench.add_argument(
+        "--json", metavar="PATH", type=writable_file, default=None,
+        help="also write the results as JSON (its directory must exist and be writable)",
+    )
     bench.add_argument(
         "--only", metavar="NAME", action="append", default=None, help="run only rows whose name contains NAME"
     )
+    return parser
 
-    args = parser.parse_args(argv)
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "info":
         from .info import run_info
 
@@ -66,6 +89,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import run_bench
 
     return run_bench(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``xlog-actors`` command.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+    Returns:
+        The exit status: 0 on success, 1 when a run failed (or ``--driver cuda`` has no GPU),
+        2 for a command-line mistake, 141 when stdout was closed early.
+    Raises:
+        SystemExit: from argparse for ``--help``, ``--version`` and bad flags (status 0 or 2).
+    Thread rule: the process's main thread.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        status = _dispatch(args)
+        sys.stdout.flush()  # a closed pipe is met here, not at interpreter exit
+        return status
+    except UsageError as exc:
+        print(f"xlog-actors {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except NoGpu as exc:
+        print(f"xlog-actors {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_NO_GPU
+    except BrokenPipeError:
+        # The reader went away: point stdout at devnull so the flush at exit cannot raise again
+        # (the advice of the Python docs on SIGPIPE).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,11 +1,12 @@
-"""``xlog-actors demo``: the main job."""
+"""``xlog-actors demo``: the main job (the pipeline of :mod:`.pipeline`), with a progress line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..driver.open import open_driver
+from .driver_choice import choose_driver
+from .options import UsageError
 from .pipeline import PipelineConfig, run_pipeline
 
 __all__ = ["run_demo"]
@@ -19,25 +20,47 @@ def _progress(done: int, total: int) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    driver = open_driver(args.driver)
-    on_gpu = driver.kind == "cuda"
-    batches = args.batches if args.batches is not None else (64 if on_gpu else 32)
-    batch_mib = args.batch_mib if args.batch_mib is not None else (16.0 if on_gpu else 1.0)
-    batch_bytes = max(4, int(batch_mib * (1 << 20)) // 4 * 4)
-    cfg = PipelineConfig(
-        batches=batches,
-        batch_bytes=batch_bytes,
-        depth=args.depth,
-        track=not args.no_tracking,
-        producer_delay_us=args.slow_producer_us,
-        rebuild_at=args.rebuild_at,
-    )
-    print(
-        f"xlog-actors demo: producer -> transformer -> consumer on 3 streams, {batches} batches of "
-        f"{batch_bytes / (1 << 20):g} MiB, driver {driver.kind} ({driver.device_name(0)})",
-        file=sys.stderr,
-    )
+    """Run the demo pipeline as the parsed flags say and print its result.
+
+    The first line on stderr names the driver and why it was chosen.
+
+    Args:
+        args: the parsed ``demo`` flags (each already checked by its parser type).
+    Returns:
+        0 when every batch verified, else 1.
+    Raises:
+        UsageError: ``--rebuild-at`` outside the batches, or a bad ``XLOG_ACTORS_DRIVER``.
+        NoGpu: ``cuda`` asked for where no GPU is usable.
+    Thread rule: the command's main thread.
+    """
+    if args.batches is not None and args.rebuild_at is not None and args.rebuild_at >= args.batches:
+        raise UsageError(f"--rebuild-at {args.rebuild_at}: expected a batch index from 0 to {args.batches - 1}")
+    choice = choose_driver(args.driver)
+    driver = choice.driver
     try:
+        on_gpu = driver.kind == "cuda"
+        batches = args.batches if args.batches is not None else (64 if on_gpu else 32)
+        if args.rebuild_at is not None and args.rebuild_at >= batches:
+            raise UsageError(
+                f"--rebuild-at {args.rebuild_at}: expected a batch index from 0 to {batches - 1} "
+                f"({batches} batches on the {driver.kind} driver)"
+            )
+        batch_mib = args.batch_mib if args.batch_mib is not None else (16.0 if on_gpu else 1.0)
+        batch_bytes = max(4, int(batch_mib * (1 << 20)) // 4 * 4)
+        cfg = PipelineConfig(
+            batches=batches,
+            batch_bytes=batch_bytes,
+            depth=args.depth,
+            track=not args.no_tracking,
+            producer_delay_us=args.slow_producer_us,
+            rebuild_at=args.rebuild_at,
+        )
+        print(f"xlog-actors demo: {choice.describe()}", file=sys.stderr)
+        print(
+            f"xlog-actors demo: producer -> transformer -> consumer on 3 streams, {batches} batches of "
+            f"{batch_bytes / (1 << 20):g} MiB, device {driver.device_name(0)}",
+            file=sys.stderr,
+        )
         result = run_pipeline(driver, cfg, progress=_progress)
     finally:
         driver.close()

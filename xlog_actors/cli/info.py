@@ -1,20 +1,26 @@
-"""``xlog-actors info``."""
+"""``xlog-actors info``: the chosen driver and why, its devices, the default stack, versions."""
 
 from __future__ import annotations
 
 import platform
 from importlib import metadata
 
-from ..driver.open import open_driver
 from ..errors import XlogError
 from ..memory.report import memory_report
 from ..memory.stack import default_description
 from ..runtime.device_runtime import XlogDeviceRuntime
+from .driver_choice import choose_driver
 
 __all__ = ["run_info", "versions"]
 
 
 def versions() -> dict[str, str]:
+    """The versions of Python and of the packages this runtime uses, for reports.
+
+    Returns:
+        ``{name: version}``; ``"not installed"`` for a package that is absent.
+    Thread rule: any thread.
+    """
     out = {"python": platform.python_version()}
     for dist in ("xlog-actors", "pykka", "cuda-python", "cuda-bindings", "cuda-core", "numpy"):
         try:
@@ -29,9 +35,21 @@ def _mib(n: int) -> str:
 
 
 def run_info(kind: str | None) -> int:
-    driver = open_driver(kind)  # type: ignore[arg-type]
+    """Print the driver (and why it was chosen), devices, default stack, memory report, versions.
+
+    Args:
+        kind: the ``--driver`` value, or None.
+    Returns:
+        The exit status, 0.
+    Raises:
+        UsageError: a bad ``XLOG_ACTORS_DRIVER``.
+        NoGpu: ``cuda`` asked for where no GPU is usable.
+    Thread rule: the command's main thread.
+    """
+    choice = choose_driver(kind)
+    driver = choice.driver
     try:
-        print(f"driver         {driver.kind}")
+        print(f"driver         {driver.kind} ({choice.reason})")
         print(f"default stack  {default_description()}")
         count = driver.device_count()
         print(f"devices        {count}")

@@ -35,27 +35,52 @@ from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
 
-__all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "make_batch", "run_pipeline"]
+__all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "expected", "make_batch", "run_pipeline"]
 
 ALPHA = 3.0
+"""The kernel's scale: each output element is ``ALPHA * x + BETA``."""
 BETA = 0.5
+"""The kernel's offset."""
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
 
 
 def make_batch(index: int, n: int) -> np.ndarray:
-    """Batch ``index``: small integers, so every result is exact in float32."""
+    """Batch ``index``: small integers, so every result is exact in float32.
+
+    Args:
+        index: the batch's number (varies the values).
+        n: elements.
+    Returns:
+        A new float32 array of ``n`` elements.
+    Thread rule: any thread.
+    """
     return ((np.arange(n, dtype=np.int64) * 7 + index * 13) % 4096).astype(np.float32)
 
 
 def expected(index: int, n: int) -> np.ndarray:
-    out = make_batch(index, n) * np.float32(ALPHA)
+    """The host reference of batch ``index`` after the kernel: ``ALPHA * x + BETA`` in float32.
+
+    Args:
+        index: the batch's number.
+        n: elements.
+    Returns:
+        A new float32 array.
+    Thread rule: any thread.
+    """
+    out: np.ndarray = make_batch(index, n) * np.float32(ALPHA)
     out += np.float32(BETA)
     return out
 
 
 @dataclass
 class PipelineConfig:
+    """How a pipeline run is shaped. ``batches`` and ``depth`` must be at least 1 (the command
+    line checks them), ``batch_bytes`` a positive multiple of 4, ``rebuild_at`` a batch index.
+
+    Thread rule: build it, then hand it to :func:`run_pipeline`; not changed after.
+    """
+
     batches: int = 32
     batch_bytes: int = 1 << 20
     depth: int = 4  # batches in flight at once
@@ -67,6 +92,11 @@ class PipelineConfig:
 
 @dataclass
 class PipelineResult:
+    """What a pipeline run did: batches verified or mismatched, stale retries, errors, time.
+
+    Thread rule: any thread; built once by :func:`run_pipeline`.
+    """
+
     batches: int
     batch_bytes: int
     verified: int
@@ -81,6 +111,7 @@ class PipelineResult:
 
     @property
     def ok(self) -> bool:
+        """Every batch verified, none mismatched, no error."""
         return self.verified == self.batches and not self.mismatched and not self.errors
 
     @property
@@ -128,10 +159,15 @@ class _Tally:
             if self.remaining == 0:
                 self.done.set()
 
-    def stale(self) -> None:
-        """A stage met a stale handle: its batch is produced again."""
-        with self.lock:
-            self.stale_retries += 1
+    def failed(self, stage: str, index: int, exc: XlogError, producer: pykka.ActorRef[Any]) -> None:
+        """A stage's request for batch ``index`` failed. A stale handle (a rebuild happened)
+        sends the batch back to ``producer`` to be made again; any other error ends the run."""
+        if isinstance(exc, GpuRefStale):
+            with self.lock:
+                self.stale_retries += 1
+            producer.tell(_Produce(index))
+        else:
+            self.fail(f"{stage}, batch {index}: {exc!r}")
 
     def fail(self, message: str) -> None:
         with self.lock:
@@ -162,7 +198,7 @@ class _Producer(pykka.ThreadingActor):
     def produce(self, index: int) -> None:
         assert self.transformer is not None
         try:
-            ref = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT))
+            ref = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT), block=True)
             if self.cfg.producer_delay_us:
                 # Make the copy actor's stream slow before the copy: what tracking must order.
                 ctx = ref.context
@@ -171,12 +207,8 @@ class _Producer(pykka.ThreadingActor):
                 if stream is not None:
                     self.driver.sleep(stream, self.cfg.producer_delay_us)
             self.copy.ask(CopyToDevice(ref, make_batch(index, self.n)))
-        except GpuRefStale:
-            self.tally.stale()
-            self.actor_ref.tell(_Produce(index))
-            return
         except XlogError as exc:
-            self.tally.fail(f"producer, batch {index}: {exc!r}")
+            self.tally.failed("producer", index, exc, self.actor_ref)
             return
         if self.cfg.rebuild_at == index and not self.rebuilt:
             self.rebuilt = True
@@ -196,15 +228,11 @@ class _Transformer(pykka.ThreadingActor):
         if not isinstance(message, _Transform):
             return
         try:
-            out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT))
+            out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT), block=True)
             grid, block = launch_shape(self.n)
             self.kernels.ask(Launch(SCALE_ADD_F32, grid, block, [Out(out), In(message.ref), ALPHA, BETA, self.n]))
-        except GpuRefStale:
-            self.tally.stale()
-            self.producer.tell(_Produce(message.index))
-            return
         except XlogError as exc:
-            self.tally.fail(f"transformer, batch {message.index}: {exc!r}")
+            self.tally.failed("transformer", message.index, exc, self.producer)
             return
         # The input handle is dropped here: its free waits (tracked) for the kernel's read.
         self.consumer.tell(_Consume(message.index, out))
@@ -220,13 +248,9 @@ class _Consumer(pykka.ThreadingActor):
         if not isinstance(message, _Consume):
             return
         try:
-            data = self.copy.ask(CopyToHost(message.ref))
-        except GpuRefStale:
-            self.tally.stale()
-            self.producer.tell(_Produce(message.index))
-            return
+            data = self.copy.ask(CopyToHost(message.ref), block=True)
         except XlogError as exc:
-            self.tally.fail(f"consumer, batch {message.index}: {exc!r}")
+            self.tally.failed("consumer", message.index, exc, self.producer)
             return
         self.tally.finish(message.index, self.verify(message.index, data))
         self.producer.tell("next")
@@ -240,11 +264,27 @@ def run_pipeline(
     progress: Callable[[int, int], None] | None = None,
 ) -> PipelineResult:
     """Run the pipeline on ``driver``'s device ``ordinal`` (or an already started ``device``)
-    and verify every batch against the host reference."""
+    and verify every batch against the host reference.
+
+    Args:
+        driver: the driver to run on.
+        cfg: the run's shape.
+        ordinal: the device, when ``device`` is not given.
+        device: a started ``DeviceActor`` to use (not stopped here); None starts one (stopped after).
+        progress: called with ``(done, total)`` about five times a second and at the end.
+    Returns:
+        The result; a run that times out after ``cfg.timeout_s`` says so in ``errors``.
+    Raises:
+        ValueError: ``batch_bytes`` is not a positive multiple of 4, or ``batches``/``depth`` < 1
+            (nothing would ever finish).
+    Thread rule: any thread but the pipeline's own actors' (it blocks until the run ends).
+    """
     if cfg.batch_bytes % 4 or cfg.batch_bytes <= 0:
-        raise ValueError("batch_bytes must be a positive multiple of 4")
+        raise ValueError(f"batch_bytes must be a positive multiple of 4, got {cfg.batch_bytes}")
+    if cfg.batches < 1 or cfg.depth < 1:
+        raise ValueError(f"batches and depth must be at least 1, got batches={cfg.batches} depth={cfg.depth}")
     n = cfg.batch_bytes // 4
-    references = {}
+    references: dict[int, bytes] = {}
 
     def verify(index: int, data: bytes) -> bool:
         want = references.get(index)
@@ -279,7 +319,7 @@ def run_pipeline(
         seconds = time.perf_counter() - t0
         if progress is not None:
             progress(cfg.batches - tally.remaining, cfg.batches)
-        stats = device.ask(GetStats())
+        stats = device.ask(GetStats(), block=True)
     finally:
         for ref in reversed(started):
             ref.stop()

@@ -1,0 +1,31 @@
+"""Every bench row, in run order: the groups of rows and their names.
+
+A row is declared once, as data, in the module of its group (see :class:`~.harness.Row`); this
+table is the order they run in. The peers' allocators run last (their module says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .harness import Group
+from .rows_actors import ACTOR
+from .rows_allocators import ASYNC, DIRECT, SCALING, TRACKING
+from .rows_copies import COPIES
+from .rows_peers import PEERS
+from .rows_pipeline import PIPELINE
+
+__all__ = ["GROUPS", "row_names"]
+
+GROUPS: tuple[Group, ...] = (ASYNC, DIRECT, ACTOR, TRACKING, COPIES, PIPELINE, SCALING, PEERS)
+
+
+def row_names() -> Iterator[str]:
+    """Every row's name, in run order.
+
+    Returns:
+        An iterator of names.
+    Thread rule: any thread.
+    """
+    for group in GROUPS:
+        yield from group.names

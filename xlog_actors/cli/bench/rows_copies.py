@@ -1,0 +1,227 @@
+"""The copy rows: host-to-device and device-to-device copies through a ``CopyActor``, beside the
+raw copy calls on the same buffers.
+
+The raw twins copy into (and between) the very device buffers the actor uses, so memory placement
+is the same on both sides; the two never overlap in time (each sample ends with its stream
+synchronized). The host-to-device buffers are freed before the device-to-device ones are made, so
+the two sections never hold their memory at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pykka
+
+from ...actors import Allocate, CopyActor, CopyDeviceToDevice, CopyToDevice, CopyToHost, DeviceActor, Fill
+from ...driver.protocol import Driver, Stream
+from .harness import Context, Group, Op, Row
+from .plan import Plan, size_text
+from .result import Target
+from .twins import HostBuffer, cu, raise_unless_success
+
+__all__ = ["COPIES"]
+
+
+@dataclass
+class _Copies:
+    driver: Driver
+    plan: Plan
+    device: pykka.ActorRef[Any]
+    copy: pykka.ActorRef[Any]
+    stream: Stream
+
+
+@contextlib.contextmanager
+def _copies(ctx: Context) -> Iterator[_Copies]:
+    device = DeviceActor.start(0, ctx.driver)
+    copy = CopyActor.start(device)
+    stream = ctx.driver.create_stream(0)
+    try:
+        yield _Copies(ctx.driver, ctx.plan, device, copy, stream)
+    finally:
+        copy.stop()
+        device.stop()
+        stream.synchronize()
+        stream.close()
+
+
+# -- host to device -----------------------------------------------------------------------------
+@dataclass
+class _H2D:
+    base: _Copies
+    ask: Any
+    arr: np.ndarray
+    dptr: int
+    ref: Any
+    raw: Op
+    raw_name: str
+
+
+def _raw_h2d(b: _Copies, dptr: int, host: HostBuffer) -> tuple[Op, str]:
+    driver, stream, nbytes, arr = b.driver, b.stream, host.nbytes, host.array
+    if driver.kind == "cuda":
+        cuda = cu()
+        h = cuda.CUstream(stream.handle)
+        memcpy, stream_sync, hptr = cuda.cuMemcpyHtoDAsync, cuda.cuStreamSynchronize, host.ptr
+
+        def raw(n: int) -> None:
+            for _ in range(n):
+                memcpy(dptr, hptr, nbytes, h)
+                (err,) = stream_sync(h)
+            raise_unless_success(cuda, "cuMemcpyHtoDAsync/cuStreamSynchronize", err)
+
+        return raw, "raw cuMemcpyHtoDAsync + cuStreamSynchronize, same pinned buffer and destination"
+    return _driver_h2d(driver, stream, dptr, arr), "HostDriver.copy_to_device + synchronize"
+
+
+def _driver_h2d(driver: Driver, stream: Stream, dptr: int, arr: np.ndarray) -> Op:
+    def via_driver(n: int) -> None:
+        for _ in range(n):
+            driver.copy_to_device(dptr, arr, stream)
+            stream.synchronize()
+
+    return via_driver
+
+
+@contextlib.contextmanager
+def _h2d(b: _Copies) -> Iterator[_H2D]:
+    host = HostBuffer(b.driver.kind == "cuda", b.plan.h2d_bytes)
+    try:
+        ref: Any = b.device.ask(Allocate(host.nbytes))
+        dptr = ref.raw_device_ptr()
+        yield _H2D(b, b.copy.ask, host.array, dptr, ref, *_raw_h2d(b, dptr, host))
+        del ref
+    finally:
+        host.close()
+
+
+def _copy_actor_h2d(f: _H2D) -> Op:
+    ask = f.ask
+    to_device = CopyToDevice(f.ref, f.arr)
+    sync = CopyToHost(f.ref, nbytes=1)
+
+    def ours(n: int) -> None:
+        for _ in range(n):
+            ask(to_device)
+            ask(sync)  # synchronizes the copy actor's stream
+
+    return ours
+
+
+def _check_h2d(f: _H2D) -> None:
+    if f.ask(CopyToHost(f.ref, nbytes=64)) != f.arr[:64].tobytes():
+        raise RuntimeError("CopyActor H2D: the device holds other bytes than were copied")
+
+
+# -- device to device ---------------------------------------------------------------------------
+@dataclass
+class _D2D:
+    base: _Copies
+    ask: Any
+    src: Any
+    dst: Any
+    raw: Op
+    raw_name: str
+    extra: contextlib.ExitStack  # what a row starts for itself (an untracked actor), left with the section
+
+
+def _raw_d2d(b: _Copies, d_dst: int, d_src: int) -> tuple[Op, str]:
+    driver, stream, nbytes, k = b.driver, b.stream, b.plan.d2d_bytes, b.plan.d2d_per_sync
+    if driver.kind == "cuda":
+        cuda = cu()
+        h = cuda.CUstream(stream.handle)
+        memcpy, stream_sync = cuda.cuMemcpyDtoDAsync, cuda.cuStreamSynchronize
+
+        def raw(n: int) -> None:
+            for _ in range(n):
+                for _ in range(k):
+                    memcpy(d_dst, d_src, nbytes, h)
+                (err,) = stream_sync(h)
+            raise_unless_success(cuda, "cuMemcpyDtoDAsync/cuStreamSynchronize", err)
+
+        return raw, f"raw cuMemcpyDtoDAsync x{k} + cuStreamSynchronize"
+    return _driver_d2d(b, d_dst, d_src), f"HostDriver.copy_device_to_device x{k} + synchronize"
+
+
+def _driver_d2d(b: _Copies, d_dst: int, d_src: int) -> Op:
+    d2d_copy, stream, nbytes, k = b.driver.copy_device_to_device, b.stream, b.plan.d2d_bytes, b.plan.d2d_per_sync
+
+    def via_driver_d2d(n: int) -> None:
+        for _ in range(n):
+            for _ in range(k):
+                d2d_copy(d_dst, d_src, nbytes, stream)
+            stream.synchronize()
+
+    return via_driver_d2d
+
+
+@contextlib.contextmanager
+def _d2d(b: _Copies) -> Iterator[_D2D]:
+    ask = b.copy.ask
+    src: Any = b.device.ask(Allocate(b.plan.d2d_bytes))
+    dst: Any = b.device.ask(Allocate(b.plan.d2d_bytes))
+    ask(Fill(src, 7))
+    with contextlib.ExitStack() as extra:
+        yield _D2D(b, ask, src, dst, *_raw_d2d(b, dst.raw_device_ptr(), src.raw_device_ptr()), extra)
+    del src, dst
+
+
+def _copy_actor_d2d(ask: Any, f: _D2D) -> Op:
+    d2d = CopyDeviceToDevice(f.src, f.dst)
+    sync = CopyToHost(f.dst, nbytes=1)
+    k = f.base.plan.d2d_per_sync
+
+    def ours_d2d(n: int) -> None:
+        for _ in range(n):
+            for _ in range(k):
+                ask(d2d)
+            ask(sync)
+
+    return ours_d2d
+
+
+def _untracked_d2d(f: _D2D) -> Op:
+    untracked = CopyActor.start(f.base.device, track=False)
+    f.extra.callback(untracked.stop)
+    return _copy_actor_d2d(untracked.ask, f)
+
+
+def _check_d2d(f: _D2D) -> None:
+    if f.ask(CopyToHost(f.dst, nbytes=16)) != bytes([7]) * 16:
+        raise RuntimeError("CopyActor D2D: the destination does not hold the source's bytes")
+
+
+def _d2d_rate(**kw: Any) -> dict[str, Any]:
+    """What every device-to-device row shares: its samples, its per-copy count and its rate."""
+    return dict(spec=lambda p: (p.d2d_samples, 1), ours_ops=lambda p: p.d2d_per_sync,
+                ref_ops=lambda p: p.d2d_per_sync, kind="rate", bytes_per_op=lambda p: p.d2d_bytes, **kw)
+
+
+COPIES = Group("copies", (
+    Row("CopyActor H2D pinned", lambda f, p: f"copy.ask(CopyToDevice(ref, {size_text(p.h2d_bytes)} pinned)) + "
+        "ask(CopyToHost(ref, nbytes=1)) to synchronize", _h2d, _copy_actor_h2d, lambda f: f.raw,
+        lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
+        target=Target("ratio", ">=", 0.95), check=_check_h2d),
+    Row("driver copy_to_device H2D pinned", lambda f, p: f"driver.copy_to_device({size_text(p.h2d_bytes)} pinned) "
+        "+ stream.synchronize(), no actor", _h2d, lambda f: _driver_h2d(f.base.driver, f.base.stream, f.dptr, f.arr),
+        lambda f: f.raw, lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
+        note="informational: separates the driver's share (its snapshot of the source) from the actor's"),
+    Row("CopyActor D2D", lambda f, p: f"{p.d2d_per_sync} x copy.ask(CopyDeviceToDevice({size_text(p.d2d_bytes)}))"
+        " + ask(CopyToHost(dst, nbytes=1)); per copy", _d2d, lambda f: _copy_actor_d2d(f.ask, f), lambda f: f.raw,
+        **_d2d_rate(target=Target("ratio", ">=", 0.95), check=_check_d2d,
+                    note=lambda f, p: "bandwidth counts the bytes copied once (read + write traffic is twice "
+                    f"that); {p.d2d_per_sync} copies per synchronize on both sides")),
+    Row("CopyActor D2D, tracking off", "as CopyActor D2D, on a CopyActor started with track=False (no "
+        "prepare/finish, no events); per copy", _d2d, _untracked_d2d, lambda f: f.raw,
+        **_d2d_rate(note="informational: the tracking's share of the CopyActor D2D row")),
+    Row("driver copy_device_to_device D2D", lambda f, p: f"{p.d2d_per_sync} x driver.copy_device_to_device("
+        f"{size_text(p.d2d_bytes)}) + stream.synchronize(), no actor; per copy", _d2d,
+        lambda f: _driver_d2d(f.base, f.dst.raw_device_ptr(), f.src.raw_device_ptr()), lambda f: f.raw,
+        **_d2d_rate(host_skip="on the host driver this is the reference itself",
+                    note="informational: the driver's share of the CopyActor D2D row")),
+), base=_copies)
