@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import driver
 from .actors import (
     EXIT_POISONED,
     Allocate,
@@ -167,8 +168,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    # CudaDriver stays lazy (see the driver package): importing xlog_actors never loads cuda-python.
     if name == "CudaDriver":
-        from .driver.cuda import CudaDriver
-
-        return CudaDriver
+        return driver.CudaDriver
     raise AttributeError(f"module 'xlog_actors' has no attribute {name!r}")

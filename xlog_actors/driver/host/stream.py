@@ -203,6 +203,12 @@ class HostStream:
         self.record(event)
         return event
 
+    def _gated_event(self, event: Event) -> HostEvent:
+        """The preamble of ``record`` and ``wait``: ``event`` as a host event, then the gate."""
+        host_event = _host_event(event)
+        self._device.gate_stream(self)
+        return host_event
+
     def record(self, event: Event) -> None:
         """Re-record ``event`` at the current end of this stream; waits already enqueued on it
         keep the record they saw.
@@ -212,8 +218,7 @@ class HostStream:
             ContextLost, ContextPoisoned, DriverError: from the device's gate.
         Thread rule: any thread.
         """
-        host_event = _host_event(event)
-        self._device.gate_stream(self)
+        host_event = self._gated_event(event)
         marker = threading.Event()
         host_event._marker = marker
         self.enqueue(marker.set, always=True)
@@ -226,9 +231,7 @@ class HostStream:
             ContextLost, ContextPoisoned, DriverError: from the device's gate.
         Thread rule: any thread.
         """
-        host_event = _host_event(event)
-        self._device.gate_stream(self)
-        marker = host_event._marker
+        marker = self._gated_event(event)._marker
         if marker is None or marker.is_set():
             return  # already satisfied: CUDA's wait is then a no-op as well
         self.enqueue(marker.wait, always=True)
