@@ -1,4 +1,4 @@
-"""SPEC sections 1-2: the value types, the error hierarchy, and every bad input of section 2.
+"""The value types, the error hierarchy, and every bad input the errors are raised for.
 
 Every bad input must raise its typed error *and* leave the resource and the driver exactly as they
 were: each test snapshots bytes_outstanding, the resource's own counters, mem_info and the driver's
@@ -47,7 +47,7 @@ BAD_SIZES = [0, -1, 1.5, True, False, None, "4", 4.0]
 STACKS = ["async", "direct"]
 
 
-# -- value types (SPEC 1) ------------------------------------------------------------------------
+# -- value types ---------------------------------------------------------------------------------
 def test_stream_id() -> None:
     assert issubclass(StreamId, int)
     assert StreamId.DEFAULT == StreamId(0) == 0
@@ -149,7 +149,7 @@ def test_block_id_from_block() -> None:
         bid.ptr = 1  # type: ignore[misc]
 
 
-# -- the error hierarchy (SPEC 2) ----------------------------------------------------------------
+# -- the error hierarchy -----------------------------------------------------------------
 @pytest.mark.parametrize(
     "cls, bases",
     [

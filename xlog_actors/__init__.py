@@ -1,7 +1,7 @@
 """xlog_actors: a device runtime for Python programs that drive GPUs from many actors.
 
 Layers, imported in one direction: ``driver`` -> ``memory`` -> ``runtime`` -> ``actors`` -> ``cli``.
-Every public name of the SPEC is importable from here.
+Every public name of the API (``docs/api.md``) is importable from here.
 """
 
 from __future__ import annotations

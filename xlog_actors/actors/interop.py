@@ -68,11 +68,11 @@ class ExportedRef(Protocol):
         ...
 
     def access(self) -> DeviceBlock:
-        """The handle's block, validated (``GpuRefStale`` otherwise)."""
+        """The handle's block, validated (``GpuRefStale`` otherwise). Thread rule: any thread."""
         ...
 
     def record_write(self, stream_id: StreamId) -> None:
-        """Record a write on ``stream_id``."""
+        """Record a write on ``stream_id``. Thread rule: any thread."""
         ...
 
 

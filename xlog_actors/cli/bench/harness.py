@@ -214,6 +214,7 @@ def _text(x: Text, fixture: Any, plan: Plan) -> str:
 
 
 def _twin_name(fixture: Any, plan: Plan) -> str:
+    """A row's default reference name: its fixture's ``raw_name``. Thread rule: any thread."""
     return str(fixture.raw_name)
 
 

@@ -52,7 +52,7 @@ class Target:
         raise ValueError(self.op)
 
     def to_json(self) -> dict[str, Any]:
-        """The target as the JSON report holds it (with its ``text``)."""
+        """The target as the JSON report holds it (with its ``text``). Thread rule: any thread."""
         return {"metric": self.metric, "op": self.op, "value": self.value, "text": self.text}
 
 
