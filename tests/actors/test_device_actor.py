@@ -416,7 +416,7 @@ def test_client_allocates_from_8_threads_and_frees_from_others(
             barrier.wait()
             for i in range(per_thread):
                 handoff.put(client.allocate(64 + (i % 7) * 64))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
     ptrs: list[int] = []
@@ -432,7 +432,7 @@ def test_client_allocates_from_8_threads_and_frees_from_others(
                 else:
                     ref.release()
                 freed[0] += 1
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
     consumers = [threading.Thread(target=consumer) for _ in range(4)]
@@ -474,7 +474,7 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
         for ref in refs:
             try:
                 client.free(ref)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
                 errors.append(exc)
 
     threads = [threading.Thread(target=free_all) for _ in range(8)]

@@ -213,7 +213,7 @@ def test_a_stale_handle_exports_nothing(cuda_device) -> None:  # type: ignore[no
     with pytest.raises(xa.GpuRefStale, match="context rebuilt"):
         stale.__dlpack__()
     with pytest.raises(xa.GpuRefStale, match="context rebuilt"):
-        stale.__cuda_array_interface__  # noqa: B018
+        stale.__cuda_array_interface__  # noqa: B018 - the attribute access itself must raise
     released = device.ask(xa.Allocate(64))
     released.release()
     with pytest.raises(xa.GpuRefStale, match="released"):

@@ -453,14 +453,14 @@ def test_requests_during_a_rebuild_wait_and_are_served_by_the_new_context(
         for f in futures:
             try:
                 answers.put(("ask", f.get(timeout=10)))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
                 answers.put(("ask", exc))
 
     def client_many() -> None:
         for _ in range(25):
             try:
                 answers.put(("client", client.allocate(256)))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
                 answers.put(("client", exc))
 
     threads = [threading.Thread(target=ask_many) for _ in range(4)] + [
@@ -511,7 +511,7 @@ def test_client_allocation_in_flight_when_the_context_goes_away(
     def run() -> None:
         try:
             result.append(client.allocate(512))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             result.append(exc)
 
     t = threading.Thread(target=run)
@@ -557,7 +557,7 @@ def test_context_lost_from_outside_detected_by_many_client_threads_rebuilds_once
         barrier.wait()
         try:
             client.allocate(64)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run) for _ in range(8)]

@@ -281,13 +281,13 @@ class DeviceContext:
                         errors.append(exc)
                 try:
                     self.runtime.reap_pending()
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - collected and reported by the caller
                     errors.append(exc)
             self.open = False
             self.blocks.clear()
             self.reclaims.clear()  # freed above, or gone with the context
             try:
                 self.runtime.close()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - collected and reported by the caller
                 errors.append(exc)
         return errors
