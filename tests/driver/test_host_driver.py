@@ -461,14 +461,14 @@ def test_stream_creation_races_with_synchronous_free(drv: xa.HostDriver) -> None
         try:
             while not stop.is_set():
                 drv.create_stream(0).close()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
     def alloc_free() -> None:
         try:
             for _ in range(1000):
                 drv.free(0, drv.alloc(0, 256))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
         finally:
             stop.set()
