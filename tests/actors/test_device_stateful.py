@@ -43,7 +43,7 @@ STICKY_AFTER = 20
 #: object in the asker's thread, which appends the asker's frames to its traceback, so the actor
 #: keeps the asker's frames (and every ``GpuRef`` in their locals) alive until its next failure:
 #: dropping the last reference to such a handle then frees nothing. While False, the rules keep
-#: handles out of the frames a failed request sees, and ``allocate_then_ask_a_bad_request`` (which
+#: handles out of the frames a failed request sees, and ``drop_a_handle_a_refused_request_saw`` (which
 #: finds it: the invariant then reports the dropped handle's bytes still outstanding) is off.
 LAST_ERROR_RELEASED = False
 
@@ -167,7 +167,6 @@ class DeviceMachine(RuleBasedStateMachine):
         stale = [h for h in self.held if h.generation != self.generation]
         for h in stale[:-KEEP_STALE]:
             self.held.remove(h)
-        gc.collect()
 
     @initialize(many=st.lists(st.integers(1, 1 << 16), min_size=1, max_size=4), tag=st.sampled_from(TAGS))
     def start_with_some_handles(self, many: list[int], tag: str) -> None:
@@ -256,9 +255,13 @@ class DeviceMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: LAST_ERROR_RELEASED and not self.poisoned)
     @rule(size=sizes)
+    def drop_a_handle_a_refused_request_saw(self, size: int) -> None:
+        """Finds the kept last error: the refused request's traceback holds the helper's frame
+        and its ``ref``, so dropping the handle frees nothing."""
+        self.allocate_then_ask_a_bad_request(size)
+        self.drop(len(self.held) - 1)
+
     def allocate_then_ask_a_bad_request(self, size: int) -> None:
-        """Finds the kept last error: the bad request's traceback holds this frame and its
-        ``ref``, so a later drop of the handle frees nothing."""
         ref = self.ask(self.device, xa.Allocate(size))
         self.adopt(ref, size, xa.AllocTag.UNTAGGED)
         self.refuse_bad_request(xa.Allocate(0), 0)
@@ -284,7 +287,10 @@ class DeviceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(i=indices)
     def drop_last_reference(self, i: int) -> None:
-        del self.held[i % len(self.held)]
+        self.drop(i % len(self.held))
+
+    def drop(self, index: int) -> None:
+        del self.held[index]
         for copier in self.copiers:
             self.expect(xa.InvalidRequest, self.ask, copier, _Nudge())
         gc.collect()  # an exception caught earlier may keep the handle in a reference cycle
