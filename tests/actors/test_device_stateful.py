@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import xlog_actors as xa
+from xlog_actors.actors.messages import Attach
 
 #: Emulated device memory.
 MEMORY = 64 << 20
@@ -312,10 +313,22 @@ class DeviceMachine(RuleBasedStateMachine):
         else:
             self.expect_stale(reason, call, *args)
 
+    def slow_down(self, c: int, h: Held, microseconds: int) -> None:
+        """Queue a spin on copier ``c``'s stream, so its next work finishes well after its reply
+        and only the tracking keeps the other copier (and the allocator) from racing it."""
+        copier = self.copiers[c]
+        self.ask(copier, xa.CopyToHost(h.ref, nbytes=1))  # attached to the current context
+        ctx = self.ask(self.device, Attach())
+        stream = ctx.runtime.stream_pool.resolve(copier.proxy().stream_id.get(timeout=TIMEOUT))
+        assert stream is not None
+        self.driver.sleep(stream, microseconds)
+
     @precondition(lambda self: self.held)
-    @rule(i=indices, c=copiers, byte=st.integers(0, 255))
-    def fill(self, i: int, c: int, byte: int) -> None:
+    @rule(i=indices, c=copiers, byte=st.integers(0, 255), slow_us=st.sampled_from([0, 3000]))
+    def fill(self, i: int, c: int, byte: int, slow_us: int) -> None:
         h = self.pick(i)
+        if slow_us and self.live(h):
+            self.slow_down(c, h, slow_us)
         if self.check_copy(h, self.ask, self.copiers[c], xa.Fill(h.ref, byte)):
             h.data[:] = byte
             h.known[:] = True
