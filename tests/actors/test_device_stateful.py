@@ -39,29 +39,18 @@ KEEP_STALE = 3
 #: The poisoning rule may run only after this many steps, so most sequences explore the rest.
 STICKY_AFTER = 20
 
-#: False while the device actor keeps its last error: ``DeviceActor._after_failure`` stores every
-#: failure, even a refused bad request, in ``_last_error``. pykka re-raises that same exception
-#: object in the asker's thread, which appends the asker's frames to its traceback, so the actor
-#: keeps the asker's frames (and every ``GpuRef`` in their locals) alive until its next failure:
-#: dropping the last reference to such a handle then frees nothing. While False, the rules keep
-#: handles out of the frames a failed request sees, and ``drop_a_handle_a_refused_request_saw`` (which
-#: finds it: the invariant then reports the dropped handle's bytes still outstanding) is off.
-LAST_ERROR_RELEASED = False
-
 #: How a context is replaced: a ``Rebuild`` (with its reason after the word), or a lost context
-#: met by the device actor's own allocation or by a copier's fill. "lost in fill after rebuild"
-#: (a copier that must attach again meets the loss while attaching) is left out: it finds a
-#: double rebuild (generation + 2 for one loss). The copier reports the failure without a
-#: generation (``LibraryActor.on_receive`` has no context yet), the device actor's ``on_receive``
-#: rebuilds on its ``check_context``, and then ``_on_report_failure`` takes the generation-less
-#: report as news about the new context and rebuilds again. Add it back once one loss gives one
-#: rebuild.
+#: met by the device actor's own allocation, by a copier's fill, or by a copier that must attach
+#: again after a rebuild and meets the loss while attaching (one loss must give one rebuild: the
+#: copier reports the generation it was attaching, and the device ignores a report about a
+#: context it has already replaced).
 CONTEXT_REPLACED_BY: tuple[str, ...] = (
     "rebuild",
     "rebuild: by hand",
     "rebuild: ünïcödé",
     "lost in allocate",
     "lost in fill",
+    "lost in fill after rebuild",
 )
 
 sizes = st.one_of(st.integers(1, 4096), st.integers(4097, MAX_SIZE))
@@ -208,9 +197,6 @@ class DeviceMachine(RuleBasedStateMachine):
         else:
             self.expect(xa.InvalidRequest, self.ask, self.device, message)
 
-    # The rules below ask for a bad request first and then call a helper for the good one: the
-    # bad request's traceback holds the rule's frame, which therefore never holds a handle (see
-    # LAST_ERROR_RELEASED).
     @precondition(lambda self: not self.poisoned)
     @rule(size=sizes, tag=st.sampled_from(TAGS), bad=st.one_of(st.none(), bad_sizes))
     def allocate(self, size: int, tag: str, bad: Any) -> None:
@@ -254,11 +240,12 @@ class DeviceMachine(RuleBasedStateMachine):
             self.adopt(ref, size, tag)
         assert len({r.raw_device_ptr() for r in refs}) == len(refs)
 
-    @precondition(lambda self: LAST_ERROR_RELEASED and not self.poisoned)
+    @precondition(lambda self: not self.poisoned)
     @rule(size=sizes)
     def drop_a_handle_a_refused_request_saw(self, size: int) -> None:
-        """Finds the kept last error: the refused request's traceback holds the helper's frame
-        and its ``ref``, so dropping the handle frees nothing."""
+        """A refused request's traceback holds the helper's frame and its ``ref``: the device
+        actor must not keep that exception (as its last error), or dropping the handle would
+        free nothing."""
         self.allocate_then_ask_a_bad_request(size)
         self.drop(len(self.held) - 1)
 
@@ -408,10 +395,6 @@ class DeviceMachine(RuleBasedStateMachine):
     def transient_fault(self, kind: str, op: str, i: int, size: int) -> None:
         """The faulted call fails with its typed error and nothing changes (the invariants)."""
         self.fault_one_request(kind, op, i, size)
-        if not LAST_ERROR_RELEASED:
-            # A failed Free kept its handle in the actor's last error (see LAST_ERROR_RELEASED):
-            # replace that error by one raised where no handle is in reach.
-            self.refuse_bad_request(xa.Allocate(0), 0)
 
     def fault_one_request(self, kind: str, op: str, i: int, size: int) -> None:
         error = xa.OutOfMemory if kind == "oom" else xa.DriverError

@@ -583,3 +583,46 @@ def test_context_lost_met_by_a_told_free_rebuilds(host_driver: xa.HostDriver) ->
     assert (s.generation, s.restarts, s.bytes_outstanding, s.status) == (1, 1, 0, "running")
     assert device.is_alive()
     assert stale_reason(keep) == "context rebuilt"
+
+
+# -- regressions found by the stateful test ---------------------------------------------------------
+
+
+def _ask_a_bad_request_while_holding(device: pykka.ActorRef[Any], ref: xa.GpuRef) -> None:
+    """This frame holds ``ref``; the refused request's traceback reaches it."""
+    assert ref.nbytes == 1000
+    with pytest.raises(xa.InvalidRequest):
+        device.ask(xa.Allocate(0))
+
+
+def test_a_refused_request_does_not_keep_the_askers_handles_alive(host_driver: xa.HostDriver) -> None:
+    """pykka re-raises the actor's exception object in the asker's thread, whose traceback then
+    reaches the asker's frames: a device that kept that object as its last error would keep the
+    asker's handles, and their memory, alive."""
+    device = start(host_driver)
+    ref = device.ask(xa.Allocate(1000))
+    _ask_a_bad_request_while_holding(device, ref)
+    del ref
+    gc.collect()
+    s = stats(device)
+    assert (s.bytes_outstanding, s.live_blocks) == (0, 0)
+
+
+def test_a_loss_met_by_a_library_actor_attaching_after_a_rebuild_rebuilds_once(host_driver: xa.HostDriver) -> None:
+    """One lost context, one rebuild: the copy actor meets the loss while it attaches to the new
+    context after a rebuild, and reports it with that context's generation; the device, which
+    found the loss itself on its next message and rebuilt, ignores the report."""
+    device = start(host_driver)
+    copy = xa.CopyActor.start(device)
+    copy.ask(xa.Fill(device.ask(xa.Allocate(64)), 1))  # attached to generation 0
+    device.ask(xa.Rebuild("detach the copy actor"))  # generation 1: it attaches again on its next work
+    ref = device.ask(xa.Allocate(64))
+    host_driver.inject_fault(0, "context_lost", after_calls=0)
+    with pytest.raises(xa.ContextLost):
+        copy.ask(xa.Fill(ref, 2))
+    s = stats(device)
+    assert (s.generation, s.restarts, s.status) == (2, 2, "running")  # the Rebuild asked for, and one for the loss
+    fresh = device.ask(xa.Allocate(64))
+    copy.ask(xa.Fill(fresh, 3))
+    assert copy.ask(xa.CopyToHost(fresh, nbytes=4)) == b"\x03" * 4
+    assert stats(device).generation == 2

@@ -13,6 +13,7 @@ back and forth.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import weakref
@@ -27,6 +28,7 @@ from ..errors import (
     ContextPoisoned,
     CorruptionDetected,
     DeviceUnavailable,
+    DriverError,
     InvalidRequest,
     XlogError,
 )
@@ -53,6 +55,23 @@ _registry: weakref.WeakKeyDictionary[Driver, dict[int, str]] = weakref.WeakKeyDi
 #: The messages a user may send, for the answer to one the actor does not understand.
 _PUBLIC_MESSAGES = "Allocate, AllocateMany, Free, Rebuild, Subscribe, Unsubscribe, GetStats, GetReport or GetClient"
 
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` that holds no frames, to keep as the device's last error.
+
+    pykka re-raises the very exception object in the asker's thread, whose traceback then reaches
+    the asker's frames and their locals (its ``GpuRef`` handles among them): keeping the original
+    would keep those handles, and their memory, alive until the next failure.
+    """
+    try:
+        clone = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied: keep its text and code
+        clone = DriverError(repr(exc), code=getattr(exc, "code", None))
+    clone.__traceback__ = None
+    clone.__cause__ = None
+    clone.__context__ = None
+    return clone
 
 class DeviceActor(ResilientActor):
     """The one actor of a device ordinal: ``DeviceActor.start(ordinal=0, driver=None,
@@ -194,7 +213,7 @@ class DeviceActor(ResilientActor):
     # -- supervision ------------------------------------------------------------------------------
     def _after_failure(self, exc: BaseException, *, counting: bool) -> None:
         """Apply the supervisor's directive for ``exc``."""
-        self._last_error = exc
+        self._last_error = _detached(exc)
         directive = self._supervisor.decide(exc)
         if isinstance(exc, DeviceUnavailable) and self._lifecycle.context is None:
             self._stop_for_good(exc)
@@ -225,7 +244,7 @@ class DeviceActor(ResilientActor):
             logger.error("device %d: rebuild failed: %r", self._ordinal, exc)
 
     def _mark_broken(self, exc: BaseException) -> None:
-        self._last_error = exc
+        self._last_error = _detached(exc)
         if self._lifecycle.status is DeviceStatus.REBUILDING:
             self._lifecycle.rebuild_failed()
 

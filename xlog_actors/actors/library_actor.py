@@ -18,6 +18,7 @@ from .device_context import DeviceContext
 from .gpu_ref import GpuRef
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
 from .pykka_internals import ResilientActor, is_actor_ref_of
+from .supervisor import SupervisedFailure
 
 __all__ = ["LibraryActor"]
 
@@ -71,6 +72,8 @@ class LibraryActor(ResilientActor):
         self._device = device
         self._track = track
         self._ctx: DeviceContext | None = None
+        #: The generation of the context being attached, until the attach completes.
+        self._attaching: int | None = None
         self._stream_id = StreamId.DEFAULT
         self._stream: Stream | None = None
         self._tracking = False
@@ -117,6 +120,13 @@ class LibraryActor(ResilientActor):
             ctx = cast(DeviceContext, self._device.ask(Attach()))
         except pykka.ActorDeadError as exc:
             raise DeviceUnavailable(f"{type(self).__name__}: its DeviceActor was stopped") from exc
+        except (ContextLost, ContextPoisoned) as exc:
+            # The device's own answer: its supervisor acted on it before answering, so reporting
+            # it back would count one failure twice (a second rebuild for one lost context).
+            raise SupervisedFailure(exc) from None
+        # A failure met from here on is in this context, whatever ours was: report its generation,
+        # so a device that has rebuilt since (on its own check) does not rebuild again.
+        self._attaching = ctx.generation
         ctx.driver.make_current(ctx.ordinal)
         self._stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(self._stream_id)
@@ -125,6 +135,7 @@ class LibraryActor(ResilientActor):
         self._driver = ctx.driver
         self._tracking = self._track and ctx.runtime.supports_block_use_tracking()
         self._ctx = ctx
+        self._attaching = None
         return ctx
 
     def _context_for(self, refs: Sequence[GpuRef]) -> DeviceContext:
@@ -155,11 +166,15 @@ class LibraryActor(ResilientActor):
         ctx = self._ctx
         try:
             return handler(message)
+        except SupervisedFailure as wrapped:
+            raise wrapped.error from None
         except (ContextLost, ContextPoisoned) as exc:
             # The device actor's supervisor decides what a lost or poisoned context means; the
             # asker gets the error either way.
             ctx = self._ctx or ctx
-            self._report(exc, None if ctx is None else ctx.generation)
+            generation = self._attaching if self._attaching is not None else None if ctx is None else ctx.generation
+            self._attaching = None
+            self._report(exc, generation)
             raise
 
     def _report(self, exc: BaseException, generation: int | None) -> None:

@@ -63,7 +63,10 @@ class SupervisedFailure(Exception):
     ``error`` to the asker without passing it to the supervisor again, so one failure is never
     counted twice against the restart intensity. Immutable: ``error`` is read-only.
 
-    Thread rule: made and unwrapped on the device actor's thread; never reaches a caller.
+    A library actor uses it the same way for the device's own answer to its ``Attach``: the
+    device acted on that failure before answering, so the library actor must not report it back.
+
+    Thread rule: made and unwrapped on one actor's thread; never reaches a caller.
     """
 
     __slots__ = ()
