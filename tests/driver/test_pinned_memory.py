@@ -63,8 +63,8 @@ def test_bad_pinned_calls_are_refused_and_change_nothing(driver: xa.Driver) -> N
 
 def test_the_host_refusing_a_huge_allocation_is_out_of_memory(driver: xa.Driver) -> None:
     with pytest.raises(xa.OutOfMemory) as info:
-        driver.alloc_pinned(0, 1 << 62)
-    assert info.value.requested == 1 << 62
+        driver.alloc_pinned(0, 1 << 50)
+    assert info.value.requested == 1 << 50
     ptr = driver.alloc_pinned(0, 64)  # the driver is fine afterwards
     driver.free_pinned(0, ptr)
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections.abc import Callable
 
-from ...errors import DriverError
+from ...errors import DriverError, OutOfMemory
 from ..checks import check_nbytes
-from .call import SUCCESS, cu
+from .call import SUCCESS, cu, result_name
 from .gates import CudaGates
 
 __all__ = ["CudaHostMemory"]
@@ -63,7 +64,15 @@ class CudaHostMemory(CudaGates):
         dev.enter()
         err, ptr = cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE)
         if err != SUCCESS:
-            dev.fail(err, f"cuMemHostAlloc({nbytes} bytes, portable)", nbytes)
+            what = f"cuMemHostAlloc({nbytes} bytes, portable)"
+            if result_name(err) == "CUDA_ERROR_INVALID_VALUE":
+                # The size was checked above: CUDA refusing a positive size is the host unable
+                # to map and lock that much.
+                raise OutOfMemory(
+                    f"device {ordinal}: {what} failed: CUDA_ERROR_INVALID_VALUE (the host cannot lock that much)",
+                    requested=nbytes,
+                )
+            dev.fail(err, what, nbytes)
         ptr = int(ptr)
         self._pinned_table()[ptr] = (ordinal, nbytes)
         return ptr
@@ -123,23 +132,37 @@ class CudaHostMemory(CudaGates):
         return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
     def free_pinned_leftovers(self) -> None:
-        """Free every pinned allocation still live (the driver closes; call it before the
-        devices release their contexts). Best effort: a free CUDA refuses is skipped.
+        """Free every pinned allocation still live (the driver closes). Call it before the devices
+        release their contexts: a context destroyed first takes its pinned memory with it, behind
+        the table's back. Each device's context is synchronized first, so no copy still in flight
+        writes into memory freed here. Best effort: a call CUDA refuses is skipped.
 
         Thread rule: any thread; a view used after this touches freed memory.
         """
         table = self._pinned_table()
+        if not table:
+            return
+        for dev in self._devices:
+            if dev.ctx is not None:
+                self._in_context(dev.ctx, cu.cuCtxSynchronize)
         while table:
             try:
                 ptr, (ordinal, _nbytes) = table.popitem()
             except KeyError:
                 break  # a racing free took the last one
             ctx = self._devices[ordinal].ctx
-            if ctx is None:
-                continue
-            with contextlib.suppress(Exception):  # best effort at close
-                cu.cuCtxPushCurrent(ctx)
-                try:
-                    cu.cuMemFreeHost(ptr)
-                finally:
-                    cu.cuCtxPopCurrent()
+            if ctx is not None:
+                self._in_context(ctx, cu.cuMemFreeHost, ptr)
+
+    @staticmethod
+    def _in_context(ctx: object, call: Callable[..., object], *args: object) -> None:
+        """``call(*args)`` with ``ctx`` pushed on the calling thread, ignoring failures (close is
+        best effort)."""
+        with contextlib.suppress(Exception):
+            (err,) = cu.cuCtxPushCurrent(ctx)
+            if err != SUCCESS:
+                return
+            try:
+                call(*args)
+            finally:
+                cu.cuCtxPopCurrent()
