@@ -222,3 +222,30 @@ def test_a_host_that_refuses_pinned_memory_gets_out_of_memory(host_driver: xa.Ho
         assert device.ask(xa.AllocatePinned(4096)).nbytes == 4096
     finally:
         pykka.ActorRegistry.stop_all()
+
+
+def test_copy_back_on_the_untracked_direct_stack(driver: xa.Driver) -> None:
+    """Without tracking the copy actor synchronizes before it replies: the CopyDone is done."""
+    device = xa.DeviceActor.start(0, driver, resource="direct")
+    try:
+        copier = xa.CopyActor.start(device)
+        ref = device.ask(xa.Allocate(4096))
+        out = device.ask(xa.AllocatePinned(4096))
+        copier.ask(xa.Fill(ref, 0xAB))
+        done = copier.ask(xa.CopyToHost(ref, out=out))
+        assert done.done()
+        done.wait(timeout=0)
+        assert (out.array() == 0xAB).all()
+    finally:
+        pykka.ActorRegistry.stop_all()
+
+
+def test_a_bad_wait_timeout_is_refused(device: pykka.ActorRef) -> None:
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    done = copier.ask(xa.CopyToHost(ref, out=device.ask(xa.AllocatePinned(64))))
+    for timeout in (-1, "1", True):
+        with pytest.raises(xa.InvalidRequest, match="timeout"):
+            done.wait(timeout=timeout)  # type: ignore[arg-type]
+    done.wait()
+    assert done.done()
