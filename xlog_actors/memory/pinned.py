@@ -141,7 +141,10 @@ class PinnedAllocator(DeviceBound):
             slot = self._by_tag.setdefault(tag, [0, 0])
             slot[0] += 1
             slot[1] += nbytes
-        weakref.finalize(owner, _free, self._driver, self._ordinal, ptr, weakref.ref(self), tag, nbytes)
+        finalizer = weakref.finalize(owner, _free, self._driver, self._ordinal, ptr, weakref.ref(self), tag, nbytes)
+        # Not at interpreter exit: the process's memory goes with it, and the driver (and
+        # libcuda) may already be shutting down.
+        finalizer.atexit = False
         return PinnedBuffer(owner, self._driver, self._ordinal, nbytes, tag)
 
     def usage(self) -> PinnedUsage:
