@@ -104,6 +104,7 @@ class CudaHostMemory(CudaGates):
             return  # the context went (a reset from outside): the memory went with it
         (err,) = cu.cuCtxPushCurrent(ctx)
         if err != SUCCESS:
+            table[ptr] = entry  # nothing was freed: the pointer stays live
             dev.fail(err, f"cuCtxPushCurrent for cuMemFreeHost({ptr:#x})")
         try:
             (err,) = cu.cuMemFreeHost(ptr)
