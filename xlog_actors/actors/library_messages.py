@@ -40,10 +40,13 @@ class CopyToDevice:
     """Copy host bytes to the start of a device allocation.
 
     Fields: ``ref``, the ``GpuRef`` written; ``data``, a C-contiguous buffer of plain data
-    (bytes, bytearray, a numpy array of any non-object dtype), 1 to ``ref.nbytes`` bytes long.
+    (bytes, bytearray, a numpy array of any non-object dtype), 1 to ``ref.nbytes`` bytes long;
+    or a ``PinnedBuffer`` of the same device, copied whole with no staging copy (leave its bytes
+    alone until the copy ran).
     Reply: None once the copy is enqueued; ``ref.last_write_stream`` names the actor's stream.
     Errors: ``InvalidRequest`` naming ``ref`` or ``data`` (not a buffer, an object array, not
-    contiguous, empty, longer than the allocation).
+    contiguous, empty, longer than the allocation; a ``PinnedBuffer`` released or of another
+    device or driver).
     """
 
     ref: GpuRef
