@@ -40,6 +40,8 @@ from .actors import (
     exit_process,
     stop_device,
 )
+from .actors.library_messages import CopyDone
+from .actors.messages import AllocatePinned
 from .driver import (
     Driver,
     Event,
@@ -84,6 +86,7 @@ from .memory.adaptors import (
     ResourceAdaptor,
     StatisticsResource,
 )
+from .memory.pinned import PinnedBuffer
 from .memory.report import MemoryReport, enrich_out_of_memory, memory_report
 from .memory.stack import build_resource
 from .runtime import MAX_DEVICE_ORDINALS, XlogDeviceRuntime
@@ -97,6 +100,7 @@ __all__ = [
     "AllocTag",
     "Allocate",
     "AllocateMany",
+    "AllocatePinned",
     "AsyncCudaResource",
     "BlockId",
     "BlockState",
@@ -106,6 +110,7 @@ __all__ = [
     "ContextPoisoned",
     "CopyActor",
     "CopyDeviceToDevice",
+    "CopyDone",
     "CopyToDevice",
     "CopyToHost",
     "CorruptionDetected",
@@ -142,6 +147,7 @@ __all__ = [
     "MemoryReport",
     "Out",
     "OutOfMemory",
+    "PinnedBuffer",
     "Rebuild",
     "ResourceAdaptor",
     "ResourceError",

@@ -9,8 +9,10 @@ from typing import Any
 from ..driver.protocol import Driver, Stream
 from ..errors import InvalidRequest
 from ..memory.block import Access, DeviceBlock
+from ..memory.pinned import PinnedBuffer
+from .gpu_ref import GpuRef
 from .library_actor import LibraryActor
-from .library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill
+from .library_messages import CopyDeviceToDevice, CopyDone, CopyToDevice, CopyToHost, Fill
 
 __all__ = ["CopyActor"]
 
@@ -29,7 +31,8 @@ class CopyActor(LibraryActor):
     actor's copies: no thread parks on a whole device, and other actors' work goes on. (A host
     callback would free the actor's thread during the copy, but pykka replies from the handler's
     return value, so the actor would need a second reply path; the stream is the actor's own, so
-    the wait costs nothing another design would save.)
+    the wait costs nothing another design would save.) A ``CopyToHost`` into a pinned buffer
+    (``out``) replies as soon as the copy is enqueued, with a ``CopyDone`` to wait on instead.
     """
 
     expected_messages = "CopyToDevice, CopyToHost, CopyDeviceToDevice or Fill"
@@ -45,6 +48,9 @@ class CopyActor(LibraryActor):
 
     def _to_device(self, msg: CopyToDevice) -> None:
         self._check_refs(msg, "ref")
+        if isinstance(msg.data, PinnedBuffer):
+            self._to_device_from_pinned(msg)
+            return
         try:
             view = memoryview(msg.data)
             if "O" in view.format:
@@ -66,11 +72,13 @@ class CopyActor(LibraryActor):
 
         self._run([(msg.ref, Access.WRITE)], enqueue)
 
-    def _to_host(self, msg: CopyToHost) -> bytes:
+    def _to_host(self, msg: CopyToHost) -> bytes | CopyDone:
         self._check_refs(msg, "ref")
         nbytes = msg.ref.nbytes if msg.nbytes is None else msg.nbytes
         if type(nbytes) is not int or not 0 < nbytes <= msg.ref.nbytes:
             raise InvalidRequest(f"CopyToHost.nbytes must be an int in 1..{msg.ref.nbytes}, got {msg.nbytes!r}")
+        if msg.out is not None:
+            return self._to_pinned_host(msg, nbytes)
         out: list[bytearray] = []
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
@@ -100,3 +108,53 @@ class CopyActor(LibraryActor):
             driver.fill(blocks[0].ptr, msg.byte, blocks[0].nbytes, stream)
 
         self._run([(msg.ref, Access.WRITE)], enqueue)
+
+    # -- pinned host buffers ---------------------------------------------------------------------
+    @staticmethod
+    def _check_pinned(buf: object, field: str, ref: GpuRef, nbytes: int) -> PinnedBuffer:
+        """``buf`` when it is a live pinned buffer of ``ref``'s device and driver holding at least
+        ``nbytes``; else ``InvalidRequest`` naming ``field``."""
+        if not isinstance(buf, PinnedBuffer):
+            raise InvalidRequest(
+                f"{field}: pinned required: a PinnedBuffer from AllocatePinned, got {type(buf).__name__} "
+                "(pageable memory cannot take an asynchronous copy)"
+            )
+        if buf.released:
+            raise InvalidRequest(f"{field}: {buf!r} was released")
+        ctx = ref.context
+        if buf.driver is not ctx.driver or buf.device_ordinal != ctx.ordinal:
+            raise InvalidRequest(
+                f"{field}: {buf!r} is a pinned buffer of device {buf.device_ordinal} of a {buf.driver.kind} driver, "
+                f"not of {ref!r}'s device {ctx.ordinal} ({ctx.driver.kind} driver)"
+            )
+        if buf.nbytes < nbytes:
+            raise InvalidRequest(f"{field}: {buf!r} is smaller than the {nbytes} bytes to copy")
+        return buf
+
+    def _to_device_from_pinned(self, msg: CopyToDevice) -> None:
+        """``CopyToDevice`` from a pinned buffer: all of it, with no staging copy. The driver
+        keeps the view (and so the buffer's memory) referenced until the copy ran."""
+        buf = self._check_pinned(msg.data, "CopyToDevice.data", msg.ref, 0)
+        if buf.nbytes > msg.ref.nbytes:
+            raise InvalidRequest(f"CopyToDevice.data: {buf.nbytes} bytes do not fit in {msg.ref!r}")
+        data = buf.view()
+
+        def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
+            driver.copy_to_device(blocks[0].ptr, data, stream)
+
+        self._run([(msg.ref, Access.WRITE)], enqueue)
+
+    def _to_pinned_host(self, msg: CopyToHost, nbytes: int) -> CopyDone:
+        """``CopyToHost`` into a pinned buffer: enqueue the copy and an event after it, and reply
+        at once. The driver keeps the view (and so the buffer's memory) referenced until the copy
+        ran, so a release meanwhile frees nothing early."""
+        buf = self._check_pinned(msg.out, "CopyToHost.out", msg.ref, nbytes)
+        target = buf.view()[:nbytes]
+        done: list[CopyDone] = []
+
+        def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
+            driver.copy_to_host_into(blocks[0].ptr, target, stream)
+            done.append(CopyDone(buf, nbytes, stream.record_event()))
+
+        self._run([(msg.ref, Access.READ)], enqueue)
+        return done[0]

@@ -32,6 +32,7 @@ from ..errors import (
     InvalidRequest,
     XlogError,
 )
+from ..memory.pinned import PinnedAllocator, PinnedBuffer
 from ..memory.report import MemoryReport, memory_report
 from ..memory.stream_pool import StreamPool
 from ..runtime.device_runtime import XlogDeviceRuntime
@@ -53,7 +54,9 @@ _registry_lock = threading.Lock()
 _registry: weakref.WeakKeyDictionary[Driver, dict[int, str]] = weakref.WeakKeyDictionary()
 
 #: The messages a user may send, for the answer to one the actor does not understand.
-_PUBLIC_MESSAGES = "Allocate, AllocateMany, Free, Rebuild, Subscribe, Unsubscribe, GetStats, GetReport or GetClient"
+_PUBLIC_MESSAGES = (
+    "Allocate, AllocateMany, AllocatePinned, Free, Rebuild, Subscribe, Unsubscribe, GetStats, GetReport or GetClient"
+)
 
 
 
@@ -120,6 +123,8 @@ class DeviceActor(ResilientActor):
         self._cell = ContextCell(self._ordinal, self.actor_ref, self._lifecycle)
         self._subscribers: list[pykka.ActorRef[Any]] = []
         self._last_error: BaseException | None = None
+        # Pinned host memory is the device's, not a context's: it outlives rebuilds.
+        self._pinned = PinnedAllocator(self._driver, self._ordinal)
         with _registry_lock:
             taken = _registry.setdefault(self._driver, {})
             if self._ordinal in taken:
@@ -131,6 +136,7 @@ class DeviceActor(ResilientActor):
         self._handlers: dict[type, Callable[[Any], Any]] = {
             m.Allocate: self._on_allocate,
             m.AllocateMany: self._on_allocate_many,
+            m.AllocatePinned: self._on_allocate_pinned,
             m.Free: self._on_free,
             m.Rebuild: self._on_rebuild,
             m.Subscribe: self._on_subscribe,
@@ -359,6 +365,15 @@ class DeviceActor(ResilientActor):
         m.check_stream_and_tag(msg)
         return self._context().allocate_many(msg.sizes, msg.stream, msg.tag)
 
+    def _on_allocate_pinned(self, msg: m.AllocatePinned) -> PinnedBuffer:
+        # Checked before the context: a bad request is refused whatever the device's status.
+        if isinstance(msg.nbytes, bool) or not isinstance(msg.nbytes, int) or msg.nbytes <= 0:
+            raise InvalidRequest(f"AllocatePinned.nbytes must be a positive int, got {msg.nbytes!r}")
+        if not isinstance(msg.tag, str):
+            raise InvalidRequest(f"AllocatePinned.tag must be an AllocTag (a str), got {msg.tag!r}")
+        self._context()  # a device that is not running answers with its status's error
+        return self._pinned.allocate(msg.nbytes, msg.tag)
+
     def _on_free(self, msg: m.Free) -> None:
         ref = msg.ref
         if not isinstance(ref, GpuRef):
@@ -431,13 +446,14 @@ class DeviceActor(ResilientActor):
                 live = len(ctx.blocks)
                 stack = ctx.runtime.describe()
                 mem_free, mem_total = self._driver.mem_info(self._ordinal)
-                report = memory_report(ctx.runtime.resource).as_dict()
+                report = memory_report(ctx.runtime.resource, self._pinned.usage()).as_dict()
                 del report["blocks"]  # the groups say it in a size that does not grow per block
             except (ContextLost, ContextPoisoned) as exc:
                 # A report is what a caller asks for to learn the device's state: act on the
                 # failure, then report the state it left.
                 self._after_failure(exc, counting=True)
                 return self._on_stats(msg)
+        pinned = self._pinned.usage()
         return m.DeviceStats(
             device_id=self._ordinal,
             generation=self._lifecycle.state.generation,
@@ -450,12 +466,15 @@ class DeviceActor(ResilientActor):
             mem_free=mem_free,
             mem_total=mem_total,
             report=report,
+            pinned_count=pinned.count,
+            pinned_bytes=pinned.nbytes,
+            pinned_by_tag=pinned.as_dict()["by_tag"],
         )
 
     def _on_report(self, _msg: m.GetReport) -> MemoryReport:
         ctx = self._context()
         ctx.drain_reclaims()
-        return memory_report(ctx.runtime.resource)
+        return memory_report(ctx.runtime.resource, self._pinned.usage())
 
     def _on_client(self, _msg: m.GetClient) -> DeviceClient:
         return DeviceClient(self._cell)

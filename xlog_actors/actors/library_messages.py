@@ -9,17 +9,22 @@ used), ``ContextLost``/``ContextPoisoned`` (reported to the device's supervisor 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..driver.kernel import Kernel
+from ..driver.protocol import Event
+from ..errors import InvalidRequest
 from ..memory.block import Access
+from ..memory.pinned import PinnedBuffer
 from .gpu_ref import GpuRef
 
 __all__ = [
     "BufferArg",
     "CopyDeviceToDevice",
+    "CopyDone",
     "CopyToDevice",
     "CopyToHost",
     "Fill",
@@ -35,10 +40,13 @@ class CopyToDevice:
     """Copy host bytes to the start of a device allocation.
 
     Fields: ``ref``, the ``GpuRef`` written; ``data``, a C-contiguous buffer of plain data
-    (bytes, bytearray, a numpy array of any non-object dtype), 1 to ``ref.nbytes`` bytes long.
+    (bytes, bytearray, a numpy array of any non-object dtype), 1 to ``ref.nbytes`` bytes long;
+    or a ``PinnedBuffer`` of the same device, copied whole with no staging copy (leave its bytes
+    alone until the copy ran).
     Reply: None once the copy is enqueued; ``ref.last_write_stream`` names the actor's stream.
     Errors: ``InvalidRequest`` naming ``ref`` or ``data`` (not a buffer, an object array, not
-    contiguous, empty, longer than the allocation).
+    contiguous, empty, longer than the allocation; a ``PinnedBuffer`` released or of another
+    device or driver).
     """
 
     ref: GpuRef
@@ -49,13 +57,82 @@ class CopyToDevice:
 class CopyToHost:
     """Copy the start of a device allocation to the host.
 
-    Fields: ``ref``, the ``GpuRef`` read; ``nbytes``, an int in 1..``ref.nbytes`` (None: all).
-    Reply: ``bytes``, once they are on the host (every earlier write to ``ref`` is waited for).
-    Errors: ``InvalidRequest`` naming ``ref`` or ``nbytes``.
+    Fields: ``ref``, the ``GpuRef`` read; ``nbytes``, an int in 1..``ref.nbytes`` (None: all);
+    ``out``, None or a ``PinnedBuffer`` of the same device (from ``AllocatePinned``, not
+    released) of at least ``nbytes`` bytes, whose first ``nbytes`` bytes receive the copy.
+    Reply: without ``out``, ``bytes`` once they are on the host. With ``out``, a ``CopyDone``
+    as soon as the copy is enqueued, with no synchronize: wait on it before reading ``out``.
+    Either way the copy is ordered after every earlier write to ``ref``.
+    Errors: ``InvalidRequest`` naming ``ref``, ``nbytes`` or ``out`` (pageable memory where
+    pinned is required, a buffer too small, of another device or driver, or released); nothing
+    is enqueued then.
     """
 
     ref: GpuRef
     nbytes: int | None = None
+    out: PinnedBuffer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyDone:
+    """The completion of one ``CopyToHost`` into a pinned buffer: an event recorded on the copy
+    actor's stream right after the copy.
+
+    Waiting on it waits for that copy alone (and the work queued before it on the same stream),
+    never for the device. The pinned buffer stays allocated until the copy ran, even if it is
+    released meanwhile.
+
+    Fields: ``out``, the destination buffer; ``nbytes``, how many bytes land at its start;
+    ``event``, the driver event recorded after the copy (a stream of the same driver may wait on
+    it with ``Stream.wait``, to order device work after the copy without blocking the host).
+
+    Thread rule: any thread; several threads may wait on one.
+    """
+
+    out: PinnedBuffer
+    nbytes: int
+    event: Event = field(repr=False)
+
+    def done(self) -> bool:
+        """Whether the bytes have landed; never blocks.
+
+        Returns:
+            True once the copy ran.
+        Raises:
+            DriverError: the device's context was rebuilt or its driver closed before the copy
+                was seen to complete (the bytes of ``out`` are then undefined).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        return self.event.query()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the bytes have landed in ``out``.
+
+        Args:
+            timeout: seconds to wait at most (a non-negative number); None waits as long as the
+                copy takes.
+        Raises:
+            TimeoutError: the copy had not run within ``timeout``.
+            InvalidRequest: ``timeout`` is not a non-negative number.
+            DriverError: the device's context was rebuilt or its driver closed before the copy
+                was seen to complete (the bytes of ``out`` are then undefined).
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        if timeout is None:
+            self.event.synchronize()
+            return
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise InvalidRequest(f"CopyDone.wait: timeout must be a non-negative number or None, got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while not self.event.query():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self!r}: the copy had not run after {timeout} s")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 1e-3)
 
 
 @dataclass(frozen=True, slots=True)

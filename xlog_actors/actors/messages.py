@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Allocate",
     "AllocateMany",
+    "AllocatePinned",
     "Attach",
     "DeviceStats",
     "Free",
@@ -53,6 +54,22 @@ class Allocate:
 
     nbytes: int
     stream: StreamId = StreamId.DEFAULT
+    tag: AllocTag = AllocTag.UNTAGGED
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatePinned:
+    """Allocate a pinned (page-locked) host buffer through the device.
+
+    Fields: ``nbytes`` (a positive int), ``tag`` (a str, grouped by in the memory report).
+    Reply: a ``PinnedBuffer`` of ``nbytes`` bytes, a copy source (``CopyToDevice.data``) and
+    destination (``CopyToHost.out``) with no staging copy. It outlives context rebuilds; its
+    memory is freed once it is released and no copy uses it any more.
+    Errors: ``InvalidRequest`` (a bad field; nothing is allocated), ``OutOfMemory`` (the host
+    cannot lock that much), ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
+    """
+
+    nbytes: int
     tag: AllocTag = AllocTag.UNTAGGED
 
 
@@ -153,8 +170,8 @@ class GetReport:
     """Ask for a memory report of the device's stack.
 
     Fields: none.
-    Reply: a ``MemoryReport`` listing every live block with its tag, stream and age
-    (``.format()`` renders it; ``.as_dict()`` is JSON-ready).
+    Reply: a ``MemoryReport`` listing every live block with its tag, stream and age, and the
+    device's pinned host memory by tag (``.format()`` renders it; ``.as_dict()`` is JSON-ready).
     Errors: ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
     """
 
@@ -179,7 +196,10 @@ class DeviceStats:
     ``poisoned`` or ``stopped``); ``driver`` (its kind); ``stack`` (the resource stack's
     description); ``mem_free``/``mem_total`` (the driver's figures, None when not running);
     ``report``: the memory report without its per-block list (statistics, budget, live blocks
-    grouped by tag and by stream with the oldest age; ``GetReport`` has every block).
+    grouped by tag and by stream with the oldest age, and ``"pinned"``; ``GetReport`` has every
+    block); ``pinned_count``/``pinned_bytes``/``pinned_by_tag`` (tag -> ``{"count", "nbytes"}``):
+    the device's pinned host buffers not yet freed (a released buffer counts until its last copy
+    ran), reported whatever the device's status.
     """
 
     device_id: int
@@ -193,6 +213,9 @@ class DeviceStats:
     mem_free: int | None = None
     mem_total: int | None = None
     report: dict[str, Any] = field(default_factory=dict)
+    pinned_count: int = 0
+    pinned_bytes: int = 0
+    pinned_by_tag: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,6 +321,59 @@ class Driver(Protocol[S, E_co]):
         """
         ...
 
+    # Page-locked host memory: cuMemHostAlloc / cuMemFreeHost. Portable: usable with every
+    # context of the process, and it outlives a context rebuild; ``close`` frees what is left.
+    def alloc_pinned(self, ordinal: int, nbytes: int) -> int:
+        """Allocate ``nbytes`` of page-locked host memory through device ``ordinal``.
+
+        Copies to and from it are truly asynchronous and need no staging copy. The memory is
+        portable (``CU_MEMHOSTALLOC_PORTABLE``): a context rebuild does not free it, and any
+        device of this driver may copy to or from it. It is at least 4096-byte aligned.
+
+        Args:
+            ordinal: the device whose context allocates it.
+            nbytes: a positive byte count.
+        Returns:
+            The host address of its first byte.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int, or a bad ordinal.
+            OutOfMemory: the host cannot lock ``nbytes`` more bytes (``.requested`` says how many).
+        Thread rule: any thread.
+        """
+        ...
+
+    def free_pinned(self, ordinal: int, ptr: int) -> None:
+        """Free an ``alloc_pinned`` pointer. The caller makes sure no copy still uses it.
+
+        Args:
+            ordinal: the device it was allocated through.
+            ptr: a live pointer from ``alloc_pinned`` of this driver and device.
+        Raises:
+            DriverError: ``ptr`` is no live ``alloc_pinned`` pointer of this driver and device
+                (freed already, or foreign); nothing is freed then.
+        Thread rule: any thread, finalizers included: it takes no lock another driver call
+        holds while it could run a finalizer, and never makes a context current in the caller.
+        """
+        ...
+
+    def pinned_view(self, ptr: int, nbytes: int) -> memoryview:
+        """A writable byte view of the first ``nbytes`` of a live ``alloc_pinned`` allocation.
+
+        The view does not keep the allocation alive: the caller keeps it so until the view and
+        everything made from it are gone.
+
+        Args:
+            ptr: a live pointer from ``alloc_pinned`` of this driver.
+            nbytes: how many bytes to view, 1 to the allocation's size.
+        Returns:
+            A writable ``memoryview`` of format ``"B"``.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int.
+            DriverError: ``ptr`` is no live ``alloc_pinned`` pointer, or ``nbytes`` exceeds it.
+        Thread rule: any thread.
+        """
+        ...
+
     def copy_to_device(self, ptr: int, data: Buffer, stream: S) -> None:
         """Enqueue a host-to-device copy of ``data`` to ``ptr``.
 

@@ -9,6 +9,7 @@ from .device_bound import DeviceBound
 from .direct import DirectCudaResource
 from .event_pool import EventPool
 from .figures import AllocationFigures, AllocationStatistics
+from .pinned import PinnedAllocator, PinnedBuffer, PinnedUsage
 from .resource import DeviceMemoryResource
 from .sizes import format_size, human_bytes, parse_size
 from .stream_pool import StreamPool
@@ -28,6 +29,9 @@ __all__ = [
     "EventPool",
     "Generation",
     "LiveBlock",
+    "PinnedAllocator",
+    "PinnedBuffer",
+    "PinnedUsage",
     "StreamId",
     "StreamPool",
     "format_size",

@@ -18,13 +18,14 @@ operations apart while other threads allocate.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from ..errors import OutOfMemory, XlogError
 from .block import AllocTag, DeviceBlock, LiveBlock, StreamId
 from .figures import AllocationStatistics
+from .pinned import PinnedUsage
 from .resource import DeviceMemoryResource
 from .sizes import human_bytes
 
@@ -57,7 +58,9 @@ class MemoryReport:
     ``by_stream`` are then empty. ``free_bytes``/``total_bytes`` are None where the stack
     exposes no driver or the driver could not answer (``mem_info_error`` says why).
     ``statistics`` is None where the stack has no statistics adaptor, ``budget_limit`` where it
-    has no budget.
+    has no budget. ``pinned_count``/``pinned_bytes``/``pinned_by_tag`` are the device's pinned
+    host memory not yet freed (zero where the report was taken without it; the device actor's
+    reports always include it).
 
     Immutable; any thread.
     """
@@ -74,6 +77,9 @@ class MemoryReport:
     blocks: tuple[LiveBlock, ...] | None
     by_tag: Mapping[AllocTag, GroupSummary]
     by_stream: Mapping[StreamId, GroupSummary]
+    pinned_count: int = 0
+    pinned_bytes: int = 0
+    pinned_by_tag: Mapping[AllocTag, GroupSummary] = field(default_factory=lambda: MappingProxyType({}))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output).
@@ -110,6 +116,11 @@ class MemoryReport:
             ],
             "by_tag": {str(t): _group(g) for t, g in self.by_tag.items()},
             "by_stream": {str(int(s)): _group(g) for s, g in self.by_stream.items()},
+            "pinned": {
+                "count": self.pinned_count,
+                "nbytes": self.pinned_bytes,
+                "by_tag": {str(t): _group(g) for t, g in self.pinned_by_tag.items()},
+            },
         }
 
     def format(self) -> str:
@@ -131,6 +142,13 @@ class MemoryReport:
         if self.budget_limit is not None:
             line += f"; budget {human_bytes(self.budget_limit)}"
         lines.append(line)
+        if self.pinned_count:
+            tags = ", ".join(
+                f"{t} {human_bytes(g.nbytes)} in {g.count}"
+                for t, g in sorted(self.pinned_by_tag.items(), key=lambda kv: -kv[1].nbytes)
+            )
+            total = human_bytes(self.pinned_bytes)
+            lines.append(f"  pinned host memory: {self.pinned_count} buffers, {total} ({tags})")
         if self.statistics is not None:
             s = self.statistics
             lines.append(
@@ -199,11 +217,12 @@ def _mem_info(
     return driver.kind, free, total, None
 
 
-def memory_report(resource: DeviceMemoryResource) -> MemoryReport:
+def memory_report(resource: DeviceMemoryResource, pinned: PinnedUsage | None = None) -> MemoryReport:
     """A snapshot of ``resource`` (any stack, or a base resource alone).
 
     Args:
         resource: the outermost resource of the stack.
+        pinned: the device's pinned host memory (``PinnedAllocator.usage()``); None reports none.
     Returns:
         The :class:`MemoryReport`; a driver that cannot report its free memory gives its error
         text in ``mem_info_error`` instead of failing the report.
@@ -228,6 +247,11 @@ def memory_report(resource: DeviceMemoryResource) -> MemoryReport:
         blocks=blocks,
         by_tag=MappingProxyType(_summarize(blocks, "tag") if blocks else {}),
         by_stream=MappingProxyType(_summarize(blocks, "stream") if blocks else {}),
+        pinned_count=0 if pinned is None else pinned.count,
+        pinned_bytes=0 if pinned is None else pinned.nbytes,
+        pinned_by_tag=MappingProxyType(
+            {} if pinned is None else {t: GroupSummary(c, n, None) for t, (c, n) in pinned.by_tag.items()}
+        ),
     )
 
 

@@ -34,7 +34,8 @@ from ..checks import check_nbytes, writable_bytes
 from ..protocol import Buffer
 from .call import SUCCESS, cu
 from .context import tls
-from .gates import CudaGates, check_ptr
+from .gates import check_ptr
+from .host_memory import CudaHostMemory
 from .streams import CudaStream
 
 __all__ = ["CudaMemory"]
@@ -45,9 +46,10 @@ def _address(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-class CudaMemory(CudaGates):
+class CudaMemory(CudaHostMemory):
     """The memory half of :class:`~xlog_actors.driver.cuda.CudaDriver`: allocation, copies and
-    fills. Pointers are plain ints (device virtual addresses).
+    fills (pinned host memory: its base, :class:`~.host_memory.CudaHostMemory`). Pointers are
+    plain ints (device virtual addresses).
 
     Every method taking a stream raises ``InvalidRequest`` when it is no ``CudaStream`` of this
     driver, ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``) when it was closed or its context

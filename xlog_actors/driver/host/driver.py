@@ -44,6 +44,7 @@ from ..protocol import Buffer
 from .device import FAULT_KINDS, FaultKind, HostDevice
 from .launch import KernelMemory, kernel_work
 from .memory import align_up
+from .pinned import HostPinnedTable
 from .stream import HostEvent, HostStream
 
 __all__ = ["HostDriver"]
@@ -93,6 +94,7 @@ class HostDriver:
             HostDevice(i, _BASE + i * _DEVICE_WINDOW, self._memory_per_device) for i in range(device_count)
         ]
         self._closed = False
+        self._pinned = HostPinnedTable()
         _live_drivers.add(self)
 
     def __repr__(self) -> str:
@@ -258,16 +260,60 @@ class HostDriver:
         """
         self._stream_device(stream).free_async(ptr, stream)
 
+    # -- pinned host memory -----------------------------------------------------------------
+    def alloc_pinned(self, ordinal: int, nbytes: int) -> int:
+        """Allocate ``nbytes`` of 4096-aligned host memory through device ``ordinal``; a rebuild
+        of its context leaves it alone, ``close`` drops it.
+
+        Returns:
+            Its host address.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int, or a bad ordinal.
+            OutOfMemory: the host cannot give ``nbytes``, or an injected ``"oom"`` fault.
+            DriverError, ContextLost, ContextPoisoned: from the gate.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes, "pinned allocation size")
+        self._gate(ordinal, nbytes)
+        return self._pinned.alloc(ordinal, nbytes)
+
+    def free_pinned(self, ordinal: int, ptr: int) -> None:
+        """Free an ``alloc_pinned`` pointer; a view still held keeps the bytes readable (they are
+        Python memory), but the allocation is gone from the driver's table.
+
+        Raises:
+            InvalidRequest: a bad ordinal.
+            DriverError: ``ptr`` is no live pinned allocation of device ``ordinal`` (freed already,
+                or foreign: nothing changes), or the driver is closed.
+        Thread rule: any thread, finalizers included (no fault is counted, no gate taken).
+        """
+        self._device(ordinal)
+        self._pinned.free(ordinal, ptr)
+
+    def pinned_view(self, ptr: int, nbytes: int) -> memoryview:
+        """A writable byte view of the first ``nbytes`` of a live ``alloc_pinned`` allocation.
+
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive int.
+            DriverError: ``ptr`` is no live pinned allocation, or ``nbytes`` exceeds it.
+        Thread rule: any thread.
+        """
+        return self._pinned.view(ptr, nbytes)
+
     # -- copies and work --------------------------------------------------------------------
     def copy_to_device(self, ptr: int, data: Buffer, stream: HostStream) -> None:
-        """Enqueue a copy of ``data`` (snapshotted now) to ``ptr``.
+        """Enqueue a copy of ``data`` to ``ptr``: snapshotted now, as CUDA stages pageable memory,
+        or read when the copy runs where ``data`` lies in pinned memory (as CUDA reads it).
 
         Raises:
             DriverError: ``CUDA_ERROR_INVALID_VALUE`` for a range outside device memory; and
                 whatever the gate raises.
-        Thread rule: any thread.
+        Thread rule: any thread; the bytes of a pinned ``data`` must stay put until the copy ran.
         """
-        snapshot = bytes(memoryview(data).cast("B"))
+        view = memoryview(data).cast("B")
+        # Pinned bytes are read when the copy runs; the queued work holds the view (and so the
+        # pinned memory's owner) until then.
+        snapshot: bytes | memoryview = view if self._pinned.holds(view) else bytes(view)
         dev = self._stream_device(stream)
         offset = dev.offset_of(ptr, len(snapshot), "copy to device")
         arena = dev.arena
@@ -405,6 +451,7 @@ class HostDriver:
         self._closed = True
         for dev in self._devices:
             dev.shutdown()
+        self._pinned.clear()
         _live_drivers.discard(self)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
