@@ -13,8 +13,10 @@ from .actors import (
     EXIT_POISONED,
     Allocate,
     AllocateMany,
+    AllocatePinned,
     CopyActor,
     CopyDeviceToDevice,
+    CopyDone,
     CopyToDevice,
     CopyToHost,
     DeviceActor,
@@ -40,8 +42,6 @@ from .actors import (
     exit_process,
     stop_device,
 )
-from .actors.library_messages import CopyDone
-from .actors.messages import AllocatePinned
 from .driver import (
     Driver,
     Event,
@@ -59,6 +59,7 @@ from .errors import (
     DeviceUnavailable,
     DriverError,
     GpuRefStale,
+    IllegalTransition,
     InvalidRequest,
     OutOfMemory,
     ResourceError,
@@ -138,6 +139,7 @@ __all__ = [
     "GuardResource",
     "HostDriver",
     "In",
+    "IllegalTransition",
     "InOut",
     "InvalidRequest",
     "Kernel",

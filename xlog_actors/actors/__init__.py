@@ -12,6 +12,7 @@ from .gpu_ref import GpuRef
 from .kernel_actor import KernelActor
 from .library_messages import (
     CopyDeviceToDevice,
+    CopyDone,
     CopyToDevice,
     CopyToHost,
     Fill,
@@ -24,6 +25,7 @@ from .lifecycle import DeviceLifecycle, DeviceStatus
 from .messages import (
     Allocate,
     AllocateMany,
+    AllocatePinned,
     DeviceStats,
     Free,
     GenerationChanged,
@@ -40,8 +42,10 @@ __all__ = [
     "EXIT_POISONED",
     "Allocate",
     "AllocateMany",
+    "AllocatePinned",
     "CopyActor",
     "CopyDeviceToDevice",
+    "CopyDone",
     "CopyToDevice",
     "CopyToHost",
     "DeviceActor",

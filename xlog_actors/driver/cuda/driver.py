@@ -416,6 +416,7 @@ class CudaDriver(CudaMemory):
             if self._closed:
                 return
             self._closed = True
+        self.free_pinned_leftovers()  # before the contexts go: a context takes its pinned memory with it
         for dev in self._devices:
             dev.close()
 
