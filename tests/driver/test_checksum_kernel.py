@@ -5,8 +5,6 @@ host device as the illegal address would a GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
