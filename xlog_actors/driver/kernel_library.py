@@ -76,6 +76,19 @@ def _f32(value: float) -> np.float32:
     return single
 
 
+def _fits_shared_partials(name: str, block: Dim3, most: int) -> None:
+    """A reduction kernel keeps one shared partial sum per thread: a block of more threads than
+    it has partials indexes past their end on the GPU, which the host reports as the illegal
+    address it is."""
+    threads = block[0] * block[1] * block[2]
+    if threads > most:
+        raise DriverError(
+            f"{name} with {threads} threads per block writes past its {most} shared partial sums "
+            "(an illegal address)",
+            code="CUDA_ERROR_ILLEGAL_ADDRESS",
+        )
+
+
 def _fill_host(mem: DeviceMemoryView, _grid: Any, _block: Any, out: int, value: float, n: int) -> None:
     mem.array(out, n, np.float32)[:] = _f32(value)
 
@@ -146,14 +159,7 @@ extern "C" __global__ void xlog_axpy_f32(float* y, const float* x, float a, unsi
 
 
 def _sum_host(mem: DeviceMemoryView, _grid: Any, block: Dim3, out: int, x: int, n: int) -> None:
-    threads = block[0] * block[1] * block[2]
-    if threads > SUM_F32_MAX_BLOCK:
-        # The GPU kernel would index its shared partial sums past their end.
-        raise DriverError(
-            f"xlog_sum_f32 with {threads} threads per block writes past its {SUM_F32_MAX_BLOCK} shared "
-            "partial sums (an illegal address)",
-            code="CUDA_ERROR_ILLEGAL_ADDRESS",
-        )
+    _fits_shared_partials("xlog_sum_f32", block, SUM_F32_MAX_BLOCK)
     # Adds into one double, as the GPU kernel's atomicAdd does (zero ``out`` first). The order of
     # additions differs from the GPU's; both are exact for integer-valued data.
     mem.array(out, 1, np.float64)[0] += mem.array(x, n, np.float32).sum(dtype=np.float64)
@@ -207,14 +213,7 @@ def checksum_u32(data: Any) -> int:
 
 
 def _checksum_host(mem: DeviceMemoryView, _grid: Any, block: Dim3, out: int, x: int, n: int) -> None:
-    threads = block[0] * block[1] * block[2]
-    if threads > CHECKSUM_U32_MAX_BLOCK:
-        # The GPU kernel would index its shared partial sums past their end.
-        raise DriverError(
-            f"xlog_checksum_u32 with {threads} threads per block writes past its {CHECKSUM_U32_MAX_BLOCK} "
-            "shared partial sums (an illegal address)",
-            code="CUDA_ERROR_ILLEGAL_ADDRESS",
-        )
+    _fits_shared_partials("xlog_checksum_u32", block, CHECKSUM_U32_MAX_BLOCK)
     acc = mem.array(out, 1, np.uint64)
     # Array additions wrap silently modulo 2**64, as the GPU's unsigned atomicAdd does.
     np.add(acc, mem.array(x, n, np.uint32).sum(dtype=np.uint64), out=acc)
