@@ -12,12 +12,14 @@ The inputs are built once, before timing starts (:class:`~.batches.BatchData`). 
 verified exactly, off the critical path: the kernel actor launches ``CHECKSUM_U32`` over the output
 after ``SCALE_ADD_F32``, adding into the slot's 8-byte running sum (zeroed once, when the slot is
 allocated); those 8 bytes come back with the output, and what the batch added is compared with
-the checksum computed once per distinct input. The first and the last batch
-are also compared byte for byte with the host reference, so a checksum collision cannot hide a
-wrong result.
+the checksum computed once per distinct input. The first and the last batch are also compared
+byte for byte with the host reference, so a checksum collision cannot hide a wrong result.
 
 A stage that meets a stale handle (a ``Rebuild`` mid-run) reports it; the batch is run again on
 newly allocated buffers.
+
+Past 400 lines because one run is one concept: the ring, the batches in flight, their stale
+retries and verification share one state, and the host-memory seams sit beside the one user.
 """
 
 from __future__ import annotations
@@ -97,24 +99,31 @@ class PipelineResult:
         return self.batches * self.batch_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-# The host-memory seams. Host buffers come from ``_host_buffer`` and copies back go through
-# ``_copy_back``/``_landed``: the only places that know whether host memory is pinned.
+# The host-memory seams: host buffers come from ``_host_buffer`` (viewed through ``_host_array``)
+# and copies back go through ``_copy_back``/``_landed``. They are the only code that knows whether
+# host memory is pinned; everything else holds the buffer objects they hand out.
 
 
-def _host_buffer(device: pykka.ActorRef[Any], nbytes: int) -> np.ndarray:
-    """A host buffer of ``nbytes`` (uint8) for inputs and copies back; pageable for now."""
+def _host_buffer(device: pykka.ActorRef[Any], nbytes: int) -> Any:
+    """A host buffer of ``nbytes`` for inputs and copies back (pageable for now)."""
     del device  # pinned memory will be allocated through the device
     return numpy_buffer(nbytes)
 
 
-def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: np.ndarray) -> Any:
-    """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` to the host (into ``out`` where the copy can
-    land in place); the future of its reply."""
-    del out  # CopyToHost hands back new bytes
+def _host_array(buffer: Any) -> np.ndarray:
+    """``buffer`` (from ``_host_buffer``) as a uint8 numpy array over the same bytes."""
+    array: np.ndarray = buffer
+    return array
+
+
+def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: Any) -> Any:
+    """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` to the host (into ``out``, a buffer from
+    ``_host_buffer``, where the copy can land in place); the future of its reply."""
+    del out  # this CopyToHost hands back new bytes
     return copy_out.ask(CopyToHost(ref, nbytes), block=False)
 
 
-def _landed(reply: Any, out: np.ndarray) -> Buffer:
+def _landed(reply: Any, out: Any) -> Buffer:
     """The bytes of a copy back, once they are on the host, from its reply and its buffer."""
     del out
     data: bytes = reply
@@ -128,13 +137,15 @@ class _Slot:
     inp: GpuRef
     out: GpuRef
     sums: GpuRef
-    host_out: np.ndarray
-    host_sums: np.ndarray
+    host_out: Any  # from _host_buffer, as host_sums
+    host_sums: Any
     total: int = 0  # the running checksum the device holds after the slot's last verified batch
 
 
 @dataclass
 class _Batch:
+    """A batch in flight: its ring slot, its stage and the futures of that stage's replies."""
+
     index: int
     slot: int
     stage: int  # 0: copy in sent; 1: kernels sent; 2: copies back sent
@@ -176,6 +187,7 @@ class _Run:
 
     @property
     def done(self) -> int:
+        """Batches verified or found wrong."""
         return self.verified + len(self.mismatched)
 
     def slot(self, s: int) -> _Slot:
@@ -337,7 +349,14 @@ def run_pipeline(
         # depth + 1 distinct inputs: a ring slot never gets the input it held before, so a kernel
         # that reads its input too early (tracking off) reads the wrong numbers.
         dev = device
-        data = BatchData(cfg.depth + 1, cfg.batch_bytes, lambda nbytes: _host_buffer(dev, nbytes))
+
+        def input_buffer(nbytes: int) -> np.ndarray:
+            buffer = _host_buffer(dev, nbytes)
+            inputs.append(buffer)  # the owner stays referenced until the run ends
+            return _host_array(buffer)
+
+        inputs: list[Any] = []
+        data = BatchData(cfg.depth + 1, cfg.batch_bytes, input_buffer)
         started.append(CopyActor.start(device, track=cfg.track))
         started.append(KernelActor.start(device, track=cfg.track))
         started.append(CopyActor.start(device, track=cfg.track))
