@@ -71,8 +71,8 @@ def test_a_checksum_collision_cannot_hide_a_wrong_first_or_last_batch(
     nbytes = 1 << 14
     real = pipeline._landed
 
-    def swapped(reply: object, out: object) -> object:
-        data = bytearray(real(reply, out))  # type: ignore[arg-type]  # test double: any reply
+    def swapped(reply: object, out: object, timeout: float) -> object:
+        data = bytearray(real(reply, out, timeout))  # type: ignore[arg-type]  # test double: any reply
         if len(data) == nbytes:
             data[0:4], data[4:8] = data[4:8], data[0:4]  # same words, same sum: a collision
         return bytes(data)
@@ -179,3 +179,17 @@ def test_batch_data_is_built_once_and_checks_its_arguments() -> None:
     for count, nbytes in ((0, 1024), (1, 0), (1, 6)):
         with pytest.raises(ValueError, match="BatchData"):
             BatchData(count, nbytes)
+
+
+@pytest.mark.parametrize("where", ["warm-up", "copy in"])
+def test_a_ring_that_does_not_fit_fails_with_the_allocation_error(
+    host_driver: xa.HostDriver, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """8 buffer sets of 2 x 8 MiB on a 64 MiB device: the allocation's error ends the run, named,
+    whether the ring is allocated up front (warm-up) or slot by slot as batches start."""
+    if where == "copy in":
+        monkeypatch.setattr(pipeline._Run, "warm_up", lambda self: None)
+    result = run_pipeline(host_driver, PipelineConfig(batches=10, batch_bytes=8 << 20, depth=8, timeout_s=60))
+    assert not result.ok and result.verified < 10
+    assert len(result.errors) == 1 and result.errors[0].startswith(where), result.errors
+    assert "OutOfMemory" in result.errors[0] or "Budget" in result.errors[0], result.errors

@@ -123,9 +123,10 @@ def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: Any
     return copy_out.ask(CopyToHost(ref, nbytes), block=False)
 
 
-def _landed(reply: Any, out: Any) -> Buffer:
-    """The bytes of a copy back, once they are on the host, from its reply and its buffer."""
-    del out
+def _landed(reply: Any, out: Any, timeout: float) -> Buffer | None:
+    """The bytes of a copy back from its reply and its buffer, once they are on the host; None if
+    they have not landed within ``timeout`` seconds (this reply is the bytes: always landed)."""
+    del out, timeout
     data: bytes = reply
     return data
 
@@ -260,7 +261,11 @@ class _Run:
                 _copy_back(self.copy_out, slot.sums, _SUM_BYTES, slot.host_sums),
             ]
         else:
-            self._verify(batch.index, slot, _landed(results[0], slot.host_out), _landed(results[1], slot.host_sums))
+            output = _landed(results[0], slot.host_out, timeout)
+            sums = None if output is None else _landed(results[1], slot.host_sums, timeout)
+            if output is None or sums is None:
+                return False
+            self._verify(batch.index, slot, output, sums)
             self._retire(batch)
             return True
         batch.stage += 1
@@ -301,7 +306,12 @@ class _Run:
         moved, wait up to ``timeout`` s: for a quick reply (an enqueue) when one is due, else for
         the oldest batch's copy back."""
         while self.free and self.todo and not self.errors:
-            self.start(self.todo.popleft(), self.free.popleft())
+            index, s = self.todo.popleft(), self.free.popleft()
+            try:
+                self.start(index, s)
+            except XlogError as exc:  # allocating the slot's buffers, or the rebuild, failed
+                self.free.append(s)
+                self.errors.append(f"copy in, batch {index}: {exc!r}")
         moved = False
         for batch in list(self.inflight):
             moved |= self.advance(batch, 0)
