@@ -193,3 +193,12 @@ def test_a_ring_that_does_not_fit_fails_with_the_allocation_error(
     assert not result.ok and result.verified < 10
     assert len(result.errors) == 1 and result.errors[0].startswith(where), result.errors
     assert "OutOfMemory" in result.errors[0] or "Budget" in result.errors[0], result.errors
+
+
+def test_a_failed_rebuild_ends_the_run_with_its_error(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device refuses the rebuild (here: a reason that is not a str): the run stops, says so,
+    and the batches already in flight still finish before the actors stop."""
+    monkeypatch.setattr(pipeline, "Rebuild", lambda reason: xa.Rebuild(reason=None))  # type: ignore[arg-type]  # a bad field on purpose
+    result = run_pipeline(driver, PipelineConfig(batches=8, batch_bytes=1 << 12, rebuild_at=2, timeout_s=60))
+    assert not result.ok and result.generation == 0
+    assert len(result.errors) == 1 and result.errors[0].startswith("rebuild at batch 2: InvalidRequest"), result.errors

@@ -232,7 +232,10 @@ class _Run:
         if self.cfg.rebuild_at == index and not self.rebuilt:
             self.rebuilt = True
             _outcome(future, self.cfg.timeout_s)  # the copy is enqueued (or failed) before the rebuild
-            self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
+            try:
+                self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
+            except XlogError as exc:
+                self.errors.append(f"rebuild at batch {index}: {exc!r}")
 
     def _slow_producer(self, ref: GpuRef) -> None:
         # A spin on the copy actor's stream before the copy: what tracking must order after.
@@ -309,7 +312,7 @@ class _Run:
             index, s = self.todo.popleft(), self.free.popleft()
             try:
                 self.start(index, s)
-            except XlogError as exc:  # allocating the slot's buffers, or the rebuild, failed
+            except XlogError as exc:  # allocating the slot's buffers failed: nothing was sent
                 self.free.append(s)
                 self.errors.append(f"copy in, batch {index}: {exc!r}")
         moved = False
