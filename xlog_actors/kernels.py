@@ -9,7 +9,7 @@ and a numpy twin the host driver runs on the stream's thread, so results compare
 does not fit them, or whose grid or block exceeds the device's limits, is refused before it runs,
 on both drivers alike.
 
-The kernels, all over ``float32`` data of ``n`` elements:
+The kernels, over ``float32`` data of ``n`` elements unless they say otherwise:
 
 ``FILL_F32``: ``(out: ptr, value: f32, n: u64)``
     ``out[i] = value``.
@@ -17,6 +17,11 @@ The kernels, all over ``float32`` data of ``n`` elements:
     ``out[i] = alpha * x[i] + beta``; ``out`` may be ``x``.
 ``AXPY_F32``: ``(y: ptr, x: ptr, a: f32, n: u64)``
     ``y[i] = a * x[i] + y[i]``.
+``CHECKSUM_U32``: ``(out: ptr, x: ptr, n: u64)``, over ``n`` 32-bit words of any data
+    ``*out += sum(x)`` modulo 2**64, where ``out`` is one ``uint64`` (fill it with zeros first):
+    an exact checksum whatever the launch shape, so a batch can be verified on the device and only
+    8 bytes come back. ``checksum_u32(data)`` is its host reference. At most
+    :data:`CHECKSUM_U32_MAX_BLOCK` (256) threads per block, of any shape.
 ``SUM_F32``: ``(out: ptr, x: ptr, n: u64)``
     ``*out += sum(x)``, where ``out`` is one ``float64`` (fill it with zeros first). Its block
     must be a power of two of at most :data:`SUM_F32_MAX_BLOCK` (256) threads, as
@@ -40,10 +45,22 @@ Thread rule: the kernels are immutable and ``launch_shape`` is pure; any thread 
 from __future__ import annotations
 
 from .driver.kernel import PARAM_DTYPES, DeviceMemoryView, Kernel, ParamKind
-from .driver.kernel_library import AXPY_F32, FILL_F32, SCALE_ADD_F32, SUM_F32, SUM_F32_MAX_BLOCK, launch_shape
+from .driver.kernel_library import (
+    AXPY_F32,
+    CHECKSUM_U32,
+    CHECKSUM_U32_MAX_BLOCK,
+    FILL_F32,
+    SCALE_ADD_F32,
+    SUM_F32,
+    SUM_F32_MAX_BLOCK,
+    checksum_u32,
+    launch_shape,
+)
 
 __all__ = [
     "AXPY_F32",
+    "CHECKSUM_U32",
+    "CHECKSUM_U32_MAX_BLOCK",
     "FILL_F32",
     "PARAM_DTYPES",
     "SCALE_ADD_F32",
@@ -52,5 +69,6 @@ __all__ = [
     "DeviceMemoryView",
     "Kernel",
     "ParamKind",
+    "checksum_u32",
     "launch_shape",
 ]

@@ -2,20 +2,85 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.cli import main
+from xlog_actors.cli import batches, main, pipeline
+from xlog_actors.cli.batches import BatchData
 from xlog_actors.cli.pipeline import PipelineConfig, run_pipeline
+from xlog_actors.cli.raw_pipeline import raw_pipeline
+from xlog_actors.kernels import checksum_u32
 
 
 def test_pipeline_is_correct_with_no_explicit_synchronization(driver: xa.Driver) -> None:
     result = run_pipeline(driver, PipelineConfig(batches=12, batch_bytes=1 << 18))
     assert result.ok, result
     assert result.verified == 12 and result.mismatched == [] and result.stale_retries == 0
+    assert result.compared == 2, "the first and the last batch are also compared byte for byte"
+
+
+def test_the_inputs_are_built_once_not_per_batch(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = batches.make_batch
+
+    def counting(index: int, n: int) -> object:
+        calls.append(index)
+        return real(index, n)
+
+    monkeypatch.setattr(batches, "make_batch", counting)
+    counts = []
+    for n in (4, 20):
+        calls.clear()
+        assert run_pipeline(driver, PipelineConfig(batches=n, batch_bytes=1 << 12, depth=3)).ok
+        counts.append(len(calls))
+    assert counts[0] == counts[1], f"make_batch calls grew with the batches: {counts}"
+    assert set(calls) <= set(range(4)), "depth + 1 distinct inputs"
+
+
+def test_several_batches_are_in_flight_at_once(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestrating thread keeps ``depth`` batches queued instead of one round trip at a time."""
+    seen: list[int] = []
+    real = pipeline._Run.step
+
+    def step(self: pipeline._Run, timeout: float) -> None:
+        real(self, timeout)
+        seen.append(len(self.inflight))
+
+    monkeypatch.setattr(pipeline._Run, "step", step)
+    assert run_pipeline(driver, PipelineConfig(batches=12, batch_bytes=1 << 16, depth=4)).ok
+    assert max(seen) == 4
+
+
+def test_every_batch_is_verified_by_its_device_checksum(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that computes something else fails every batch, not only the two compared in full."""
+    monkeypatch.setattr(pipeline, "ALPHA", 2.0)
+    result = run_pipeline(driver, PipelineConfig(batches=6, batch_bytes=1 << 14))
+    assert not result.ok
+    assert result.mismatched == list(range(6)) and result.verified == 0
+
+
+def test_a_checksum_collision_cannot_hide_a_wrong_first_or_last_batch(
+    driver: xa.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Output bytes that differ from the host reference while the device checksum matches (as a
+    collision would): the byte-for-byte compare of the first and the last batch catches them."""
+    nbytes = 1 << 14
+    real = pipeline._landed
+
+    def swapped(reply: object, out: object, timeout: float) -> object:
+        data = bytearray(real(reply, out, timeout))  # type: ignore[arg-type]  # test double: any reply
+        if len(data) == nbytes:
+            data[0:4], data[4:8] = data[4:8], data[0:4]  # same words, same sum: a collision
+        return bytes(data)
+
+    monkeypatch.setattr(pipeline, "_landed", swapped)
+    result = run_pipeline(driver, PipelineConfig(batches=5, batch_bytes=nbytes))
+    assert result.mismatched == [0, 4]
+    assert result.verified == 3
 
 
 def test_pipeline_is_correct_with_a_slow_producer(driver: xa.Driver) -> None:
@@ -44,7 +109,10 @@ def test_pipeline_recovers_from_a_rebuild_mid_pipeline(driver: xa.Driver) -> Non
 def test_demo_command_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--driver", "host", "--batches", "4", "--batch-mib", "0.25"]) == 0
     out = capsys.readouterr().out
-    assert "verification  ok: 4/4" in out and "driver        host" in out and "throughput" in out
+    assert "verification  ok: 4/4" in out and "driver        host" in out
+    throughput = next(line for line in out.splitlines() if line.startswith("throughput"))
+    assert re.fullmatch(r"throughput +[0-9.e+]+ GB/s \(raw three-stream pipeline: [0-9.e+]+ GB/s, [0-9.]+x\)",
+                        throughput), throughput
     assert main(["demo", "--driver", "host", "--batches", "4", "--batch-mib", "0.25",
                  "--no-tracking", "--slow-producer-us", "30000"]) == 1
     assert "FAILED" in capsys.readouterr().out
@@ -70,3 +138,67 @@ def test_module_entry_point_runs() -> None:
 def test_run_pipeline_refuses_a_run_that_could_never_finish(driver: xa.Driver, batches: int, depth: int) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         run_pipeline(driver, PipelineConfig(batches=batches, depth=depth, batch_bytes=1 << 12))
+
+
+def test_a_failing_stage_ends_the_run_with_its_error(host_driver: xa.HostDriver) -> None:
+    """An error other than a stale handle stops the run (no hang), names the stage and the batch,
+    and the batches in flight finish before the actors stop."""
+    host_driver.inject_fault(0, "error", after_calls=40)
+    result = run_pipeline(host_driver, PipelineConfig(batches=40, batch_bytes=1 << 12, timeout_s=60))
+    assert not result.ok
+    assert result.errors and "injected" in " ".join(result.errors), result.errors
+    assert result.verified < 40
+
+
+def test_the_raw_pipeline_runs_and_verifies(driver: xa.Driver) -> None:
+    data = BatchData(5, 1 << 16)
+    result = raw_pipeline(driver, data, 12, 4)
+    assert result.batches == 12 and result.batch_bytes == 1 << 16 and result.seconds > 0
+    assert result.throughput_bytes_s > 0
+
+
+def test_the_raw_pipeline_catches_a_wrong_result(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    from xlog_actors.cli import raw_pipeline as raw
+
+    monkeypatch.setattr(raw, "BETA", 1.5)
+    with pytest.raises(RuntimeError, match="differs from its host reference"):
+        raw_pipeline(driver, BatchData(3, 1 << 12), 6, 2)
+
+
+@pytest.mark.parametrize(("nbatches", "depth"), [(0, 4), (4, 0)])
+def test_the_raw_pipeline_refuses_a_run_that_could_never_finish(driver: xa.Driver, nbatches: int, depth: int) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        raw_pipeline(driver, BatchData(1, 1 << 12), nbatches, depth)
+
+
+def test_batch_data_is_built_once_and_checks_its_arguments() -> None:
+    data = BatchData(3, 1 << 10)
+    assert data.input(4) is data.inputs[1] and data.checksum(5) == data.checksums[2]
+    assert data.checksums[0] == checksum_u32(batches.expected(0, 256))
+    assert data.matches(3, batches.expected(0, 256)) and not data.matches(1, batches.expected(0, 256))
+    for count, nbytes in ((0, 1024), (1, 0), (1, 6)):
+        with pytest.raises(ValueError, match="BatchData"):
+            BatchData(count, nbytes)
+
+
+@pytest.mark.parametrize("where", ["warm-up", "copy in"])
+def test_a_ring_that_does_not_fit_fails_with_the_allocation_error(
+    host_driver: xa.HostDriver, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """8 buffer sets of 2 x 8 MiB on a 64 MiB device: the allocation's error ends the run, named,
+    whether the ring is allocated up front (warm-up) or slot by slot as batches start."""
+    if where == "copy in":
+        monkeypatch.setattr(pipeline._Run, "warm_up", lambda self: None)
+    result = run_pipeline(host_driver, PipelineConfig(batches=10, batch_bytes=8 << 20, depth=8, timeout_s=60))
+    assert not result.ok and result.verified < 10
+    assert len(result.errors) == 1 and result.errors[0].startswith(where), result.errors
+    assert "OutOfMemory" in result.errors[0] or "Budget" in result.errors[0], result.errors
+
+
+def test_a_failed_rebuild_ends_the_run_with_its_error(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device refuses the rebuild (here: a reason that is not a str): the run stops, says so,
+    and the batches already in flight still finish before the actors stop."""
+    monkeypatch.setattr(pipeline, "Rebuild", lambda reason: xa.Rebuild(reason=None))  # type: ignore[arg-type]  # a bad field on purpose
+    result = run_pipeline(driver, PipelineConfig(batches=8, batch_bytes=1 << 12, rebuild_at=2, timeout_s=60))
+    assert not result.ok and result.generation == 0
+    assert len(result.errors) == 1 and result.errors[0].startswith("rebuild at batch 2: InvalidRequest"), result.errors

@@ -1,15 +1,31 @@
-"""The demo pipeline: a producer, a transformer and a consumer actor, each with its own library
-actor (so its own stream), passing ``GpuRef``s through N batches of copy in, kernel, copy out.
+"""The demo pipeline: copy in, kernel, copy out of consecutive batches at once, on the streams of
+three library actors (a ``CopyActor`` in, a ``KernelActor``, a ``CopyActor`` out), over a ring of
+``depth`` device buffer sets.
 
-No user code here synchronizes anything: the library actors' tracking orders every stage after
-the one before it. A stage that meets a stale handle (a ``Rebuild`` mid-pipeline) reports it
-and the batch is produced again with new buffers.
+One thread orchestrates with pykka futures (``ask(..., block=False)``): it sends a batch's next
+stage as soon as the actor has *enqueued* the stage before (that reply comes back at once; the
+device work goes on), and never waits for a batch's copy back while another batch has a stage to
+send. No code here synchronizes anything: the library actors' tracking orders every stage after the
+one before it on another stream, and a ring buffer's reuse after its last reader.
+
+The inputs are built once, before timing starts (:class:`~.batches.BatchData`). Every batch is
+verified exactly, off the critical path: the kernel actor launches ``CHECKSUM_U32`` over the output
+after ``SCALE_ADD_F32``, adding into the slot's 8-byte running sum (zeroed once, when the slot is
+allocated); those 8 bytes come back with the output, and what the batch added is compared with
+the checksum computed once per distinct input. The first and the last batch are also compared
+byte for byte with the host reference, so a checksum collision cannot hide a wrong result.
+
+A stage that meets a stale handle (a ``Rebuild`` mid-run) reports it; the batch is run again on
+newly allocated buffers.
+
+Past 400 lines because one run is one concept: the ring, the batches in flight, their stale
+retries and verification share one state, and the host-memory seams sit beside the one user.
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,60 +33,20 @@ from typing import Any
 import numpy as np
 import pykka
 
-from ..actors import (
-    Allocate,
-    CopyActor,
-    CopyToDevice,
-    CopyToHost,
-    DeviceActor,
-    GetStats,
-    In,
-    KernelActor,
-    Launch,
-    Out,
-    Rebuild,
-)
-from ..driver.kernel_library import SCALE_ADD_F32, launch_shape
-from ..driver.protocol import Driver
+from ..actors import CopyActor, DeviceActor, GpuRef, KernelActor
+from ..actors.library_messages import CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Out
+from ..actors.messages import Allocate, GetStats, Rebuild
+from ..driver.kernel_library import CHECKSUM_U32, SCALE_ADD_F32, launch_shape
+from ..driver.protocol import Buffer, Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
+from .batches import ALPHA, BETA, BatchData, expected, make_batch, numpy_buffer
 
 __all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "expected", "make_batch", "run_pipeline"]
 
-ALPHA = 3.0
-"""The kernel's scale: each output element is ``ALPHA * x + BETA``."""
-BETA = 0.5
-"""The kernel's offset."""
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
-
-
-def make_batch(index: int, n: int) -> np.ndarray:
-    """Batch ``index``: small integers, so every result is exact in float32.
-
-    Args:
-        index: the batch's number (varies the values).
-        n: elements.
-    Returns:
-        A new float32 array of ``n`` elements.
-    Thread rule: any thread.
-    """
-    return ((np.arange(n, dtype=np.int64) * 7 + index * 13) % 4096).astype(np.float32)
-
-
-def expected(index: int, n: int) -> np.ndarray:
-    """The host reference of batch ``index`` after the kernel: ``ALPHA * x + BETA`` in float32.
-
-    Args:
-        index: the batch's number.
-        n: elements.
-    Returns:
-        A new float32 array.
-    Thread rule: any thread.
-    """
-    out: np.ndarray = make_batch(index, n) * np.float32(ALPHA)
-    out += np.float32(BETA)
-    return out
+_SUM_BYTES = 8
 
 
 @dataclass
@@ -83,16 +59,18 @@ class PipelineConfig:
 
     batches: int = 32
     batch_bytes: int = 1 << 20
-    depth: int = 4  # batches in flight at once
+    depth: int = 4  # batches in flight at once: the ring's buffer sets
     track: bool = True  # False: library actors skip cross-stream tracking (to show the hazard)
     producer_delay_us: int = 0  # a spin before each input copy: a slow producer stream
-    rebuild_at: int | None = None  # ask the device for a Rebuild when this batch is produced
+    rebuild_at: int | None = None  # ask the device for a Rebuild when this batch is copied in
     timeout_s: float = 600.0
 
 
 @dataclass
 class PipelineResult:
     """What a pipeline run did: batches verified or mismatched, stale retries, errors, time.
+
+    ``compared`` counts the batches also compared byte for byte with the host reference.
 
     Thread rule: any thread; built once by :func:`run_pipeline`.
     """
@@ -107,6 +85,7 @@ class PipelineResult:
     generation: int
     driver: str
     device: str
+    compared: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -120,140 +99,232 @@ class PipelineResult:
         return self.batches * self.batch_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class _Produce:
+# The host-memory seams: host buffers come from ``_host_buffer`` (viewed through ``_host_array``)
+# and copies back go through ``_copy_back``/``_landed``. They are the only code that knows whether
+# host memory is pinned; everything else holds the buffer objects they hand out.
+
+
+def _host_buffer(device: pykka.ActorRef[Any], nbytes: int) -> Any:
+    """A host buffer of ``nbytes`` for inputs and copies back (pageable for now)."""
+    del device  # pinned memory will be allocated through the device
+    return numpy_buffer(nbytes)
+
+
+def _host_array(buffer: Any) -> np.ndarray:
+    """``buffer`` (from ``_host_buffer``) as a uint8 numpy array over the same bytes."""
+    array: np.ndarray = buffer
+    return array
+
+
+def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: Any) -> Any:
+    """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` to the host (into ``out``, a buffer from
+    ``_host_buffer``, where the copy can land in place); the future of its reply."""
+    del out  # this CopyToHost hands back new bytes
+    return copy_out.ask(CopyToHost(ref, nbytes), block=False)
+
+
+def _landed(reply: Any, out: Any, timeout: float) -> Buffer | None:
+    """The bytes of a copy back from its reply and its buffer, once they are on the host; None if
+    they have not landed within ``timeout`` seconds (this reply is the bytes: always landed)."""
+    del out, timeout
+    data: bytes = reply
+    return data
+
+
+@dataclass
+class _Slot:
+    """One ring entry: the device buffers of a batch in flight and the host buffers it comes back to."""
+
+    inp: GpuRef
+    out: GpuRef
+    sums: GpuRef
+    host_out: Any  # from _host_buffer, as host_sums
+    host_sums: Any
+    total: int = 0  # the running checksum the device holds after the slot's last verified batch
+
+
+@dataclass
+class _Batch:
+    """A batch in flight: its ring slot, its stage and the futures of that stage's replies."""
+
     index: int
+    slot: int
+    stage: int  # 0: copy in sent; 1: kernels sent; 2: copies back sent
+    futures: list[Any]
 
 
-@dataclass(frozen=True)
-class _Transform:
-    index: int
-    ref: Any
+_PENDING = object()
 
 
-@dataclass(frozen=True)
-class _Consume:
-    index: int
-    ref: Any
+def _outcome(future: Any, timeout: float) -> Any:
+    """The future's value, the ``XlogError`` it failed with, or ``_PENDING``."""
+    try:
+        return future.get(timeout=timeout)
+    except pykka.Timeout:
+        return _PENDING
+    except XlogError as exc:
+        return exc
 
 
-class _Tally:
-    """Shared by the three stages; the main thread waits on ``done``."""
+class _Run:
+    """The orchestrating thread's state: the ring, the batches in flight, the tally."""
 
-    def __init__(self, batches: int) -> None:
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.remaining = batches
+    def __init__(self, device: pykka.ActorRef[Any], actors: tuple[pykka.ActorRef[Any], ...], cfg: PipelineConfig,
+                 data: BatchData, driver: Driver) -> None:
+        self.device, (self.copy_in, self.kernels, self.copy_out) = device, actors
+        self.cfg, self.data, self.driver = cfg, data, driver
+        self.n = cfg.batch_bytes // 4
+        self.shape = launch_shape(self.n)
+        self.slots: list[_Slot | None] = [None] * cfg.depth
+        self.free = deque(range(cfg.depth))
+        self.todo = deque(range(cfg.batches))
+        self.inflight: list[_Batch] = []
+        self.rebuilt = False
         self.verified = 0
         self.mismatched: list[int] = []
+        self.compared = 0
         self.stale_retries = 0
         self.errors: list[str] = []
 
-    def finish(self, index: int, ok: bool) -> None:
-        with self.lock:
-            if ok:
-                self.verified += 1
-            else:
-                self.mismatched.append(index)
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.done.set()
+    @property
+    def done(self) -> int:
+        """Batches verified or found wrong."""
+        return self.verified + len(self.mismatched)
 
-    def failed(self, stage: str, index: int, exc: XlogError, producer: pykka.ActorRef[Any]) -> None:
-        """A stage's request for batch ``index`` failed. A stale handle (a rebuild happened)
-        sends the batch back to ``producer`` to be made again; any other error ends the run."""
-        if isinstance(exc, GpuRefStale):
-            with self.lock:
-                self.stale_retries += 1
-            producer.tell(_Produce(index))
-        else:
-            self.fail(f"{stage}, batch {index}: {exc!r}")
+    def slot(self, s: int) -> _Slot:
+        """Slot ``s``, allocated first if it has no buffers (at the start, after a stale handle)."""
+        slot = self.slots[s]
+        if slot is None:
+            nbytes = self.cfg.batch_bytes
+            inp: GpuRef = self.device.ask(Allocate(nbytes, tag=_INPUT), block=True)
+            out: GpuRef = self.device.ask(Allocate(nbytes, tag=_OUTPUT), block=True)
+            sums: GpuRef = self.device.ask(Allocate(_SUM_BYTES, tag=_OUTPUT), block=True)
+            host_out = _host_buffer(self.device, nbytes)
+            slot = self.slots[s] = _Slot(inp, out, sums, host_out, _host_buffer(self.device, _SUM_BYTES))
+            self.copy_in.ask(Fill(sums, 0), block=True)  # tracked: the first checksum adds after it
+        return slot
 
-    def fail(self, message: str) -> None:
-        with self.lock:
-            self.errors.append(message)
-        self.done.set()
+    def warm_up(self) -> None:
+        """Allocate the ring and compile and load the three kernels before timing (NVRTC compiles on
+        the first launch)."""
+        for s in range(self.cfg.depth):
+            self.slot(s)
+        slot = self.slot(0)
+        for future in self._kernels(slot, 1):
+            future.get()
+        self.copy_in.ask(Fill(slot.sums, 0), block=True)
 
+    def _kernels(self, slot: _Slot, n: int) -> list[Any]:
+        grid, block = self.shape if n == self.n else launch_shape(n)
+        ask = self.kernels.ask
+        return [
+            ask(Launch(SCALE_ADD_F32, grid, block, [Out(slot.out), In(slot.inp), ALPHA, BETA, n]), block=False),
+            ask(Launch(CHECKSUM_U32, grid, block, [InOut(slot.sums), In(slot.out), n]), block=False),
+        ]
 
-class _Producer(pykka.ThreadingActor):
-    def __init__(self, device: pykka.ActorRef[Any], copy: pykka.ActorRef[Any], cfg: PipelineConfig,
-                 tally: _Tally, driver: Driver) -> None:
-        super().__init__()
-        self.device, self.copy, self.cfg, self.tally, self.driver = device, copy, cfg, tally, driver
-        self.next_index = 0
-        self.n = cfg.batch_bytes // 4
-        self.transformer: pykka.ActorRef[Any] | None = None
-        self.rebuilt = False
-
-    def on_receive(self, message: Any) -> None:
-        if isinstance(message, _Produce):
-            self.produce(message.index)
-        elif message == "next":
-            if self.next_index < self.cfg.batches:
-                self.next_index += 1
-                self.produce(self.next_index - 1)
-        elif isinstance(message, pykka.ActorRef):
-            self.transformer = message
-
-    def produce(self, index: int) -> None:
-        assert self.transformer is not None
-        try:
-            ref = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT), block=True)
-            if self.cfg.producer_delay_us:
-                # Make the copy actor's stream slow before the copy: what tracking must order.
-                ctx = ref.context
-                copy_stream = self.copy.proxy().stream_id.get()
-                stream = ctx.runtime.stream_pool.resolve(copy_stream)
-                if stream is not None:
-                    self.driver.sleep(stream, self.cfg.producer_delay_us)
-            self.copy.ask(CopyToDevice(ref, make_batch(index, self.n)))
-        except XlogError as exc:
-            self.tally.failed("producer", index, exc, self.actor_ref)
-            return
+    def start(self, index: int, s: int) -> None:
+        """Send batch ``index``'s copy in to slot ``s``."""
+        slot = self.slot(s)
+        if self.cfg.producer_delay_us:
+            self._slow_producer(slot.inp)
+        future = self.copy_in.ask(CopyToDevice(slot.inp, self.data.input(index)), block=False)
+        self.inflight.append(_Batch(index, s, 0, [future]))
         if self.cfg.rebuild_at == index and not self.rebuilt:
             self.rebuilt = True
-            self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
-        self.transformer.tell(_Transform(index, ref))
+            _outcome(future, self.cfg.timeout_s)  # the copy is enqueued (or failed) before the rebuild
+            try:
+                self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
+            except XlogError as exc:
+                self.errors.append(f"rebuild at batch {index}: {exc!r}")
 
+    def _slow_producer(self, ref: GpuRef) -> None:
+        # A spin on the copy actor's stream before the copy: what tracking must order after.
+        stream_id = self.copy_in.proxy().stream_id.get()
+        stream = ref.context.runtime.stream_pool.resolve(stream_id)
+        if stream is not None:
+            self.driver.sleep(stream, self.cfg.producer_delay_us)
 
-class _Transformer(pykka.ThreadingActor):
-    def __init__(self, device: pykka.ActorRef[Any], kernels: pykka.ActorRef[Any], producer: pykka.ActorRef[Any],
-                 consumer: pykka.ActorRef[Any], cfg: PipelineConfig, tally: _Tally) -> None:
-        super().__init__()
-        self.device, self.kernels, self.producer, self.consumer = device, kernels, producer, consumer
-        self.cfg, self.tally = cfg, tally
-        self.n = cfg.batch_bytes // 4
+    def advance(self, batch: _Batch, timeout: float) -> bool:
+        """Move ``batch`` on if its stage's replies are in (waiting up to ``timeout`` s for them).
+        Returns whether it moved."""
+        # A stage's requests all go to one actor, which answers in order: the last reply is the
+        # one to wait for, and polling only it keeps the orchestrating thread's share of the GIL small.
+        if _outcome(batch.futures[-1], timeout) is _PENDING:
+            return False
+        results = [_outcome(f, 0) for f in batch.futures]
+        if any(r is _PENDING for r in results):
+            return False
+        failed = [r for r in results if isinstance(r, XlogError)]
+        if failed:
+            self._failed(batch, failed[0])
+            return True
+        slot = self.slots[batch.slot]
+        assert slot is not None
+        if batch.stage == 0:
+            batch.futures = self._kernels(slot, self.n)
+        elif batch.stage == 1:
+            batch.futures = [
+                _copy_back(self.copy_out, slot.out, self.cfg.batch_bytes, slot.host_out),
+                _copy_back(self.copy_out, slot.sums, _SUM_BYTES, slot.host_sums),
+            ]
+        else:
+            output = _landed(results[0], slot.host_out, timeout)
+            sums = None if output is None else _landed(results[1], slot.host_sums, timeout)
+            if output is None or sums is None:
+                return False
+            self._verify(batch.index, slot, output, sums)
+            self._retire(batch)
+            return True
+        batch.stage += 1
+        return True
 
-    def on_receive(self, message: Any) -> None:
-        if not isinstance(message, _Transform):
-            return
-        try:
-            out = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_OUTPUT), block=True)
-            grid, block = launch_shape(self.n)
-            self.kernels.ask(Launch(SCALE_ADD_F32, grid, block, [Out(out), In(message.ref), ALPHA, BETA, self.n]))
-        except XlogError as exc:
-            self.tally.failed("transformer", message.index, exc, self.producer)
-            return
-        # The input handle is dropped here: its free waits (tracked) for the kernel's read.
-        self.consumer.tell(_Consume(message.index, out))
+    def _verify(self, index: int, slot: _Slot, output: Buffer, sums: Buffer) -> None:
+        # The slot's sum is never zeroed between batches (one launch fewer per batch): this batch's
+        # checksum is what it added, modulo 2**64.
+        total = int(np.frombuffer(memoryview(sums).cast("B"), dtype=np.uint64)[0])
+        ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
+        slot.total = total
+        if ok and index in (0, self.cfg.batches - 1):
+            self.compared += 1
+            ok = self.data.matches(index, output)
+        if ok:
+            self.verified += 1
+        else:
+            self.mismatched.append(index)
 
+    def _failed(self, batch: _Batch, exc: XlogError) -> None:
+        """A stale handle (a rebuild happened) runs the batch again on new buffers; any other
+        error ends the run."""
+        self._retire(batch)
+        if isinstance(exc, GpuRefStale):
+            self.stale_retries += 1
+            self.slots[batch.slot] = None
+            self.todo.appendleft(batch.index)
+        else:
+            stage = ("copy in", "kernel", "copy out")[batch.stage]
+            self.errors.append(f"{stage}, batch {batch.index}: {exc!r}")
 
-class _Consumer(pykka.ThreadingActor):
-    def __init__(self, copy: pykka.ActorRef[Any], producer: pykka.ActorRef[Any], cfg: PipelineConfig,
-                 tally: _Tally, verify: Callable[[int, bytes], bool]) -> None:
-        super().__init__()
-        self.copy, self.producer, self.cfg, self.tally, self.verify = copy, producer, cfg, tally, verify
+    def _retire(self, batch: _Batch) -> None:
+        self.inflight.remove(batch)
+        self.free.append(batch.slot)
 
-    def on_receive(self, message: Any) -> None:
-        if not isinstance(message, _Consume):
-            return
-        try:
-            data = self.copy.ask(CopyToHost(message.ref), block=True)
-        except XlogError as exc:
-            self.tally.failed("consumer", message.index, exc, self.producer)
-            return
-        self.tally.finish(message.index, self.verify(message.index, data))
-        self.producer.tell("next")
+    def step(self, timeout: float) -> None:
+        """Start what the ring has room for, move on every batch whose replies are in; if none
+        moved, wait up to ``timeout`` s: for a quick reply (an enqueue) when one is due, else for
+        the oldest batch's copy back."""
+        while self.free and self.todo and not self.errors:
+            index, s = self.todo.popleft(), self.free.popleft()
+            try:
+                self.start(index, s)
+            except XlogError as exc:  # allocating the slot's buffers failed: nothing was sent
+                self.free.append(s)
+                self.errors.append(f"copy in, batch {index}: {exc!r}")
+        moved = False
+        for batch in list(self.inflight):
+            moved |= self.advance(batch, 0)
+        if not moved and self.inflight:
+            quick = [b for b in self.inflight if b.stage < 2]
+            self.advance(quick[0] if quick else self.inflight[0], timeout)
 
 
 def run_pipeline(
@@ -264,7 +335,10 @@ def run_pipeline(
     progress: Callable[[int, int], None] | None = None,
 ) -> PipelineResult:
     """Run the pipeline on ``driver``'s device ``ordinal`` (or an already started ``device``)
-    and verify every batch against the host reference.
+    and verify every batch exactly.
+
+    The inputs, the ring's buffers and the kernels are made and loaded before timing starts;
+    ``seconds`` runs from the first copy in to the last batch verified.
 
     Args:
         driver: the driver to run on.
@@ -273,7 +347,8 @@ def run_pipeline(
         device: a started ``DeviceActor`` to use (not stopped here); None starts one (stopped after).
         progress: called with ``(done, total)`` about five times a second and at the end.
     Returns:
-        The result; a run that times out after ``cfg.timeout_s`` says so in ``errors``.
+        The result; a run that times out after ``cfg.timeout_s`` says so in ``errors``, and so
+        does one that meets an error other than a stale handle (the run stops there).
     Raises:
         ValueError: ``batch_bytes`` is not a positive multiple of 4, or ``batches``/``depth`` < 1
             (nothing would ever finish).
@@ -283,42 +358,31 @@ def run_pipeline(
         raise ValueError(f"batch_bytes must be a positive multiple of 4, got {cfg.batch_bytes}")
     if cfg.batches < 1 or cfg.depth < 1:
         raise ValueError(f"batches and depth must be at least 1, got batches={cfg.batches} depth={cfg.depth}")
-    n = cfg.batch_bytes // 4
-    references: dict[int, bytes] = {}
-
-    def verify(index: int, data: bytes) -> bool:
-        want = references.get(index)
-        if want is None:
-            want = references[index] = expected(index, n).tobytes()
-        return data == want
-
     own_device = device is None
     if device is None:
         device = DeviceActor.start(ordinal, driver)
-    tally = _Tally(cfg.batches)
     started: list[pykka.ActorRef[Any]] = []
     try:
-        copy_in = CopyActor.start(device, track=cfg.track)
-        kernels = KernelActor.start(device, track=cfg.track)
-        copy_out = CopyActor.start(device, track=cfg.track)
-        started += [copy_in, kernels, copy_out]
-        producer = _Producer.start(device, copy_in, cfg, tally, driver)
-        consumer = _Consumer.start(copy_out, producer, cfg, tally, verify)
-        transformer = _Transformer.start(device, kernels, producer, consumer, cfg, tally)
-        started += [producer, consumer, transformer]
-        producer.tell(transformer)
-        t0 = time.perf_counter()
-        for _ in range(min(cfg.depth, cfg.batches)):
-            producer.tell("next")
-        deadline = t0 + cfg.timeout_s
-        while not tally.done.wait(0.2):
-            if progress is not None:
-                progress(cfg.batches - tally.remaining, cfg.batches)
-            if time.perf_counter() > deadline:
-                tally.fail(f"timed out after {cfg.timeout_s} s")
-        seconds = time.perf_counter() - t0
-        if progress is not None:
-            progress(cfg.batches - tally.remaining, cfg.batches)
+        # depth + 1 distinct inputs: a ring slot never gets the input it held before, so a kernel
+        # that reads its input too early (tracking off) reads the wrong numbers.
+        dev = device
+
+        def input_buffer(nbytes: int) -> np.ndarray:
+            buffer = _host_buffer(dev, nbytes)
+            inputs.append(buffer)  # the owner stays referenced until the run ends
+            return _host_array(buffer)
+
+        inputs: list[Any] = []
+        data = BatchData(cfg.depth + 1, cfg.batch_bytes, input_buffer)
+        started.append(CopyActor.start(device, track=cfg.track))
+        started.append(KernelActor.start(device, track=cfg.track))
+        started.append(CopyActor.start(device, track=cfg.track))
+        run = _Run(device, tuple(started), cfg, data, driver)
+        try:
+            run.warm_up()
+        except XlogError as exc:
+            run.errors.append(f"warm-up: {exc!r}")
+        seconds = _drive(run, cfg, progress)
         stats = device.ask(GetStats(), block=True)
     finally:
         for ref in reversed(started):
@@ -328,12 +392,36 @@ def run_pipeline(
     return PipelineResult(
         batches=cfg.batches,
         batch_bytes=cfg.batch_bytes,
-        verified=tally.verified,
-        mismatched=sorted(tally.mismatched),
-        stale_retries=tally.stale_retries,
-        errors=tally.errors,
+        verified=run.verified,
+        mismatched=sorted(run.mismatched),
+        stale_retries=run.stale_retries,
+        errors=run.errors,
         seconds=seconds,
         generation=stats.generation,
         driver=driver.kind,
         device=driver.device_name(ordinal),
+        compared=run.compared,
     )
+
+
+def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None) -> float:
+    """Step ``run`` until every batch is verified, an error stops it, or it times out; its seconds."""
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.timeout_s
+    next_report = t0 + 0.2
+    while run.done < cfg.batches and not run.errors:
+        run.step(0.05)
+        now = time.perf_counter()
+        if progress is not None and now >= next_report:
+            progress(run.done, cfg.batches)
+            next_report = now + 0.2
+        if now > deadline:
+            run.errors.append(f"timed out after {cfg.timeout_s} s")
+    seconds = time.perf_counter() - t0
+    # An error stops new work; what is in flight still finishes, so no buffer is dropped in use.
+    for batch in list(run.inflight):
+        for future in batch.futures:
+            _outcome(future, max(0.0, deadline - time.perf_counter()))
+    if progress is not None:
+        progress(run.done, cfg.batches)
+    return seconds

@@ -21,10 +21,23 @@ from .checks import Dim3
 from .kernel import DeviceMemoryView, Kernel
 from .limits import MAX_THREADS_PER_BLOCK
 
-__all__ = ["AXPY_F32", "FILL_F32", "SCALE_ADD_F32", "SUM_F32", "SUM_F32_MAX_BLOCK", "launch_shape"]
+__all__ = [
+    "AXPY_F32",
+    "CHECKSUM_U32",
+    "CHECKSUM_U32_MAX_BLOCK",
+    "FILL_F32",
+    "SCALE_ADD_F32",
+    "SUM_F32",
+    "SUM_F32_MAX_BLOCK",
+    "checksum_u32",
+    "launch_shape",
+]
 
 #: The most threads per block :data:`SUM_F32` supports: the size of its shared partial sums.
 SUM_F32_MAX_BLOCK = 256
+
+#: The most threads per block :data:`CHECKSUM_U32` supports: the size of its shared partial sums.
+CHECKSUM_U32_MAX_BLOCK = 256
 
 
 def _positive_int(value: object, what: str, low: int, high: int | None = None) -> int:
@@ -61,6 +74,19 @@ def _f32(value: float) -> np.float32:
     with np.errstate(over="ignore"):
         single: np.float32 = np.float32(value)
     return single
+
+
+def _fits_shared_partials(name: str, block: Dim3, most: int) -> None:
+    """A reduction kernel keeps one shared partial sum per thread: a block of more threads than
+    it has partials indexes past their end on the GPU, which the host reports as the illegal
+    address it is."""
+    threads = block[0] * block[1] * block[2]
+    if threads > most:
+        raise DriverError(
+            f"{name} with {threads} threads per block writes past its {most} shared partial sums "
+            "(an illegal address)",
+            code="CUDA_ERROR_ILLEGAL_ADDRESS",
+        )
 
 
 def _fill_host(mem: DeviceMemoryView, _grid: Any, _block: Any, out: int, value: float, n: int) -> None:
@@ -133,14 +159,7 @@ extern "C" __global__ void xlog_axpy_f32(float* y, const float* x, float a, unsi
 
 
 def _sum_host(mem: DeviceMemoryView, _grid: Any, block: Dim3, out: int, x: int, n: int) -> None:
-    threads = block[0] * block[1] * block[2]
-    if threads > SUM_F32_MAX_BLOCK:
-        # The GPU kernel would index its shared partial sums past their end.
-        raise DriverError(
-            f"xlog_sum_f32 with {threads} threads per block writes past its {SUM_F32_MAX_BLOCK} shared "
-            "partial sums (an illegal address)",
-            code="CUDA_ERROR_ILLEGAL_ADDRESS",
-        )
+    _fits_shared_partials("xlog_sum_f32", block, SUM_F32_MAX_BLOCK)
     # Adds into one double, as the GPU kernel's atomicAdd does (zero ``out`` first). The order of
     # additions differs from the GPU's; both are exact for integer-valued data.
     mem.array(out, 1, np.float64)[0] += mem.array(x, n, np.float32).sum(dtype=np.float64)
@@ -170,4 +189,65 @@ extern "C" __global__ void xlog_sum_f32(double* out, const float* x, unsigned lo
 """,
     params=("ptr", "ptr", "u64"),
     host=_sum_host,
+)
+
+
+def checksum_u32(data: Any) -> int:
+    """The host reference of :data:`CHECKSUM_U32`: the sum of ``data``'s 32-bit words modulo 2**64.
+
+    Integer addition wraps and is associative, so this equals the GPU's result exactly whatever
+    order its threads and blocks add in.
+
+    Args:
+        data: a C-contiguous buffer whose length is a multiple of 4 (bytes, a numpy array).
+    Returns:
+        The checksum, an int in 0..2**64-1.
+    Raises:
+        InvalidRequest: ``data``'s length is not a multiple of 4.
+    Thread rule: any thread.
+    """
+    raw = memoryview(data).cast("B")
+    if len(raw) % 4:
+        raise InvalidRequest(f"checksum_u32: {len(raw)} bytes are not a whole number of 32-bit words")
+    return int(np.frombuffer(raw, dtype=np.uint32).sum(dtype=np.uint64))
+
+
+def _checksum_host(mem: DeviceMemoryView, _grid: Any, block: Dim3, out: int, x: int, n: int) -> None:
+    _fits_shared_partials("xlog_checksum_u32", block, CHECKSUM_U32_MAX_BLOCK)
+    acc = mem.array(out, 1, np.uint64)
+    # Array additions wrap silently modulo 2**64, as the GPU's unsigned atomicAdd does.
+    np.add(acc, mem.array(x, n, np.uint32).sum(dtype=np.uint64), out=acc)
+
+
+#: ``xlog_checksum_u32(u64* out, const u32* x, u64 n)``: ``*out += sum(x[:n])`` modulo 2**64
+#: (zero ``out`` first). Exact and independent of the launch shape: any grid, any block of at most
+#: :data:`CHECKSUM_U32_MAX_BLOCK` threads in any of its three dimensions.
+CHECKSUM_U32 = Kernel(
+    name="xlog_checksum_u32",
+    source=r"""
+extern "C" __global__ void xlog_checksum_u32(unsigned long long* out, const unsigned int* x,
+                                             unsigned long long n) {
+    __shared__ unsigned long long partial[256];
+    const unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
+    const unsigned int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned long long bid =
+        blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+    const unsigned long long stride = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * threads;
+    unsigned long long acc = 0;
+    for (unsigned long long i = bid * threads + tid; i < n; i += stride) {
+        acc += x[i];
+    }
+    partial[tid] = acc;
+    __syncthreads();
+    unsigned int width = 1;
+    while (width < threads) width <<= 1;
+    for (unsigned int s = width >> 1; s > 0; s >>= 1) {
+        if (tid < s && tid + s < threads) partial[tid] += partial[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) atomicAdd(out, partial[0]);
+}
+""",
+    params=("ptr", "ptr", "u64"),
+    host=_checksum_host,
 )

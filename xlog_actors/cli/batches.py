@@ -1,0 +1,119 @@
+"""The demo's data: the kernel's constants, its input batches and what each must come out as.
+
+A run cycles through a few distinct inputs built once, before timing starts, so the time measured
+is the runtime's and not numpy's. Each input's expected output checksum (:func:`checksum_u32` of
+``ALPHA * x + BETA``) is computed once too; a batch is verified by comparing the checksum the
+device computed of its output with it, and a few batches also byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..driver.kernel_library import checksum_u32
+from ..driver.protocol import Buffer
+
+__all__ = ["ALPHA", "BETA", "BatchData", "expected", "make_batch", "numpy_buffer"]
+
+ALPHA = 3.0
+"""The kernel's scale: each output element is ``ALPHA * x + BETA``."""
+BETA = 0.5
+"""The kernel's offset."""
+
+
+def make_batch(index: int, n: int) -> np.ndarray:
+    """Batch ``index``: small integers, so every result is exact in float32.
+
+    Args:
+        index: the batch's number (varies the values).
+        n: elements.
+    Returns:
+        A new float32 array of ``n`` elements.
+    Thread rule: any thread.
+    """
+    return ((np.arange(n, dtype=np.int64) * 7 + index * 13) % 4096).astype(np.float32)
+
+
+def expected(index: int, n: int) -> np.ndarray:
+    """The host reference of batch ``index`` after the kernel: ``ALPHA * x + BETA`` in float32.
+
+    Args:
+        index: the batch's number.
+        n: elements.
+    Returns:
+        A new float32 array.
+    Thread rule: any thread.
+    """
+    out: np.ndarray = make_batch(index, n) * np.float32(ALPHA)
+    out += np.float32(BETA)
+    return out
+
+
+def numpy_buffer(nbytes: int) -> np.ndarray:
+    """A plain (pageable) host buffer of ``nbytes`` as a uint8 array: :class:`BatchData`'s default.
+
+    Args:
+        nbytes: its size.
+    Returns:
+        A new, uninitialised uint8 array.
+    Thread rule: any thread.
+    """
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+class BatchData:
+    """``count`` distinct input batches of ``nbytes`` each, built once into host buffers from
+    ``alloc``, with the checksum each one's output must have. Batch ``i`` of a run uses input
+    ``i % count``.
+
+    Invariant: ``inputs[r]`` holds ``make_batch(r, n)`` and ``checksums[r]`` is
+    ``checksum_u32(expected(r, n))``; nothing changes them after construction.
+    Thread rule: built on one thread; then read-only, any thread.
+    """
+
+    def __init__(self, count: int, nbytes: int, alloc: Callable[[int], np.ndarray] = numpy_buffer) -> None:
+        """Build the inputs and their checksums.
+
+        Args:
+            count: how many distinct inputs, at least 1.
+            nbytes: bytes per batch, a positive multiple of 4.
+            alloc: makes one host buffer of the given size, as a uint8 array.
+        Raises:
+            ValueError: ``count`` < 1, or ``nbytes`` not a positive multiple of 4.
+        """
+        if count < 1:
+            raise ValueError(f"BatchData: count must be at least 1, got {count}")
+        if nbytes <= 0 or nbytes % 4:
+            raise ValueError(f"BatchData: nbytes must be a positive multiple of 4, got {nbytes}")
+        self.nbytes = nbytes
+        self.n = nbytes // 4
+        self.inputs: list[np.ndarray] = []
+        self.checksums: list[int] = []
+        for r in range(count):
+            buf = alloc(nbytes).view(np.float32)
+            buf[:] = make_batch(r, self.n)
+            self.inputs.append(buf)
+            self.checksums.append(checksum_u32(expected(r, self.n)))
+
+    def input(self, index: int) -> np.ndarray:
+        """The host buffer batch ``index`` copies in (shared by every batch of the same input).
+
+        Thread rule: any thread.
+        """
+        return self.inputs[index % len(self.inputs)]
+
+    def checksum(self, index: int) -> int:
+        """The checksum batch ``index``'s output must have. Thread rule: any thread."""
+        return self.checksums[index % len(self.checksums)]
+
+    def matches(self, index: int, output: Buffer) -> bool:
+        """Whether ``output`` (a buffer of ``nbytes``) is batch ``index``'s expected output, byte
+        for byte (the host reference, computed here: a check for a few batches, not all).
+
+        Thread rule: any thread.
+        """
+        want = expected(index % len(self.inputs), self.n)
+        got = np.frombuffer(memoryview(output).cast("B"), dtype=np.float32)
+        return got.shape == want.shape and bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
