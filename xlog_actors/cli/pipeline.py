@@ -34,15 +34,16 @@ import numpy as np
 import pykka
 
 from ..actors import CopyActor, DeviceActor, GpuRef, KernelActor
-from ..actors.library_messages import CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Out
-from ..actors.messages import Allocate, GetStats, Rebuild
+from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Out
+from ..actors.messages import Allocate, AllocatePinned, GetStats, Rebuild
 from ..driver.kernel_library import CHECKSUM_U32, SCALE_ADD_F32, launch_shape
 from ..driver.protocol import Buffer, Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
-from .batches import ALPHA, BETA, BatchData, expected, make_batch, numpy_buffer
+from ..memory.pinned import PinnedBuffer
+from .batches import ALPHA, BETA, BatchData
 
-__all__ = ["ALPHA", "BETA", "PipelineConfig", "PipelineResult", "expected", "make_batch", "run_pipeline"]
+__all__ = ["PipelineConfig", "PipelineResult", "run_pipeline"]
 
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
@@ -104,31 +105,32 @@ class PipelineResult:
 # host memory is pinned; everything else holds the buffer objects they hand out.
 
 
-def _host_buffer(device: pykka.ActorRef[Any], nbytes: int) -> Any:
-    """A host buffer of ``nbytes`` for inputs and copies back (pageable for now)."""
-    del device  # pinned memory will be allocated through the device
-    return numpy_buffer(nbytes)
+def _host_buffer(device: pykka.ActorRef[Any], nbytes: int) -> PinnedBuffer:
+    """A pinned host buffer of ``nbytes`` for inputs and copies back, allocated through the device
+    (copies from and to it need no staging, and its memory outlives no copy that uses it)."""
+    buffer: PinnedBuffer = device.ask(AllocatePinned(nbytes, tag=AllocTag("demo host")), block=True)
+    return buffer
 
 
-def _host_array(buffer: Any) -> np.ndarray:
+def _host_array(buffer: PinnedBuffer) -> np.ndarray:
     """``buffer`` (from ``_host_buffer``) as a uint8 numpy array over the same bytes."""
-    array: np.ndarray = buffer
-    return array
+    return buffer.array(np.uint8)
 
 
-def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: Any) -> Any:
-    """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` to the host (into ``out``, a buffer from
-    ``_host_buffer``, where the copy can land in place); the future of its reply."""
-    del out  # this CopyToHost hands back new bytes
-    return copy_out.ask(CopyToHost(ref, nbytes), block=False)
+def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: PinnedBuffer) -> Any:
+    """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` into ``out`` (a buffer from
+    ``_host_buffer``); the future of its reply, a ``CopyDone`` once the copy is enqueued."""
+    return copy_out.ask(CopyToHost(ref, nbytes, out=out), block=False)
 
 
-def _landed(reply: Any, out: Any, timeout: float) -> Buffer | None:
-    """The bytes of a copy back from its reply and its buffer, once they are on the host; None if
-    they have not landed within ``timeout`` seconds (this reply is the bytes: always landed)."""
-    del out, timeout
-    data: bytes = reply
-    return data
+def _landed(reply: CopyDone, out: PinnedBuffer, timeout: float) -> Buffer | None:
+    """The bytes of a copy back (a view of ``out``) once they are on the host; None if they have
+    not landed within ``timeout`` seconds."""
+    try:
+        reply.wait(timeout)
+    except TimeoutError:
+        return None
+    return out.array(np.uint8)
 
 
 @dataclass
@@ -138,8 +140,8 @@ class _Slot:
     inp: GpuRef
     out: GpuRef
     sums: GpuRef
-    host_out: Any  # from _host_buffer, as host_sums
-    host_sums: Any
+    host_out: PinnedBuffer  # from _host_buffer, as host_sums
+    host_sums: PinnedBuffer
     total: int = 0  # the running checksum the device holds after the slot's last verified batch
 
 

@@ -238,7 +238,7 @@ def _decompose_batches(driver: Driver) -> None:
     import numpy as np
 
     from ...driver.kernel_library import SCALE_ADD_F32, launch_shape
-    from ..pipeline import ALPHA, BETA, expected, make_batch
+    from ..batches import ALPHA, BETA, expected, make_batch
 
     nbytes = (16 << 20) if driver.kind == "cuda" else (1 << 20)
     n = nbytes // 4
