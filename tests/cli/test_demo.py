@@ -72,7 +72,10 @@ def test_a_checksum_collision_cannot_hide_a_wrong_first_or_last_batch(
     real = pipeline._landed
 
     def swapped(reply: object, out: object, timeout: float) -> object:
-        data = bytearray(real(reply, out, timeout))  # type: ignore[arg-type]  # test double: any reply
+        landed = real(reply, out, timeout)  # type: ignore[arg-type]  # test double: any reply
+        if landed is None:
+            return None  # not landed yet: the pipeline polls again
+        data = bytearray(landed)
         if len(data) == nbytes:
             data[0:4], data[4:8] = data[4:8], data[0:4]  # same words, same sum: a collision
         return bytes(data)

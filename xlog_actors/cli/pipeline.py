@@ -48,6 +48,7 @@ __all__ = ["PipelineConfig", "PipelineResult", "run_pipeline"]
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
 _SUM_BYTES = 8
+_POISON = 0xDD  # what the host driver writes over freed memory too
 
 
 @dataclass
@@ -204,6 +205,11 @@ class _Run:
             host_out = _host_buffer(self.device, nbytes)
             slot = self.slots[s] = _Slot(inp, out, sums, host_out, _host_buffer(self.device, _SUM_BYTES))
             self.copy_in.ask(Fill(sums, 0), block=True)  # tracked: the first checksum adds after it
+            # Fresh pool memory may still hold an earlier run's batches at the same addresses
+            # (a warm pool hands them out again in order): poisoned, a read that comes too early
+            # (tracking off) sees bytes no batch has, instead of an earlier run's right answer.
+            self.copy_in.ask(Fill(inp, _POISON), block=True)
+            self.copy_in.ask(Fill(out, _POISON), block=True)
         return slot
 
     def warm_up(self) -> None:
