@@ -194,7 +194,8 @@ def test_a_pair_of_devices_neither_of_which_is_the_actors_is_refused() -> None:
         copies = [xa.CopyActor.start(d) for d in devices]
         src, dst = _zeroed(devices[0], copies[0]), _zeroed(devices[1], copies[1])
         copies[0].ask(xa.Fill(src, 6))
-        with pytest.raises(xa.InvalidRequest, match=r"CopyDeviceToDevice\.src.*neither is of this CopyActor's device 2"):
+        neither = r"CopyDeviceToDevice\.src.*neither is of this CopyActor's device 2"
+        with pytest.raises(xa.InvalidRequest, match=neither):
             copies[2].ask(xa.CopyDeviceToDevice(src, dst))
         assert copies[1].ask(xa.CopyToHost(dst)) == b"\x00" * N
         assert _stats(*devices) == [1, 1, 0]
@@ -202,4 +203,36 @@ def test_a_pair_of_devices_neither_of_which_is_the_actors_is_refused() -> None:
         assert copies[1].ask(xa.CopyToHost(dst)) == b"\x06" * N
     finally:
         pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
+def _run_peer_row(driver: xa.Driver) -> list[Any]:
+    from xlog_actors.cli.bench.harness import Context, run_group
+    from xlog_actors.cli.bench.plan import make_plan
+    from xlog_actors.cli.bench.rows_copies import COPIES
+
+    ctx = Context(driver, make_plan("host", quick=True), lambda name: name == "CopyActor peer 256 MiB", lambda _: None)
+    run_group(COPIES, ctx)
+    return ctx.results
+
+
+def test_the_bench_row_runs_on_two_host_devices_and_is_skipped_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row measures a real peer copy beside the driver's, and checks the bytes it copied (of
+    8 MiB here: 256 MiB copies take too long on shared host cores)."""
+    from xlog_actors.cli.bench import rows_copies
+
+    monkeypatch.setattr(rows_copies, "_PEER_BYTES", 8 << 20)
+    driver = xa.HostDriver(device_count=2, memory_per_device=32 << 20)
+    try:
+        (row,) = _run_peer_row(driver)
+        assert row.name == "CopyActor peer 256 MiB" and row.unit == "GB/s"
+        assert row.median > 0 and row.ratio > 0 and row.reference_name == "HostDriver.copy_peer x2 + synchronize"
+        assert pykka.ActorRegistry.get_all() == []  # the row's actors stopped with its setup
+    finally:
+        driver.close()
+    driver = xa.HostDriver(device_count=1, memory_per_device=64 << 20)
+    try:
+        (skipped,) = _run_peer_row(driver)
+        assert "needs two devices" in skipped.reason and "has 1" in skipped.reason
+    finally:
         driver.close()
