@@ -80,7 +80,7 @@ def test_bad_input_gets_typed_errors_and_enqueues_nothing(pair: xa.Driver) -> No
         ((1, dst, 0, src, -1, s1), xa.InvalidRequest, "peer copy size"),
         ((1, dst, 0, src, 1.5, s1), xa.InvalidRequest, "peer copy size"),
         ((1, dst, 0, src, True, s1), xa.InvalidRequest, "peer copy size"),
-        ((2, dst, 0, src, N, s1), xa.InvalidRequest, "ordinal"),
+        ((99, dst, 0, src, N, s1), xa.InvalidRequest, "ordinal"),
         ((1, dst, 0, 0, N, s1), xa.DriverError, "peer copy source"),
         ((1, -5, 0, src, N, s0), xa.DriverError, "peer copy destination"),
         ((1, dst, 0, src, N, "stream"), xa.InvalidRequest, "stream"),

@@ -176,7 +176,7 @@ def _d2d(b: _Copies) -> Iterator[_D2D]:
     del src, dst
 
 
-def _copy_actor_d2d(ask: Any, f: _D2D) -> Op:
+def _copy_actor_d2d(ask: Any, f: _D2D | _Peer) -> Op:
     d2d = CopyDeviceToDevice(f.src, f.dst)
     sync = CopyToHost(f.dst, nbytes=1)
     k = f.base.plan.d2d_per_sync
@@ -248,18 +248,7 @@ def _peer(b: _Copies) -> Iterator[_Peer]:
 def _copy_actor_peer(f: _Peer) -> Op:
     if f.skip is not None:
         raise SkipRow(f.skip)
-    ask = f.base.copy.ask
-    peer = CopyDeviceToDevice(f.src, f.dst)
-    sync = CopyToHost(f.dst, nbytes=1)
-    k = f.base.plan.d2d_per_sync
-
-    def ours_peer(n: int) -> None:
-        for _ in range(n):
-            for _ in range(k):
-                ask(peer)
-            ask(sync)
-
-    return ours_peer
+    return _copy_actor_d2d(f.base.copy.ask, f)
 
 
 def _raw_peer(f: _Peer) -> Op:

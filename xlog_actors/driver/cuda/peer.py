@@ -67,12 +67,12 @@ class CudaPeer(CudaGates):
         Thread rule: any thread.
         """
         nbytes = check_nbytes(nbytes, "peer copy size")
+        s = self._stream_work(stream, (dst, "peer copy destination"), (src, "peer copy source"))
         dst_dev, src_dev = self._device(dst_ordinal), self._device(src_ordinal)
         if dst_dev is src_dev:
             raise InvalidRequest(
                 f"peer copy from device {src_ordinal} to itself: use copy_device_to_device within one device"
             )
-        s = self._stream_work(stream, (dst, "peer copy destination"), (src, "peer copy source"))
         if s._dev is not dst_dev and s._dev is not src_dev:
             raise InvalidRequest(
                 f"peer copy {src_ordinal} -> {dst_ordinal}: {s!r} is of device {s.ordinal}, neither of the two"
