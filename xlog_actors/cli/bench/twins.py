@@ -215,8 +215,12 @@ class PeerTwin:
         dst_ctx, src_ctx = contexts
         h = cuda.CUstream(stream.handle)
         memcpy, stream_sync = cuda.cuMemcpyPeerAsync, cuda.cuStreamSynchronize
+        make_current, ordinal = driver.make_current, stream.ordinal
 
         def raw(n: int) -> None:
+            # The stream's context must be current, and setting up two devices may have left the
+            # other one current in this thread; through the driver, which keeps its cache right.
+            make_current(ordinal)
             for _ in range(n):
                 for _ in range(k):
                     (err,) = memcpy(d_dst, dst_ctx, d_src, src_ctx, nbytes, h)
