@@ -236,3 +236,20 @@ def test_the_bench_row_runs_on_two_host_devices_and_is_skipped_on_one(monkeypatc
         assert "needs two devices" in skipped.reason and "has 1" in skipped.reason
     finally:
         driver.close()
+
+
+def test_a_handle_of_another_drivers_device_is_refused() -> None:
+    ours = xa.HostDriver(device_count=2, memory_per_device=4 << 20)
+    theirs = xa.HostDriver(device_count=2, memory_per_device=4 << 20)
+    try:
+        d0 = xa.DeviceActor.start(0, ours)
+        foreign = xa.DeviceActor.start(1, theirs)
+        c0, cf = xa.CopyActor.start(d0), xa.CopyActor.start(foreign)
+        dst, src = _zeroed(d0, c0), _zeroed(foreign, cf)
+        with pytest.raises(xa.InvalidRequest, match=r"CopyDeviceToDevice\.src.*another driver"):
+            c0.ask(xa.CopyDeviceToDevice(src, dst))
+        assert c0.ask(xa.CopyToHost(dst)) == b"\x00" * N
+    finally:
+        pykka.ActorRegistry.stop_all()
+        ours.close()
+        theirs.close()
