@@ -253,3 +253,29 @@ def test_a_handle_of_another_drivers_device_is_refused() -> None:
         pykka.ActorRegistry.stop_all()
         ours.close()
         theirs.close()
+
+
+@pytest.mark.parametrize(("fault", "status"), [("context_lost", "running"), ("sticky", "poisoned")])
+def test_a_failure_of_the_peer_device_goes_to_its_supervisor_not_the_actors(fault: str, status: str) -> None:
+    """The peer device fails during the copy: its own device actor learns it (a rebuild, or
+    poisoned), the asker gets GpuRefStale, and the actor's device works on untouched."""
+    driver = xa.HostDriver(device_count=2, memory_per_device=4 << 20)
+    try:
+        d0, d1 = _devices(driver)
+        c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1)
+        src, dst = _zeroed(d0, c0), _zeroed(d1, c1)
+        driver.inject_fault(0, fault)  # type: ignore[arg-type]
+        with pytest.raises(xa.GpuRefStale):
+            c1.ask(xa.CopyDeviceToDevice(src, dst))
+        deadline = time.monotonic() + 2
+        poisoned = fault == "sticky"  # a poisoned device is not rebuilt: only a lost one moves on
+        while d0.ask(xa.GetStats()).status != status or (not poisoned and d0.ask(xa.GetStats()).generation != 1):
+            assert time.monotonic() < deadline, d0.ask(xa.GetStats())
+            time.sleep(0.01)
+        stats = d1.ask(xa.GetStats())
+        assert (stats.status, stats.generation) == ("running", 0)
+        c1.ask(xa.Fill(dst, 3))
+        assert c1.ask(xa.CopyToHost(dst)) == b"\x03" * N
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()

@@ -18,7 +18,7 @@ from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
-from .peer_use import PeerBridges
+from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
 
 __all__ = ["LibraryActor"]
@@ -205,12 +205,14 @@ class LibraryActor(ResilientActor):
         for ref in refs:
             if ref.context is not ctx:
                 raise GpuRefStale("context rebuilt", f"{ref!r} is not of device {ctx.ordinal}'s current context")
-        peer_uses = [self._peers.use(ref, access, ctx, track=self._track, field=f) for ref, access, f in peers]
         stream, driver, sid = self._stream, self._driver, self._stream_id
         assert stream is not None and driver is not None
         merged = _merge_uses(blocks, [a for _, a in uses])
         runtime = ctx.runtime
+        peer_refs = [ref for ref, _, _ in peers]
+        peer_uses = []
         try:
+            peer_uses = [self._peers.use(ref, access, ctx, track=self._track, field=f) for ref, access, f in peers]
             if self._tracking:
                 for block_id, access in merged:
                     runtime.prepare_block_use(block_id, sid, access)
@@ -231,8 +233,10 @@ class LibraryActor(ResilientActor):
             # A rebuild that ran on the device actor's thread between the validation above and
             # this work took the context (its streams, its blocks) away: that is a stale handle,
             # whatever the dead context's streams answered.
+            if peer_refs and isinstance(exc, (ContextLost, ContextPoisoned)):
+                claim_peer_failure(exc, peer_refs)
             if not isinstance(exc, GpuRefStale):
-                _raise_if_rebuilt([ctx, *(p.context for p in peer_uses)], exc)
+                _raise_if_rebuilt([ctx, *(ref.context for ref in peer_refs)], exc)
             raise
         for ref, access in uses:
             if access.writes:

@@ -23,6 +23,11 @@ the cross-device work did, and nothing in the memory layer changes. The bridge h
 its own: waiting on it delays nobody but the next users of the same handle. It costs two events
 per peer use, next to a copy of megabytes.
 
+A context failure (``ContextLost``, ``ContextPoisoned``) met during peer work is checked against
+each peer device's context (:func:`claim_peer_failure`): when a peer's is the failed one, it is
+reported to *that* device actor's supervisor and the asker gets ``GpuRefStale`` for the peer
+handle, so the actor's own device is not taken for the failed one.
+
 When tracking is off (``track=False``) nothing is bridged; when the peer's stack does not track
 (the direct stack), the actor synchronizes its stream before it replies, as it does for its own.
 
@@ -32,15 +37,50 @@ Thread rule: a :class:`PeerBridges` belongs to one actor and is used on its thre
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import pykka
+
 from ..driver.protocol import Stream
-from ..errors import GpuRefStale, InvalidRequest
+from ..errors import ContextLost, ContextPoisoned, GpuRefStale, InvalidRequest
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
+from .messages import ReportFailure
 
-__all__ = ["PeerBridges", "PeerUse"]
+__all__ = ["PeerBridges", "PeerUse", "claim_peer_failure"]
+
+
+def claim_peer_failure(exc: ContextLost | ContextPoisoned, refs: Sequence[GpuRef]) -> None:
+    """Make a context failure met during peer work the failed peer device's, when it is one.
+
+    The driver does not say which device a failure came from, so each peer device's context is
+    checked: the first that fails its check is told (``ReportFailure``, for its supervisor) and
+    the asker gets ``GpuRefStale`` for its handle. When every peer is well, this returns and the
+    failure stays the actor's own device's.
+
+    Args:
+        exc: the failure met.
+        refs: the handles of peer devices the work used.
+    Raises:
+        GpuRefStale: a peer device's context failed (``"context poisoned"`` for a sticky error,
+            else ``"context rebuilt"``: its supervisor rebuilds it).
+    Thread rule: the actor's thread.
+    """
+    for ref in refs:
+        ctx = ref.context
+        try:
+            ctx.driver.check_context(ctx.ordinal)
+        except (ContextLost, ContextPoisoned):
+            try:
+                ctx.actor_ref.tell(ReportFailure(exc, ctx.generation))
+            except pykka.ActorDeadError:
+                pass  # the peer device is gone: nothing left to supervise
+            detail = f"{ref!r}: device {ctx.ordinal} failed during the peer work: {exc}"
+            if isinstance(exc, ContextPoisoned):
+                raise GpuRefStale("context poisoned", detail) from exc
+            raise GpuRefStale("context rebuilt", detail) from exc
 
 
 @dataclass(frozen=True)
