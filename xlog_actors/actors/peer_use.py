@@ -4,24 +4,28 @@ A peer copy runs on the actor's own stream, of its own device, but one of its ha
 a peer device, whose resource tracks that handle's uses on the peer's streams only: its last
 write is an event of the peer's context, and its free waits, on the peer's allocation stream,
 for the events of the peer's streams. The tracking is not extended to foreign streams. Instead
-each actor keeps one **bridge stream** in each peer device's stream pool (acquired on first use,
-and again once that device's context was rebuilt), which carries only waits and events:
+each actor keeps a **bridge** in each peer device's stream pool (acquired on first use, and again
+once that device's context was rebuilt): two streams of that device that carry only waits and
+events, one inbound and one outbound:
 
-1. ``prepare``: the peer's resource prepares the use on the bridge stream
-   (``prepare_block_use(block, bridge, access)``: the bridge waits for the handle's last write,
-   and for a write also for its reads); an event recorded on the bridge is then waited for by the
-   actor's stream (a stream may wait on an event of another device of the same driver, in CUDA as
-   on the host driver).
+1. ``prepare``: the peer's resource prepares the use on the inbound stream
+   (``prepare_block_use(block, inbound, access)``: it waits for the handle's last write, and for a
+   write also for its reads); an event recorded there is then waited for by the actor's stream (a
+   stream may wait on an event of another device of the same driver, in CUDA as on the host
+   driver).
 2. The work is enqueued on the actor's stream.
-3. ``finish``: the bridge waits for an event recorded on the actor's stream after the work, and
-   the peer's resource finishes the use on the bridge (``finish_block_use``): a read becomes a read
-   event on the bridge, which the handle's free waits for; a write becomes the handle's last
-   write, and ``record_write`` names the bridge.
+3. ``finish``: the outbound stream waits for an event recorded on the actor's stream after the
+   work, and the peer's resource finishes the use there (``finish_block_use``): a read becomes a
+   read event on the outbound stream, which the handle's free waits for; a write becomes the
+   handle's last write, and ``record_write`` names the outbound stream.
 
-So the peer's resource sees an ordinary use on one of its own streams, which completes only after
-the cross-device work did, and nothing in the memory layer changes. The bridge holds no work of
-its own: waiting on it delays nobody but the next users of the same handle. It costs two events
-per peer use, next to a copy of megabytes.
+So the peer's resource sees an ordinary use on its own streams, which completes only after the
+cross-device work did, and nothing in the memory layer changes. The bridge holds no work of its
+own: waiting on it delays nobody but the next users of the same handle. Two streams rather than
+one, so that the inbound event of the next piece of work never queues behind the outbound wait
+of the last one: consecutive reads of one source by copies on the actor's stream then run back to
+back, without a cross-device round trip between them. It costs two events per peer use, next to
+a copy of megabytes.
 
 A context failure (``ContextLost``, ``ContextPoisoned``) met during peer work is checked against
 each peer device's context (:func:`claim_peer_failure`): when a peer's is the failed one, it is
@@ -92,8 +96,9 @@ class PeerUse:
         block: its block (validated).
         access: how the work uses it.
         context: the handle's device context (its generation).
-        bridge_id: the bridge stream, in that context's stream pool.
-        bridge: the bridge stream itself.
+        inbound: the bridge's inbound stream (the peer's waits before the work).
+        outbound_id: the bridge's outbound stream, in that context's stream pool.
+        outbound: the outbound stream itself (waits for the work; the use is recorded there).
         tracked: whether the peer's resource tracks uses (and the actor tracks at all).
     Thread rule: immutable; made and used on the actor's thread.
     """
@@ -102,8 +107,10 @@ class PeerUse:
     block: DeviceBlock
     access: Access
     context: DeviceContext
-    bridge_id: StreamId
-    bridge: Stream
+    inbound_id: StreamId
+    inbound: Stream
+    outbound_id: StreamId
+    outbound: Stream
     tracked: bool
 
     def prepare(self, stream: Stream) -> None:
@@ -118,8 +125,8 @@ class PeerUse:
         """
         if not self.tracked:
             return
-        self.context.runtime.prepare_block_use(BlockId.from_block(self.block), self.bridge_id, self.access)
-        stream.wait(self.bridge.record_event())
+        self.context.runtime.prepare_block_use(BlockId.from_block(self.block), self.inbound_id, self.access)
+        stream.wait(self.inbound.record_event())
 
     def finish(self, stream: Stream) -> None:
         """Record, after the work was enqueued on ``stream``, the use on the peer device: later
@@ -133,18 +140,19 @@ class PeerUse:
         """
         if not self.tracked:
             return
-        self.bridge.wait(stream.record_event())
-        self.context.runtime.finish_block_use(BlockId.from_block(self.block), self.bridge_id, self.access)
+        self.outbound.wait(stream.record_event())
+        self.context.runtime.finish_block_use(BlockId.from_block(self.block), self.outbound_id, self.access)
 
     def record_write(self) -> None:
-        """Name the bridge as the handle's last writer, when the use writes. Thread rule: the
-        actor's thread."""
+        """Name the outbound stream as the handle's last writer, when the use writes. Thread
+        rule: the actor's thread."""
         if self.access.writes:
-            self.ref.record_write(self.bridge_id)
+            self.ref.record_write(self.outbound_id)
 
 
 class PeerBridges:
-    """An actor's bridge streams, one per peer device, each in that device's current context.
+    """An actor's bridges, one per peer device (two streams each), in that device's current
+    context.
 
     Invariant: a bridge is used only with handles of the context whose pool made it; a handle of
     a newer context gets a new bridge (the old one went with its pool). Contexts are held weakly,
@@ -155,7 +163,7 @@ class PeerBridges:
 
     def __init__(self) -> None:
         """No bridge yet. Thread rule: the actor's thread."""
-        self._bridges: dict[int, tuple[weakref.ref[DeviceContext], StreamId, Stream]] = {}
+        self._bridges: dict[int, tuple[weakref.ref[DeviceContext], tuple[StreamId, Stream, StreamId, Stream]]] = {}
 
     def use(self, ref: GpuRef, access: Access, own: DeviceContext, *, track: bool, field: str) -> PeerUse:
         """Validate ``ref`` as a handle of a peer device of ``own``'s driver and bridge to it.
@@ -183,17 +191,22 @@ class PeerBridges:
         if not ctx.is_current():
             raise GpuRefStale("context rebuilt", f"{ref!r} is not of device {ctx.ordinal}'s current context")
         tracked = track and ctx.runtime.supports_block_use_tracking()
-        bridge_id, bridge = self._bridge(ctx)
-        return PeerUse(ref, block, access, ctx, bridge_id, bridge, tracked)
+        return PeerUse(ref, block, access, ctx, *self._bridge(ctx), tracked)
 
-    def _bridge(self, ctx: DeviceContext) -> tuple[StreamId, Stream]:
+    def _bridge(self, ctx: DeviceContext) -> tuple[StreamId, Stream, StreamId, Stream]:
         entry = self._bridges.get(ctx.ordinal)
         if entry is not None and entry[0]() is ctx:
-            return entry[1], entry[2]
-        pool = ctx.runtime.stream_pool
-        sid = pool.acquire()
-        stream = pool.resolve(sid)
-        if stream is None:  # the pool was closed between the two calls: the context is gone
-            raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}'s stream pool closed during the work")
-        self._bridges[ctx.ordinal] = (weakref.ref(ctx), sid, stream)
-        return sid, stream
+            return entry[1]
+        streams = (*_acquire(ctx), *_acquire(ctx))
+        self._bridges[ctx.ordinal] = (weakref.ref(ctx), streams)
+        return streams
+
+
+def _acquire(ctx: DeviceContext) -> tuple[StreamId, Stream]:
+    """A new stream of ``ctx``'s pool."""
+    pool = ctx.runtime.stream_pool
+    sid = pool.acquire()
+    stream = pool.resolve(sid)
+    if stream is None:  # the pool was closed between the two calls: the context is gone
+        raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}'s stream pool closed during the work")
+    return sid, stream
