@@ -23,7 +23,9 @@ class CopyActor(LibraryActor):
     and what it does with a message it does not understand.
 
     It serves ``CopyToDevice``, ``CopyToHost``, ``CopyDeviceToDevice`` and ``Fill`` (see each
-    message for its reply and errors). A malformed message is answered with ``InvalidRequest``
+    message for its reply and errors). ``CopyDeviceToDevice`` also copies between this device and
+    a peer device of the same driver, on this actor's stream, ordered on both devices (see
+    :mod:`.peer_use`). A malformed message is answered with ``InvalidRequest``
     naming the field, before anything is enqueued: no bytes move.
 
     Replies once the work is enqueued, except ``CopyToHost``, which replies with the bytes once
@@ -94,10 +96,37 @@ class CopyActor(LibraryActor):
         if msg.src is msg.dst:
             raise InvalidRequest("CopyDeviceToDevice.dst: source and destination are the same handle")
 
+        if msg.src.block.device_ordinal != msg.dst.block.device_ordinal:
+            self._peer_copy(msg)
+            return
+
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             driver.copy_device_to_device(blocks[1].ptr, blocks[0].ptr, blocks[0].nbytes, stream)
 
         self._run([(msg.src, Access.READ), (msg.dst, Access.WRITE)], enqueue)
+
+    def _peer_copy(self, msg: CopyDeviceToDevice) -> None:
+        """``CopyDeviceToDevice`` between two devices: on this actor's stream, so of whichever of
+        the two is this actor's device; the other handle is ordered through a bridge stream on its
+        own device (see :mod:`.peer_use`)."""
+        ordinal = self._context_for(()).ordinal
+        src_ordinal, dst_ordinal = msg.src.block.device_ordinal, msg.dst.block.device_ordinal
+        if ordinal == dst_ordinal:
+            local, peer = (msg.dst, Access.WRITE), (msg.src, Access.READ, "CopyDeviceToDevice.src")
+        elif ordinal == src_ordinal:
+            local, peer = (msg.src, Access.READ), (msg.dst, Access.WRITE, "CopyDeviceToDevice.dst")
+        else:
+            raise InvalidRequest(
+                f"CopyDeviceToDevice.src: {msg.src!r} (device {src_ordinal}) and dst {msg.dst!r} (device "
+                f"{dst_ordinal}): neither is of this CopyActor's device {ordinal}"
+            )
+        nbytes = msg.src.nbytes
+
+        def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
+            dst, src = (blocks[0], blocks[1]) if ordinal == dst_ordinal else (blocks[1], blocks[0])
+            driver.copy_peer(dst_ordinal, dst.ptr, src_ordinal, src.ptr, nbytes, stream)
+
+        self._run([local], enqueue, peers=[peer])
 
     def _fill(self, msg: Fill) -> None:
         self._check_refs(msg, "ref")

@@ -1,6 +1,7 @@
 """What every library actor shares: its own stream on a device, and the tracking protocol
 around each piece of work (validate, ``prepare_block_use``, enqueue, ``finish_block_use``,
-``record_write``)."""
+``record_write``), on the actor's own device and, through bridge streams, on a peer device
+(:mod:`.peer_use`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
+from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
 from .supervisor import SupervisedFailure
 
@@ -78,6 +80,7 @@ class LibraryActor(ResilientActor):
         self._stream: Stream | None = None
         self._tracking = False
         self._driver: Driver | None = None
+        self._peers = PeerBridges()
 
     def on_start(self) -> None:
         """Subscribe to the device's status changes and attach to its context.
@@ -202,11 +205,14 @@ class LibraryActor(ResilientActor):
         enqueue: Callable[[Driver, Stream, list[DeviceBlock]], None],
         *,
         wait: bool = False,
+        peers: Sequence[tuple[GpuRef, Access, str]] = (),
     ) -> None:
         """Validate every handle, queue the waits the work needs, enqueue it, record what it did.
-        ``enqueue`` gets the blocks in the order of ``uses``. ``wait``: also wait for the work to
-        finish (a copy to the host must hand over its bytes), inside the same guard, so a rebuild
-        that retires the stream meanwhile reads as a stale handle too."""
+        ``enqueue`` gets the blocks in the order of ``uses``, then those of ``peers``. ``wait``:
+        also wait for the work to finish (a copy to the host must hand over its bytes), inside the
+        same guard, so a rebuild that retires the stream meanwhile reads as a stale handle too.
+        ``peers``: ``(handle, access, field)`` of handles of *other* devices of the driver, each
+        ordered through a bridge stream on its device (see :mod:`.peer_use`)."""
         refs = [ref for ref, _ in uses]
         ctx = self._context_for(refs)
         ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
@@ -218,15 +224,22 @@ class LibraryActor(ResilientActor):
         assert stream is not None and driver is not None
         merged = _merge_uses(blocks, [a for _, a in uses])
         runtime = ctx.runtime
+        peer_refs = [ref for ref, _, _ in peers]
+        peer_uses = []
         try:
+            peer_uses = [self._peers.use(ref, access, ctx, track=self._track, field=f) for ref, access, f in peers]
             if self._tracking:
                 for block_id, access in merged:
                     runtime.prepare_block_use(block_id, sid, access)
-            enqueue(driver, stream, blocks)
+            for peer in peer_uses:
+                peer.prepare(stream)
+            enqueue(driver, stream, blocks + [peer.block for peer in peer_uses])
             if self._tracking:
                 for block_id, access in merged:
                     runtime.finish_block_use(block_id, sid, access)
-            if wait or (self._track and not self._tracking):
+            for peer in peer_uses:
+                peer.finish(stream)
+            if wait or (self._track and not (self._tracking and all(p.tracked for p in peer_uses))):
                 # Asked for, or an untracked stack: finish before anyone sees it. No timeout: the
                 # stream is this actor's own and holds only work it enqueued, which ends (a kernel
                 # that faults ends it with a sticky error, which this wait raises).
@@ -235,12 +248,23 @@ class LibraryActor(ResilientActor):
             # A rebuild that ran on the device actor's thread between the validation above and
             # this work took the context (its streams, its blocks) away: that is a stale handle,
             # whatever the dead context's streams answered.
-            if not ctx.is_current() and not isinstance(exc, GpuRefStale):
-                raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the work") from exc
+            if peer_refs and isinstance(exc, (ContextLost, ContextPoisoned)):
+                claim_peer_failure(exc, peer_refs)
+            if not isinstance(exc, GpuRefStale):
+                _raise_if_rebuilt([ctx, *(ref.context for ref in peer_refs)], exc)
             raise
         for ref, access in uses:
             if access.writes:
                 ref.record_write(sid)
+        for peer in peer_uses:
+            peer.record_write()
+
+
+def _raise_if_rebuilt(contexts: list[DeviceContext], exc: XlogError) -> None:
+    """``GpuRefStale`` from ``exc`` when one of ``contexts`` is no longer its device's current one."""
+    for ctx in contexts:
+        if not ctx.is_current():
+            raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the work") from exc
 
 
 def _merge_uses(blocks: list[DeviceBlock], accesses: list[Access]) -> list[tuple[BlockId, Access]]:

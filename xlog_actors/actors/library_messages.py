@@ -139,10 +139,16 @@ class CopyDone:
 class CopyDeviceToDevice:
     """Copy all of one allocation to the start of another.
 
+    The two handles may be of two devices of one driver when one of them is of the copy actor's
+    device: a peer copy (``cuMemcpyPeerAsync``) on the actor's stream, ordered after the source's
+    last write and the destination's reads and writes on their own devices; the source's free
+    then waits for the copy and the destination's last write is the copy.
+
     Fields: ``src``, the ``GpuRef`` read; ``dst``, another ``GpuRef``, at least as large.
     Reply: None once the copy is enqueued.
     Errors: ``InvalidRequest`` naming ``src`` or ``dst`` (not a handle, too small, the same
-    handle).
+    handle, two devices neither of which is the actor's); ``GpuRefStale`` for a released or
+    stale handle.
     """
 
     src: GpuRef

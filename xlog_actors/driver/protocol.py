@@ -485,6 +485,35 @@ class Driver(Protocol[S, E_co]):
         """
         ...
 
+    # Peer copies: cuMemcpyPeerAsync between two devices of this driver.
+    def copy_peer(self, dst_ordinal: int, dst: int, src_ordinal: int, src: int, nbytes: int, stream: S) -> None:
+        """Enqueue a copy of ``nbytes`` from ``src`` on device ``src_ordinal`` to ``dst`` on device
+        ``dst_ordinal``, ordered on ``stream``, a stream of either of the two devices.
+
+        Peer access need not be enabled: ``cuMemcpyPeerAsync`` works without it, staging through
+        the host where the devices cannot reach each other. The copy is ordered only on
+        ``stream``; ordering it after work on the other device's streams (the source's last
+        write, say) is the caller's, with events (a stream may wait on an event of another
+        device of the same driver). A copy within one device is refused: it is
+        ``copy_device_to_device``.
+
+        Args:
+            dst_ordinal: the destination's device.
+            dst: the destination, a pointer of that device.
+            src_ordinal: the source's device, another device of this driver.
+            src: the source, a pointer of that device.
+            nbytes: a positive byte count.
+            stream: a stream of device ``dst_ordinal`` or ``src_ordinal``.
+        Raises:
+            InvalidRequest: a bad ordinal or ``nbytes``, the same device twice, or ``stream`` of
+                neither device.
+            DriverError: ``dst`` or ``src`` is no pointer of its device
+                (``CUDA_ERROR_INVALID_VALUE``).
+            ContextPoisoned: either device saw a sticky error.
+        Thread rule: any thread.
+        """
+        ...
+
     def check_context(self, ordinal: int) -> None:
         """Raise when ``ordinal``'s context is gone, including a reset made by foreign code
         behind the driver's back. Cheap; called once per actor message, not per allocation.

@@ -5,6 +5,11 @@ The raw twins copy into (and between) the very device buffers the actor uses, so
 is the same on both sides; the two never overlap in time (each sample ends with its stream
 synchronized). The host-to-device buffers are freed before the device-to-device ones are made, so
 the two sections never hold their memory at once.
+
+The peer row copies from device 1 to device 0 through the group's copy actor (on device 0, so the
+copy runs on its stream and the source is ordered through a bridge stream on device 1), beside
+raw ``cuMemcpyPeerAsync`` on the group's raw stream of device 0. It needs two devices: with one
+(the host bench driver has one) it is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import pykka
 
 from ...actors import Allocate, CopyActor, CopyDeviceToDevice, CopyToDevice, CopyToHost, DeviceActor, Fill
 from ...driver.protocol import Driver, Stream
-from .harness import Context, Group, Op, Row
-from .plan import Plan, size_text
+from .harness import Context, Group, Op, Row, SkipRow
+from .plan import MIB, Plan, size_text
 from .result import Target
-from .twins import HostBuffer, cu, raise_unless_success
+from .twins import HostBuffer, PeerTwin, cu, raise_unless_success
 
 __all__ = ["COPIES"]
 
@@ -171,7 +176,7 @@ def _d2d(b: _Copies) -> Iterator[_D2D]:
     del src, dst
 
 
-def _copy_actor_d2d(ask: Any, f: _D2D) -> Op:
+def _copy_actor_d2d(ask: Any, f: _D2D | _Peer) -> Op:
     d2d = CopyDeviceToDevice(f.src, f.dst)
     sync = CopyToHost(f.dst, nbytes=1)
     k = f.base.plan.d2d_per_sync
@@ -202,6 +207,64 @@ def _d2d_rate(**kw: Any) -> dict[str, Any]:
                 ref_ops=lambda p: p.d2d_per_sync, kind="rate", bytes_per_op=lambda p: p.d2d_bytes, **kw)
 
 
+# -- peer: device 1 to device 0 --------------------------------------------------------------------
+_PEER_BYTES = 256 * MIB
+
+
+@dataclass
+class _Peer:
+    base: _Copies
+    skip: str | None
+    src: Any = None
+    dst: Any = None
+    twin: PeerTwin | None = None
+    helper: Any = None  # a copy actor on device 1, which fills the source
+
+
+@contextlib.contextmanager
+def _peer(b: _Copies) -> Iterator[_Peer]:
+    count = b.driver.device_count()
+    if count < 2:
+        yield _Peer(b, f"a peer copy needs two devices; this {b.driver.kind} driver has {count}")
+        return
+    device1 = DeviceActor.start(1, b.driver)
+    helper = CopyActor.start(device1)
+    twin: PeerTwin | None = None
+    try:
+        src: Any = device1.ask(Allocate(_PEER_BYTES))
+        dst: Any = b.device.ask(Allocate(_PEER_BYTES))
+        helper.ask(Fill(src, 9))
+        twin = PeerTwin(b.driver, b.stream, (0, dst.raw_device_ptr()), (1, src.raw_device_ptr()), _PEER_BYTES,
+                        b.plan.d2d_per_sync)
+        yield _Peer(b, None, src, dst, twin, helper)
+        del src, dst
+    finally:
+        if twin is not None:
+            twin.close()
+        helper.stop()
+        device1.stop()
+
+
+def _copy_actor_peer(f: _Peer) -> Op:
+    if f.skip is not None:
+        raise SkipRow(f.skip)
+    return _copy_actor_d2d(f.base.copy.ask, f)
+
+
+def _raw_peer(f: _Peer) -> Op:
+    assert f.twin is not None
+    return f.twin.op
+
+
+def _peer_reference(f: _Peer, p: Plan) -> str:
+    return f.twin.name if f.twin is not None else "-"
+
+
+def _check_peer(f: _Peer) -> None:
+    if f.base.copy.ask(CopyToHost(f.dst, nbytes=16)) != bytes([9]) * 16:
+        raise RuntimeError("CopyActor peer: the destination on device 0 does not hold device 1's bytes")
+
+
 COPIES = Group("copies", (
     Row("CopyActor H2D pinned", lambda f, p: f"copy.ask(CopyToDevice(ref, {size_text(p.h2d_bytes)} pinned)) + "
         "ask(CopyToHost(ref, nbytes=1)) to synchronize", _h2d, _copy_actor_h2d, lambda f: f.raw,
@@ -224,4 +287,11 @@ COPIES = Group("copies", (
         lambda f: _driver_d2d(f.base, f.dst.raw_device_ptr(), f.src.raw_device_ptr()), lambda f: f.raw,
         **_d2d_rate(host_skip="on the host driver this is the reference itself",
                     note="informational: the driver's share of the CopyActor D2D row")),
+    Row(f"CopyActor peer {size_text(_PEER_BYTES)}", lambda f, p: f"{p.d2d_per_sync} x copy.ask(CopyDeviceToDevice("
+        f"{size_text(_PEER_BYTES)} of device 1 -> device 0)) + ask(CopyToHost(dst, nbytes=1)); per copy", _peer,
+        _copy_actor_peer, _raw_peer, lambda p: (p.d2d_samples, 1), reference=_peer_reference,
+        ours_ops=lambda p: p.d2d_per_sync, ref_ops=lambda p: p.d2d_per_sync, kind="rate",
+        bytes_per_op=_PEER_BYTES, target=Target("ratio", ">=", 0.95), check=_check_peer,
+        note=lambda f, p: "the copy actor is on device 0 and pulls from device 1; peer access is not enabled "
+        f"(cuMemcpyPeerAsync picks the path); {p.d2d_per_sync} copies per synchronize on both sides"),
 ), base=_copies)

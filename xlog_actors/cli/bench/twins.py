@@ -17,7 +17,15 @@ from ...driver.protocol import Driver, Stream
 from .harness import Op
 from .plan import SIZE
 
-__all__ = ["HostBuffer", "alloc_free_loop", "check", "cu", "raise_unless_success", "stream_ordered_twin"]
+__all__ = [
+    "HostBuffer",
+    "PeerTwin",
+    "alloc_free_loop",
+    "check",
+    "cu",
+    "raise_unless_success",
+    "stream_ordered_twin",
+]
 
 
 def alloc_free_loop(alloc: Callable[[int], Any], free: Callable[[Any], Any]) -> Op:
@@ -158,3 +166,74 @@ class HostBuffer:
         del self.array
         if self.cuda:
             cu().cuMemFreeHost(self.ptr)
+
+
+class PeerTwin:
+    """The raw twin of a peer copy: ``k`` copies of ``nbytes`` from ``src`` (device
+    ``src_ordinal``) to ``dst`` (device ``dst_ordinal``) on ``stream``, then one synchronize.
+
+    On CUDA it calls ``cuMemcpyPeerAsync`` with both devices' primary contexts (retained here, as
+    any user of the driver API would, and released by ``close``) and ``cuStreamSynchronize`` on
+    the same ``CUstream``; on the host driver ``copy_peer`` and ``synchronize``.
+
+    Thread rule: the bench's thread; ``close`` once.
+    """
+
+    def __init__(
+        self, driver: Driver, stream: Stream, dst: tuple[int, int], src: tuple[int, int], nbytes: int, k: int
+    ) -> None:
+        """Args:
+            driver: the run's driver.
+            stream: the stream the copies go on (of either device).
+            dst: ``(ordinal, pointer)`` of the destination.
+            src: ``(ordinal, pointer)`` of the source.
+            nbytes: bytes per copy.
+            k: copies per synchronize.
+        Raises:
+            RuntimeError: a context could not be retained.
+        """
+        self._retained: list[Any] = []
+        (dst_ordinal, d_dst), (src_ordinal, d_src) = dst, src
+        if driver.kind != "cuda":
+            copy_peer = driver.copy_peer
+
+            def via_driver(n: int) -> None:
+                for _ in range(n):
+                    for _ in range(k):
+                        copy_peer(dst_ordinal, d_dst, src_ordinal, d_src, nbytes, stream)
+                    stream.synchronize()
+
+            self.op: Op = via_driver
+            self.name = f"HostDriver.copy_peer x{k} + synchronize"
+            return
+        cuda = cu()
+        contexts = []
+        for ordinal in (dst_ordinal, src_ordinal):
+            dev = check(cuda, cuda.cuDeviceGet(ordinal), "cuDeviceGet")
+            contexts.append(check(cuda, cuda.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain"))
+            self._retained.append(dev)
+        dst_ctx, src_ctx = contexts
+        h = cuda.CUstream(stream.handle)
+        memcpy, stream_sync = cuda.cuMemcpyPeerAsync, cuda.cuStreamSynchronize
+        make_current, ordinal = driver.make_current, stream.ordinal
+
+        def raw(n: int) -> None:
+            # The stream's context must be current, and setting up two devices may have left the
+            # other one current in this thread; through the driver, which keeps its cache right.
+            make_current(ordinal)
+            for _ in range(n):
+                for _ in range(k):
+                    (err,) = memcpy(d_dst, dst_ctx, d_src, src_ctx, nbytes, h)
+                (err2,) = stream_sync(h)
+            raise_unless_success(cuda, "cuMemcpyPeerAsync/cuStreamSynchronize", err, err2)
+
+        self.op = raw
+        self.name = f"raw cuMemcpyPeerAsync x{k} + cuStreamSynchronize"
+
+    def close(self) -> None:
+        """Release the contexts retained for the twin."""
+        if self._retained:
+            cuda = cu()
+            for dev in self._retained:
+                cuda.cuDevicePrimaryCtxRelease(dev)
+            self._retained.clear()

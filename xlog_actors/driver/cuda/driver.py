@@ -8,6 +8,7 @@ What it is made of, and why (each part's module says more):
   memory pool, loaded modules, and the rebuild and close of what this driver made in it.
 * :mod:`.streams`: ``CudaStream`` and ``CudaEvent``, each stream's gate and its retirement.
 * :mod:`.memory`: allocation (synchronous and pool), copies, fills.
+* :mod:`.peer`: copies between two devices (``cuMemcpyPeerAsync``).
 * :mod:`.nvrtc`: kernel sources compiled into cubins, and the sleep kernel.
 * :mod:`.gates`: the device table and the one preamble of stream work.
 
@@ -53,6 +54,7 @@ from .call import EVENT_FLAGS, IMPORT_ERROR, STREAM_FLAGS, SUCCESS, cu, error_fo
 from .context import CudaDevice, tls
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
+from .peer import CudaPeer
 from .streams import CudaEvent, CudaStream
 
 __all__ = ["CudaDriver"]
@@ -87,7 +89,7 @@ def _pack_args(kernel: Kernel, args: Sequence[object]) -> tuple[npt.NDArray[np.u
 
 
 
-class CudaDriver(CudaMemory):
+class CudaDriver(CudaPeer, CudaMemory):
     """The driver protocol on cuda-python. See the module docstring.
 
     Construction runs ``cuInit`` and counts devices; it raises ``DeviceUnavailable`` (with the

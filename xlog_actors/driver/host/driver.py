@@ -395,6 +395,51 @@ class HostDriver:
 
         stream.enqueue(run)
 
+    # -- peer copies -------------------------------------------------------------------------
+    def copy_peer(
+        self, dst_ordinal: int, dst: int, src_ordinal: int, src: int, nbytes: int, stream: HostStream
+    ) -> None:
+        """Enqueue a copy of ``nbytes`` from ``src`` on device ``src_ordinal`` to ``dst`` on device
+        ``dst_ordinal`` (two emulated devices of this driver), in ``stream``'s order; ``stream``
+        is of either device. The bytes move between the two devices' emulated memories when the
+        stream reaches the copy; it is dropped then if either device's context was rebuilt
+        meanwhile (that memory is gone), as a GPU drops work of a destroyed context.
+
+        Raises:
+            InvalidRequest: a bad ordinal or ``nbytes``, the same device twice, or ``stream`` of
+                neither device (nothing is enqueued).
+            DriverError: a range outside its device's memory; and whatever either device's gate
+                raises.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes, "peer copy size")
+        dst_dev, src_dev = self._device(dst_ordinal), self._device(src_ordinal)
+        if dst_dev is src_dev:
+            raise InvalidRequest(
+                f"peer copy from device {src_ordinal} to itself: use copy_device_to_device within one device"
+            )
+        if not isinstance(stream, HostStream):
+            raise InvalidRequest(f"expected a HostStream of this driver, got {stream!r}")
+        if stream.ordinal not in (dst_ordinal, src_ordinal):
+            raise InvalidRequest(
+                f"peer copy {src_ordinal} -> {dst_ordinal}: {stream!r} is of device {stream.ordinal}, "
+                "neither of the two"
+            )
+        other = src_dev if stream.ordinal == dst_ordinal else dst_dev
+        self._stream_device(stream)
+        other.gate()
+        dst_off = dst_dev.offset_of(dst, nbytes, f"peer copy destination (from device {src_ordinal})")
+        src_off = src_dev.offset_of(src, nbytes, f"peer copy source (to device {dst_ordinal})")
+        dst_arena, src_arena, other_epoch = dst_dev.arena, src_dev.arena, other.epoch
+
+        def run() -> None:
+            # The stream's own context is checked by the stream (``HostDevice.guarded``); the
+            # other device's memory is gone if its context was rebuilt since.
+            if other.epoch == other_epoch:
+                dst_arena.mm[dst_off : dst_off + nbytes] = src_arena.mm[src_off : src_off + nbytes]
+
+        stream.enqueue(run)
+
     def sleep(self, stream: HostStream, microseconds: int) -> None:
         """Enqueue a pause of ``microseconds`` on ``stream``.
 
