@@ -101,3 +101,20 @@ def host_driver() -> Iterator[xa.HostDriver]:
     drv = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
     yield drv
     drv.close()
+
+
+@pytest.fixture(params=[pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def two_devices(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
+    """A driver of two devices: two emulated ones of 64 MiB, or the first two GPUs (skipped with
+    the reason where fewer are reachable). Every actor is stopped before the driver closes."""
+    if request.param == "host":
+        driver: xa.Driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
+    else:
+        driver = xa.CudaDriver()
+        count = driver.device_count()
+        if count < 2:
+            driver.close()
+            pytest.skip(f"needs two CUDA devices; this machine has {count}")
+    yield driver
+    pykka.ActorRegistry.stop_all()
+    driver.close()

@@ -5,29 +5,12 @@ driver with two emulated devices and, where two GPUs are reachable, on the CUDA 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import numpy as np
-import pykka
 import pytest
 
 import xlog_actors as xa
 from xlog_actors.driver.kernel_library import SCALE_ADD_F32, launch_shape
-
-
-@pytest.fixture(params=[pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def two_devices(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
-    if request.param == "host":
-        driver: xa.Driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
-    else:
-        driver = xa.CudaDriver()
-        if driver.device_count() < 2:
-            count = driver.device_count()
-            driver.close()
-            pytest.skip(f"needs two CUDA devices; this machine has {count}")
-    yield driver
-    pykka.ActorRegistry.stop_all()
-    driver.close()
 
 
 def _pool_ordinal(driver: xa.Driver, ptr: int) -> int | None:

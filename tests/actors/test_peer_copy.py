@@ -6,7 +6,6 @@ driver with two emulated devices and, marked ``gpu``, on two GPUs where they are
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pykka
@@ -16,21 +15,6 @@ import xlog_actors as xa
 
 N = 1 << 16
 
-
-@pytest.fixture(params=[pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def two(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
-    """A driver of two devices (emulated, or the first two GPUs); its actors stop after the test."""
-    if request.param == "host":
-        driver: xa.Driver = xa.HostDriver(device_count=2, memory_per_device=32 << 20)
-    else:
-        driver = xa.CudaDriver()
-        if driver.device_count() < 2:
-            count = driver.device_count()
-            driver.close()
-            pytest.skip(f"a peer copy needs two CUDA devices; this machine has {count}")
-    yield driver
-    pykka.ActorRegistry.stop_all()
-    driver.close()
 
 
 def _devices(driver: xa.Driver, **kw: Any) -> tuple[pykka.ActorRef[Any], pykka.ActorRef[Any]]:
@@ -51,8 +35,8 @@ def _stream_of(copy: pykka.ActorRef[Any], ref: Any) -> xa.Stream:
 
 
 @pytest.mark.parametrize("actor_on", ["destination", "source"])
-def test_bytes_arrive(two: xa.Driver, actor_on: str) -> None:
-    d0, d1 = _devices(two)
+def test_bytes_arrive(two_devices: xa.Driver, actor_on: str) -> None:
+    d0, d1 = _devices(two_devices)
     c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1)
     src, dst = _zeroed(d0, c0, N), _zeroed(d1, c1, 2 * N)
     data = bytes(range(256)) * (N // 256)
@@ -68,15 +52,17 @@ def test_bytes_arrive(two: xa.Driver, actor_on: str) -> None:
 @pytest.mark.parametrize(
     "track", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)], ids=["tracked", "untracked"]
 )
-def test_the_copy_waits_for_the_sources_slow_write_on_its_device(two: xa.Driver, actor_on: str, track: bool) -> None:
+def test_the_copy_waits_for_the_sources_slow_write_on_its_device(
+    two_devices: xa.Driver, actor_on: str, track: bool
+) -> None:
     """The source is written behind a slow sleep on device 0's writer stream and the peer copy
     is asked at once: with tracking the destination gets the new bytes; without, the stale ones
     (so the test can fail)."""
-    d0, d1 = _devices(two)
+    d0, d1 = _devices(two_devices)
     writer, reader = xa.CopyActor.start(d0, track=track), xa.CopyActor.start(d1, track=track)
     peer = xa.CopyActor.start(d1 if actor_on == "destination" else d0, track=track)
     src, dst = _zeroed(d0, writer), _zeroed(d1, reader)
-    two.sleep(_stream_of(writer, src), 200_000)
+    two_devices.sleep(_stream_of(writer, src), 200_000)
     writer.ask(xa.CopyToDevice(src, b"\x2a" * N))
     peer.ask(xa.CopyDeviceToDevice(src, dst))
     time.sleep(0.3) if not track else None  # untracked: let the copy run (early) before the read
@@ -90,18 +76,18 @@ def test_the_copy_waits_for_the_sources_slow_write_on_its_device(two: xa.Driver,
 @pytest.mark.parametrize(
     "track", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)], ids=["tracked", "untracked"]
 )
-def test_the_sources_free_waits_for_the_copy(two: xa.Driver, track: bool) -> None:
+def test_the_sources_free_waits_for_the_copy(two_devices: xa.Driver, track: bool) -> None:
     """The copy runs late (behind a sleep on the copy actor's stream) and the source is released
     at once, its memory allocated again and overwritten on device 0: with tracking the copy still
     reads the source's bytes; without, the host driver shows the reuse (the test can fail)."""
-    if not track and two.kind != "host":
+    if not track and two_devices.kind != "host":
         pytest.skip("the untracked reuse is deterministic only on the host driver's allocator")
-    d0, d1 = _devices(two)
+    d0, d1 = _devices(two_devices)
     c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1, track=track)
     src, dst = _zeroed(d0, c0), _zeroed(d1, c1)
     c0.ask(xa.CopyToDevice(src, b"\x77" * N))
     c0.ask(xa.CopyToHost(src, nbytes=1))
-    two.sleep(_stream_of(c1, dst), 200_000)
+    two_devices.sleep(_stream_of(c1, dst), 200_000)
     c1.ask(xa.CopyDeviceToDevice(src, dst))
     src.release()
     del src
@@ -115,26 +101,26 @@ def test_the_sources_free_waits_for_the_copy(two: xa.Driver, track: bool) -> Non
         assert got != b"\x77" * N, "without tracking the source was freed and reused under the copy"
 
 
-def test_the_destinations_next_reader_on_its_device_waits_for_the_copy(two: xa.Driver) -> None:
+def test_the_destinations_next_reader_on_its_device_waits_for_the_copy(two_devices: xa.Driver) -> None:
     """Pushed from device 0 behind a slow sleep, the copy is the destination's last write: a
     reader on device 1 waits for it."""
-    d0, d1 = _devices(two)
+    d0, d1 = _devices(two_devices)
     c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1)
     src, dst = _zeroed(d0, c0), _zeroed(d1, c1)
     c0.ask(xa.Fill(src, 0x3C))
-    two.sleep(_stream_of(c0, src), 200_000)
+    two_devices.sleep(_stream_of(c0, src), 200_000)
     c0.ask(xa.CopyDeviceToDevice(src, dst))
     assert c1.ask(xa.CopyToHost(dst)) == b"\x3c" * N
 
 
-def test_an_untracked_direct_stack_on_the_peer_still_orders_the_copy(two: xa.Driver) -> None:
+def test_an_untracked_direct_stack_on_the_peer_still_orders_the_copy(two_devices: xa.Driver) -> None:
     """Device 0 on the direct (sanitizer) stack: the actor synchronizes its stream before the
     reply, so the copy is complete when the source's synchronous free runs."""
-    d0, d1 = _devices(two, resource="direct")
+    d0, d1 = _devices(two_devices, resource="direct")
     c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1)
     src, dst = _zeroed(d0, c0), _zeroed(d1, c1)
     c0.ask(xa.Fill(src, 0x42))
-    two.sleep(_stream_of(c1, dst), 100_000)
+    two_devices.sleep(_stream_of(c1, dst), 100_000)
     c1.ask(xa.CopyDeviceToDevice(src, dst))
     src.release()
     assert c1.ask(xa.CopyToHost(dst)) == b"\x42" * N
@@ -144,8 +130,8 @@ def _stats(*devices: pykka.ActorRef[Any]) -> list[int]:
     return [d.ask(xa.GetStats()).live_blocks for d in devices]
 
 
-def test_bad_input_gets_typed_errors_and_changes_nothing(two: xa.Driver) -> None:
-    d0, d1 = _devices(two)
+def test_bad_input_gets_typed_errors_and_changes_nothing(two_devices: xa.Driver) -> None:
+    d0, d1 = _devices(two_devices)
     c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1)
     src, dst = _zeroed(d0, c0), _zeroed(d1, c1)
     small = _zeroed(d1, c1, N // 2)
@@ -172,8 +158,8 @@ def test_bad_input_gets_typed_errors_and_changes_nothing(two: xa.Driver) -> None
     assert c1.ask(xa.CopyToHost(dst)) == b"\x05" * N
 
 
-def test_a_handle_of_a_rebuilt_peer_device_is_stale(two: xa.Driver) -> None:
-    d0, d1 = _devices(two)
+def test_a_handle_of_a_rebuilt_peer_device_is_stale(two_devices: xa.Driver) -> None:
+    d0, d1 = _devices(two_devices)
     c0, c1 = xa.CopyActor.start(d0), xa.CopyActor.start(d1)
     src, dst = _zeroed(d0, c0), _zeroed(d1, c1)
     c1.ask(xa.CopyDeviceToDevice(src, dst))  # a bridge on device 0's old context

@@ -4,28 +4,12 @@ two emulated devices and, marked ``gpu``, on the CUDA driver where two GPUs are 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 import xlog_actors as xa
 
 N = 1 << 16
 
-
-@pytest.fixture(params=[pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def pair(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
-    """A driver with two devices: two emulated ones, or the first two GPUs."""
-    if request.param == "host":
-        driver: xa.Driver = xa.HostDriver(device_count=2, memory_per_device=16 << 20)
-    else:
-        driver = xa.CudaDriver()
-        count = driver.device_count()
-        if count < 2:
-            driver.close()
-            pytest.skip(f"a peer copy needs two CUDA devices; this machine has {count}")
-    yield driver
-    driver.close()
 
 
 def _filled(driver: xa.Driver, ordinal: int, byte: int) -> tuple[int, xa.Stream]:
@@ -44,36 +28,36 @@ def _read(driver: xa.Driver, ptr: int, stream: xa.Stream, nbytes: int = N) -> by
 
 
 @pytest.mark.parametrize("on", ["destination", "source"])
-def test_bytes_arrive_on_a_stream_of_either_device(pair: xa.Driver, on: str) -> None:
-    src, s0 = _filled(pair, 0, 0x5A)
-    dst, s1 = _filled(pair, 1, 0)
+def test_bytes_arrive_on_a_stream_of_either_device(two_devices: xa.Driver, on: str) -> None:
+    src, s0 = _filled(two_devices, 0, 0x5A)
+    dst, s1 = _filled(two_devices, 1, 0)
     stream = s1 if on == "destination" else s0
-    pair.copy_peer(1, dst, 0, src, N // 2, stream)
+    two_devices.copy_peer(1, dst, 0, src, N // 2, stream)
     stream.synchronize()
-    assert _read(pair, dst, s1) == b"\x5a" * (N // 2) + b"\x00" * (N // 2)
-    pair.copy_peer(0, src, 1, dst, N, stream)  # and back, the other way round
+    assert _read(two_devices, dst, s1) == b"\x5a" * (N // 2) + b"\x00" * (N // 2)
+    two_devices.copy_peer(0, src, 1, dst, N, stream)  # and back, the other way round
     stream.synchronize()
-    assert _read(pair, src, s0) == b"\x5a" * (N // 2) + b"\x00" * (N // 2)
+    assert _read(two_devices, src, s0) == b"\x5a" * (N // 2) + b"\x00" * (N // 2)
 
 
-def test_an_event_of_the_source_device_orders_the_copy(pair: xa.Driver) -> None:
+def test_an_event_of_the_source_device_orders_the_copy(two_devices: xa.Driver) -> None:
     """The copy is ordered on its stream only; a wait on the source device's event orders it
     after a slow write there (and without the wait it reads the old bytes: the test can fail)."""
-    src, s0 = _filled(pair, 0, 1)
-    dst, s1 = _filled(pair, 1, 0)
-    other, _ = _filled(pair, 1, 0)
-    pair.sleep(s0, 200_000)
-    pair.fill(src, 2, N, s0)
-    pair.copy_peer(1, other, 0, src, N, s1)  # no wait: runs before the slow fill
+    src, s0 = _filled(two_devices, 0, 1)
+    dst, s1 = _filled(two_devices, 1, 0)
+    other, _ = _filled(two_devices, 1, 0)
+    two_devices.sleep(s0, 200_000)
+    two_devices.fill(src, 2, N, s0)
+    two_devices.copy_peer(1, other, 0, src, N, s1)  # no wait: runs before the slow fill
     s1.wait(s0.record_event())
-    pair.copy_peer(1, dst, 0, src, N, s1)
-    assert _read(pair, dst, s1) == b"\x02" * N
-    assert _read(pair, other, s1) == b"\x01" * N
+    two_devices.copy_peer(1, dst, 0, src, N, s1)
+    assert _read(two_devices, dst, s1) == b"\x02" * N
+    assert _read(two_devices, other, s1) == b"\x01" * N
 
 
-def test_bad_input_gets_typed_errors_and_enqueues_nothing(pair: xa.Driver) -> None:
-    src, s0 = _filled(pair, 0, 7)
-    dst, s1 = _filled(pair, 1, 0)
+def test_bad_input_gets_typed_errors_and_enqueues_nothing(two_devices: xa.Driver) -> None:
+    src, s0 = _filled(two_devices, 0, 7)
+    dst, s1 = _filled(two_devices, 1, 0)
     bad: list[tuple[tuple[object, ...], type[Exception], str]] = [
         ((0, src, 0, src, N, s0), xa.InvalidRequest, "to itself"),
         ((1, dst, 0, src, 0, s1), xa.InvalidRequest, "peer copy size"),
@@ -87,10 +71,10 @@ def test_bad_input_gets_typed_errors_and_enqueues_nothing(pair: xa.Driver) -> No
     ]
     for args, error, text in bad:
         with pytest.raises(error, match=text):
-            pair.copy_peer(*args)  # type: ignore[arg-type]
-    assert _read(pair, dst, s1) == b"\x00" * N
-    pair.copy_peer(1, dst, 0, src, N, s1)  # both devices still work
-    assert _read(pair, dst, s1) == b"\x07" * N
+            two_devices.copy_peer(*args)  # type: ignore[arg-type]
+    assert _read(two_devices, dst, s1) == b"\x00" * N
+    two_devices.copy_peer(1, dst, 0, src, N, s1)  # both devices still work
+    assert _read(two_devices, dst, s1) == b"\x07" * N
 
 
 def test_the_host_driver_refuses_ranges_outside_device_memory_and_streams_of_neither_device() -> None:
