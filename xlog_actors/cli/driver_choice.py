@@ -7,18 +7,18 @@ inside one ``open_driver("auto")`` call that would hide the reason.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Literal
 
 from ..driver import DRIVER_ENV, Driver, open_driver
-from ..errors import DeviceUnavailable
+from ..driver.open import DRIVER_KINDS, DriverChoiceKind, env_driver_kind
+from ..errors import DeviceUnavailable, InvalidRequest
 from .options import UsageError
 
 __all__ = ["KINDS", "DriverChoice", "NoGpu", "check_env", "choose_driver"]
 
-KINDS = ("auto", "cuda", "host")
-Kind = Literal["auto", "cuda", "host"]
+#: The ``--driver`` choices: the kinds ``open_driver`` takes.
+KINDS = DRIVER_KINDS
+Kind = DriverChoiceKind
 
 
 class NoGpu(Exception):
@@ -58,13 +58,11 @@ def check_env() -> tuple[Kind, str] | None:
         UsageError: when the variable names no known driver.
     Thread rule: any thread.
     """
-    env = os.environ.get(DRIVER_ENV, "").strip().lower()
-    if not env:
-        return None
-    if env not in KINDS:
-        raise UsageError(f"{DRIVER_ENV}={env!r}: expected one of {', '.join(KINDS)}")
-    kind: Kind = env  # type: ignore[assignment]  # narrowed by the membership test above
-    return kind, f"{DRIVER_ENV}={env}"
+    try:
+        kind = env_driver_kind()
+    except InvalidRequest as exc:
+        raise UsageError(str(exc)) from None
+    return None if kind is None else (kind, f"{DRIVER_ENV}={kind}")
 
 
 def choose_driver(flag: str | None) -> DriverChoice:

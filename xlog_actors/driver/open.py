@@ -13,15 +13,37 @@ from ..errors import DeviceUnavailable, InvalidRequest
 from .host import HostDriver
 from .protocol import Driver
 
-__all__ = ["DRIVER_ENV", "default_driver", "open_driver"]
+__all__ = ["DRIVER_ENV", "DRIVER_KINDS", "DriverChoiceKind", "default_driver", "env_driver_kind", "open_driver"]
 
 #: The environment variable naming the driver ``open_driver()`` picks by default:
 #: ``auto``, ``cuda`` or ``host``.
 DRIVER_ENV = "XLOG_ACTORS_DRIVER"
-_KINDS = ("auto", "cuda", "host")
+
+#: What ``open_driver`` takes, and ``XLOG_ACTORS_DRIVER`` may name.
+DriverChoiceKind = Literal["auto", "cuda", "host"]
+DRIVER_KINDS: tuple[DriverChoiceKind, ...] = ("auto", "cuda", "host")
 
 
-def open_driver(kind: Literal["auto", "cuda", "host"] | None = None) -> Driver:
+def env_driver_kind() -> DriverChoiceKind | None:
+    """The kind ``XLOG_ACTORS_DRIVER`` names (case and spaces ignored), or None when it is unset.
+
+    Returns:
+        ``"auto"``, ``"cuda"``, ``"host"`` or None.
+    Raises:
+        InvalidRequest: the variable names no known kind (the message names the variable, its value
+            and the kinds it accepts).
+    Thread rule: any thread (it reads the environment at each call).
+    """
+    env = os.environ.get(DRIVER_ENV, "").strip().lower()
+    if not env:
+        return None
+    for kind in DRIVER_KINDS:
+        if env == kind:
+            return kind
+    raise InvalidRequest(f"{DRIVER_ENV}={env!r}: expected one of {', '.join(DRIVER_KINDS)}")
+
+
+def open_driver(kind: DriverChoiceKind | None = None) -> Driver:
     """A new driver of ``kind``.
 
     ``"cuda"``: cuda-python on the GPU; ``DeviceUnavailable`` where no GPU or libcuda is reachable.
@@ -39,15 +61,9 @@ def open_driver(kind: Literal["auto", "cuda", "host"] | None = None) -> Driver:
     Thread rule: any thread.
     """
     if kind is None or kind == "auto":
-        env = os.environ.get(DRIVER_ENV, "").strip().lower()
-        if env:
-            if env not in _KINDS:
-                raise InvalidRequest(f"{DRIVER_ENV}={env!r}: expected one of {_KINDS}")
-            kind = env  # type: ignore[assignment]
-        else:
-            kind = "auto"
-    if kind not in _KINDS:
-        raise InvalidRequest(f"unknown driver kind {kind!r}; expected one of {_KINDS}")
+        kind = env_driver_kind() or "auto"
+    if kind not in DRIVER_KINDS:
+        raise InvalidRequest(f"unknown driver kind {kind!r}; expected one of {DRIVER_KINDS}")
     if kind == "host":
         return HostDriver()
     from .cuda import CudaDriver
