@@ -3,11 +3,11 @@ the adaptors. Written once against the driver protocol."""
 
 from __future__ import annotations
 
+from .._core.async_core import EventPool
 from .async_resource import AsyncCudaResource
 from .block import Access, AllocTag, BlockId, BlockState, DeviceBlock, Generation, LiveBlock, StreamId
 from .device_bound import DeviceBound
 from .direct import DirectCudaResource
-from .event_pool import EventPool
 from .figures import AllocationFigures, AllocationStatistics
 from .pinned import PinnedAllocator, PinnedBuffer, PinnedUsage
 from .resource import DeviceMemoryResource

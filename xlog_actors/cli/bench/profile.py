@@ -113,15 +113,13 @@ def decompose(driver: Driver, number: int = 20_000) -> list[tuple[str, float]]:
         ``(label, ns per call)`` per piece, in print order.
     Thread rule: the process's main thread.
     """
-    import threading
     import timeit
 
     from ...actors import Allocate, DeviceActor, GetClient
     from ...actors.messages import Reclaim
     from ...driver.checks import check_device
-    from ...memory import async_resource as ar
     from ...memory.async_resource import AsyncCudaResource
-    from ...memory.block import Access, AllocTag, BlockId, Generation, StreamId, make_block
+    from ...memory.block import Access, AllocTag, BlockId, Generation, StreamId
     from ...memory.stream_pool import StreamPool
     from .rows_actors import Echo, Plain
 
@@ -141,16 +139,10 @@ def decompose(driver: Driver, number: int = 20_000) -> list[tuple[str, float]]:
     client: Any = device.ask(GetClient())
     ref = client.allocate(4096)
     gctx = ref.context
-    lock = threading.Lock()
-    live: dict[int, object] = {}
-    pending: dict[StreamId, int] = {}
     sid = StreamId.DEFAULT
-    tag = AllocTag.UNTAGGED
-    gen = Generation.next()
     ns: dict[str, object] = dict(  # noqa: C408 - the names of a timeit namespace
         res=res, driver=driver, stream=stream, st2=st2, s2=s2, bid=bid, READ=Access.READ, event=event,
-        pool=pool, Generation=Generation, Entry=ar._Entry, sid=sid, tag=tag, gen=gen, make_block=make_block,
-        lock=lock, live=live, pending=pending, check_device=check_device, block=block, time=time,
+        pool=pool, Generation=Generation, AllocTag=AllocTag, sid=sid, check_device=check_device, block=block,
         device=device, echo=echo, Allocate=Allocate, msg=Allocate(4096), client=client, ref=ref,
         gctx=gctx, Reclaim=Reclaim, plain=Plain(), GpuRef=type(ref),
     )
@@ -179,13 +171,7 @@ def decompose(driver: Driver, number: int = 20_000) -> list[tuple[str, float]]:
         ("AsyncCudaResource allocate+deallocate", "res.deallocate(res.allocate(4096))"),
         ("  StreamPool.resolve", "pool.resolve(sid)"),
         ("  Generation.next()", "Generation.next()"),
-        ("  _Entry(...) (with time.monotonic)", "Entry(gen, 4096, sid, tag)"),
-        ("  time.monotonic()", "time.monotonic()"),
-        ("  make_block(...)", "make_block(1, 0, sid, 4096, 256, tag, gen)"),
-        ("  with lock: (empty)", "with lock: pass"),
         ("  check_device(...)", "check_device('x', 0, block)"),
-        ("  live[ptr] = e; del live[ptr]", "live[1] = block; del live[1]"),
-        ("  pending[sid] += n (get+set)", "pending[sid] = pending.get(sid, 0) + 4096"),
         ("stream.record(ev)+st2.wait(ev) (driver)", "stream.record(event); st2.wait(event)"),
         (
             "prepare+finish cross-stream READ",
@@ -198,7 +184,7 @@ def decompose(driver: Driver, number: int = 20_000) -> list[tuple[str, float]]:
         ("bare pykka ask", "echo.ask(msg)"),
         ("device.ask(Allocate) + drop", "r = device.ask(msg); del r"),
         ("  DeviceContext.allocate + free (no actor)",
-         "r = gctx.allocate(4096, sid, tag); r._mark_released(); gctx.free(r.block); del r"),
+         "r = gctx.allocate(4096, sid, AllocTag.UNTAGGED); r._mark_released(); gctx.free(r.block); del r"),
         ("  GpuRef._new (handle creation)", "GpuRef._new(block, gctx)._mark_released()"),
         ("  pykka tell (Reclaim to the device)", "echo.tell(Reclaim(block, 0))"),
         ("DeviceClient.allocate + free", "client.free(client.allocate(4096))"),

@@ -32,6 +32,7 @@ from ...errors import ContextLost, ContextPoisoned, DriverError, OutOfMemory, Xl
 
 __all__ = [
     "CONTEXT_LOST_CODES",
+    "CORE_ENTRY_POINTS",
     "EVENT_FLAGS",
     "IMPORT_ERROR",
     "NOT_READY",
@@ -41,6 +42,7 @@ __all__ = [
     "SUCCESS",
     "check",
     "cu",
+    "resolve_entry_points",
     "error_class_for",
     "error_for",
     "first_line",
@@ -230,3 +232,45 @@ def first_line(exc: BaseException) -> str:
     """
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+#: The driver entry points the compiled core (``xlog_actors._core.ops``) calls directly.
+CORE_ENTRY_POINTS: Final = (
+    "cuMemAllocFromPoolAsync",
+    "cuMemFreeAsync",
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+    "cuMemAlloc",
+    "cuMemFree",
+)
+# The API version the core's declarations follow: cuMemAlloc/cuMemFree resolve to their _v2
+# forms, the rest to their only ones. The core declares these signatures itself, so it is built
+# with no cuda.h and matches any driver that serves this version.
+_ENTRY_POINT_VERSION: Final = 12000
+
+
+def resolve_entry_points(names: tuple[str, ...] = CORE_ENTRY_POINTS) -> dict[str, int]:
+    """The addresses of driver entry points, from ``cuGetProcAddress`` (``cuInit`` must have run).
+
+    Args:
+        names: the entry points, unversioned (``"cuMemAlloc"``).
+    Returns:
+        name -> function address.
+    Raises:
+        DriverError: cuda-python is missing, or the driver does not serve one of ``names`` at
+            CUDA 12.0's ABI (the message names it).
+    Thread rule: any thread.
+    """
+    if cu is None:
+        raise DriverError(f"cuda-python is not importable ({IMPORT_ERROR})")
+    flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    found: dict[str, int] = {}
+    for name in names:
+        err, pfn, _status = cu.cuGetProcAddress(name.encode(), _ENTRY_POINT_VERSION, flags)
+        if err != SUCCESS or not pfn:
+            raise DriverError(
+                f"the CUDA driver does not serve {name} (CUDA 12.0 ABI): {result_name(err)}",
+                code=result_name(err),
+            )
+        found[name] = int(pfn)
+    return found

@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +50,17 @@ from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
 from ..checks import check_launch, check_microseconds
 from ..kernel import PARAM_DTYPES, Kernel
 from ..protocol import Driver
-from .call import EVENT_FLAGS, IMPORT_ERROR, STREAM_FLAGS, SUCCESS, cu, error_for, first_line, result_name
+from .call import (
+    EVENT_FLAGS,
+    IMPORT_ERROR,
+    STREAM_FLAGS,
+    SUCCESS,
+    cu,
+    error_for,
+    first_line,
+    resolve_entry_points,
+    result_name,
+)
 from .context import CudaDevice, tls
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
@@ -146,6 +156,11 @@ class CudaDriver(CudaPeer, CudaMemory):
                 raise DeviceUnavailable(f"device {ordinal} cannot be queried: {exc}") from None
         for dev in devices:
             dev.owner = self
+        try:
+            entry_points = resolve_entry_points()
+        except XlogError as exc:
+            raise DeviceUnavailable(f"{exc}; update the NVIDIA driver") from None
+        self._entry_points = entry_points
         self._devices = devices
         self._closed = False
         self._close_lock = threading.Lock()
@@ -154,6 +169,28 @@ class CudaDriver(CudaPeer, CudaMemory):
         return f"CudaDriver(device_count={len(self._devices)}{', closed' if self._closed else ''})"
 
     # -- queries ----------------------------------------------------------------------------
+    def fast_path(self, ordinal: object) -> tuple[Any, ...] | None:
+        """What the compiled core's ``CudaOps`` needs to call ``libcuda`` directly for device
+        ``ordinal``: the entry points, the device, the thread-local context marker, the stream
+        and event types and ``CUresult``.
+
+        ``CudaOps`` reads these attributes of the objects it is given, with the GIL held: of a
+        ``CudaStream`` ``_dev``, ``_epoch``, ``_closed``, ``_handle`` and ``_id``; of a
+        ``CudaEvent`` ``_dev``, ``_epoch`` and ``_h``; of a ``CudaDevice`` ``token``, ``epoch``,
+        ``poisoned``, ``pool``, ``pool_live``, ``direct_live`` and ``fail``; of the driver
+        ``_closed``. Their meaning is the one ``CudaStream._enter`` checks.
+
+        Args:
+            ordinal: a device ordinal.
+        Returns:
+            The tuple, or None when ``ordinal`` names no device of this driver (the Python
+            methods then raise the precise error).
+        Thread rule: any thread.
+        """
+        if type(ordinal) is not int or not 0 <= ordinal < len(self._devices):
+            return None
+        return (self._entry_points, self._devices[ordinal], tls, CudaStream, CudaEvent, cu.CUresult)
+
     def device_count(self) -> int:
         """The number of CUDA devices visible at construction. Thread rule: any thread."""
         return len(self._devices)

@@ -59,11 +59,12 @@ class CudaEvent:
     ``create_stream``/``create_event``/``record_event`` (finalizers never call CUDA).
     """
 
-    __slots__ = ("__weakref__", "_cu", "_dev", "_epoch", "_incarnation")
+    __slots__ = ("__weakref__", "_cu", "_dev", "_epoch", "_h", "_incarnation")
 
     def __init__(self, dev: CudaDevice, event: Any, epoch: int) -> None:
         self._dev = dev
         self._cu = event
+        self._h = int(event)  # the handle as an int, for the compiled core's direct calls
         self._epoch = epoch
         self._incarnation = dev.incarnation
 

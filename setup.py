@@ -1,0 +1,45 @@
+"""Builds the compiled core (``xlog_actors._core``); everything else is in pyproject.toml.
+
+The extensions need a C compiler and the Python headers, nothing of CUDA: the core declares the
+few driver entry points it calls and gets their addresses at run time. A build that cannot
+compile stops with a message naming what is missing; there is no pure-Python fallback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+try:
+    from Cython.Build import cythonize
+except ImportError:  # pragma: no cover - the build requirements name Cython
+    sys.exit("xlog_actors: building the compiled core needs Cython>=3.0 (pip install Cython)")
+
+_MODULES = ("blocks", "ops", "async_core", "direct_core")
+
+
+class BuildCore(build_ext):
+    """``build_ext`` that turns a missing compiler or missing Python headers into one clear line."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - re-raised as one clear message
+            raise SystemExit(
+                "xlog_actors: the compiled core (xlog_actors._core) could not be built: "
+                f"{type(exc).__name__}: {exc}\n"
+                "It needs a C compiler (cc/gcc, found through $CC) and the Python development "
+                "headers (Python.h: e.g. the python3-dev package). No CUDA toolkit is needed."
+            ) from None
+
+
+setup(
+    ext_modules=cythonize(
+        [Extension(f"xlog_actors._core.{name}", [f"xlog_actors/_core/{name}.pyx"]) for name in _MODULES],
+        compiler_directives={"language_level": "3", "embedsignature": True},
+        quiet=True,
+    ),
+    cmdclass={"build_ext": BuildCore},
+)

@@ -1,0 +1,619 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled body of ``AsyncCudaResource``: stream-ordered allocation with cross-stream
+dependency tracking, and the event pool it draws its events from.
+
+The rules (the public face, :mod:`xlog_actors.memory.async_resource`, documents them for users):
+
+* ``allocate(n, stream)`` is ordered on ``stream``; the block's first producer is the allocation
+  itself, so a consumer on another stream waits for an *allocation-ready fence*, recorded lazily
+  on the allocation stream the first time such a consumer prepares a use.
+* Per block: ``last_write`` (stream and event of the most recent write, or of the allocation)
+  and ``reads`` (at most one read event per stream since). ``prepare_block_use`` queues the
+  minimal waits; ``finish_block_use`` records after the launch.
+* ``deallocate`` validates ``(ptr, generation)`` first (the ABA guard), makes the allocation
+  stream wait on every cross-stream event, then queues the free there. Any failure leaves the
+  block live and every counter unchanged.
+* ``bytes_outstanding() == live_bytes() + pending_free_bytes()``; a reap releases only what it
+  synchronized.
+
+**The lock.** One C-level lock (``PyThread``) guards the live map, the per-block state, the
+pending map and both counters, so they always move together. On the CUDA path no holder lets
+the GIL go (the driver calls keep it, see ``ops.pyx``), so the lock is never contended there and
+costs one atomic operation; it is kept because a garbage collection run inside a critical
+section may run a finalizer's Python code, and because the host driver's calls are Python and
+may switch threads. A contended acquire waits with the GIL released.
+
+The module is over 400 lines for the reason the old pure-Python one was: allocation, free, reap
+and the tracking hooks all move the same per-block entries under the same lock, and the rules
+above are checkable only when read in one place.
+"""
+
+from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock, PyThread_type_lock
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
+from .lock cimport lock_acquire, lock_release
+from .ops cimport DriverOps, ops_for
+
+from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
+from ..driver.limits import ALIGNMENT
+from ..errors import DriverError
+from .blocks import Access, AllocTag, BlockState, LiveBlock, StreamId
+
+__all__ = ["AsyncCore", "EventPool"]
+
+cdef object _READ = Access.READ
+cdef object _LIVE = BlockState.LIVE
+cdef object _ALIGNMENT = ALIGNMENT
+cdef object _DEFAULT_STREAM = StreamId.DEFAULT
+cdef object _UNTAGGED = AllocTag.UNTAGGED
+
+
+cdef inline double _now() noexcept:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class EventPool:
+    """A free list of the events of one device context, so tracking a block use does not create
+    and destroy an event each time (``cuEventCreate`` + destroy costs more than the record).
+
+    An event may go back to the pool as soon as nobody will enqueue a *new* wait on it: waits
+    already enqueued keep the record they saw, so re-recording is safe (CUDA semantics, and the
+    host driver's). ``created`` counts the events the pool ever created.
+
+    Thread rule: ``get`` and ``put`` are single list operations, atomic under the GIL, so any
+    thread may call them; the owning resource calls them under its own lock anyway, which also
+    keeps ``created`` exact.
+    """
+
+    cdef DriverOps _ops
+    cdef list _free
+    cdef readonly Py_ssize_t created
+
+    def __init__(self, driver, ordinal):
+        """An empty pool for device ``ordinal`` of ``driver``; events are created on demand.
+
+        Args:
+            driver: the driver that owns the device.
+            ordinal: the device's ordinal.
+        Thread rule: any thread.
+        """
+        self._ops = ops_for(driver, ordinal)
+        self._free = []
+        self.created = 0
+
+    cdef object take(self):
+        if self._free:
+            return self._free.pop()
+        event = self._ops.create_event()
+        self.created += 1  # after the driver call: a failed creation made no event
+        return event
+
+    def get(self):
+        """An event from the free list, or a new one.
+
+        Returns:
+            An event nobody will enqueue a new wait on until its taker records it.
+        Raises:
+            DriverError: the driver could not create an event; ``created`` is unchanged.
+        Thread rule: any thread.
+        """
+        return self.take()
+
+    def put(self, event):
+        """Give ``event`` back for reuse.
+
+        Args:
+            event: an event of this pool that nobody will enqueue a new wait on.
+        Thread rule: any thread.
+        """
+        self._free.append(event)
+
+
+cdef class _Entry:
+    """Tracking state of one live block."""
+
+    cdef object generation
+    cdef long long nbytes
+    cdef object stream
+    cdef object tag
+    cdef double created
+    # Stream and event of the last write; None while the allocation is the only producer and its
+    # fence has not been needed yet (it is recorded lazily on ``stream``).
+    cdef object lw_stream
+    cdef object lw_event
+    # read events since the last write, at most one per stream; None when empty
+    cdef dict reads
+
+
+cdef inline object _ptr_of(object block_id):
+    if type(block_id) is DeviceBlock:
+        return (<DeviceBlock>block_id).ptr
+    if type(block_id) is BlockId:
+        return (<BlockId>block_id).ptr
+    return block_id.ptr
+
+
+cdef inline object _generation_of(object block_id):
+    if type(block_id) is DeviceBlock:
+        return (<DeviceBlock>block_id).generation
+    if type(block_id) is BlockId:
+        return (<BlockId>block_id).generation
+    return block_id.generation
+
+
+cdef inline object _ordinal_of(object block_id):
+    if type(block_id) is DeviceBlock:
+        return (<DeviceBlock>block_id).device_ordinal
+    if type(block_id) is BlockId:
+        return (<BlockId>block_id).device_ordinal
+    return block_id.device_ordinal
+
+
+cdef class AsyncCore:
+    """The state and hot paths of ``AsyncCudaResource`` (see the module docstring).
+
+    Thread rule: every method may be called from any thread at any time.
+    """
+
+    cdef readonly object _driver
+    cdef readonly object _ordinal
+    cdef object _stream_pool
+    cdef object _streams
+    cdef DriverOps _ops
+    cdef EventPool _events
+    cdef PyThread_type_lock _lock
+    cdef dict _live
+    cdef long long _live_bytes
+    cdef dict _pending
+    cdef long long _pending_bytes
+
+    def __cinit__(self, *args, **kwargs):
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("AsyncCudaResource: cannot allocate its lock")
+
+    def __dealloc__(self):
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
+
+    def __init__(self, driver, ordinal, stream_pool):
+        """An empty resource on device ``ordinal`` of ``driver``, ordering its work on the
+        streams of ``stream_pool`` (whose device the caller checked).
+
+        Thread rule: any thread.
+        """
+        self._driver = driver
+        self._ordinal = ordinal
+        self._stream_pool = stream_pool
+        self._streams = stream_pool.streams
+        self._ops = ops_for(driver, ordinal)
+        self._events = EventPool(driver, ordinal)
+        self._live = {}
+        self._live_bytes = 0
+        self._pending = {}
+        self._pending_bytes = 0
+
+    # -- properties and diagnostics ---------------------------------------------------------
+    @property
+    def device_ordinal(self):
+        """The ordinal of the device served. Thread rule: any thread."""
+        return self._ordinal
+
+    @property
+    def driver(self):
+        """The driver of the device served. Thread rule: any thread."""
+        return self._driver
+
+    @property
+    def stream_pool(self):
+        """The stream pool the resource orders its work on. Thread rule: any thread."""
+        return self._stream_pool
+
+    def bytes_outstanding(self):
+        """Live bytes plus bytes whose free is queued but not yet reaped.
+
+        Returns:
+            ``live_bytes() + pending_free_bytes()``, both read at one instant.
+        Thread rule: any thread.
+        """
+        lock_acquire(self._lock)
+        total = self._live_bytes + self._pending_bytes
+        lock_release(self._lock)
+        return total
+
+    def live_bytes(self):
+        """Bytes of the live blocks.
+
+        Returns:
+            The counter (one read; it may lag a concurrent call).
+        Thread rule: any thread.
+        """
+        return self._live_bytes
+
+    def pending_free_bytes(self):
+        """Bytes whose free is queued but not yet reaped.
+
+        Returns:
+            The counter (one read; it may lag a concurrent call).
+        Thread rule: any thread.
+        """
+        return self._pending_bytes
+
+    def pending_per_stream_total(self):
+        """The sum of the per-stream pending map (diagnostic: it equals ``pending_free_bytes()``
+        whenever no reap is running).
+
+        Returns:
+            The sum, taken under the lock.
+        Thread rule: any thread.
+        """
+        lock_acquire(self._lock)
+        try:
+            return sum(self._pending.values())
+        finally:
+            lock_release(self._lock)
+
+    def pending_use_event_count(self, ptr):
+        """Events attached to the live block at ``ptr``.
+
+        Args:
+            ptr: the block's pointer.
+        Returns:
+            Its read events plus one for a recorded ``last_write``, or None when no block is live
+            at ``ptr``; taken under the lock.
+        Thread rule: any thread.
+        """
+        cdef _Entry entry
+        lock_acquire(self._lock)
+        try:
+            found = self._live.get(ptr)
+            if found is None:
+                return None
+            entry = <_Entry>found
+            return (len(entry.reads) if entry.reads else 0) + (entry.lw_event is not None)
+        finally:
+            lock_release(self._lock)
+
+    def events_created(self):
+        """How many driver events the pool ever created (diagnostic: reuse keeps it small).
+
+        Returns:
+            The count.
+        Thread rule: any thread.
+        """
+        return self._events.created
+
+    def live_blocks(self):
+        """The live blocks, with their ages.
+
+        Returns:
+            One ``LiveBlock`` per live block, in allocation order, taken under the lock.
+        Thread rule: any thread.
+        """
+        cdef _Entry e
+        cdef double now = _now()
+        lock_acquire(self._lock)
+        try:
+            items = list(self._live.items())
+        finally:
+            lock_release(self._lock)
+        out = []
+        for ptr, found in items:
+            e = <_Entry>found
+            out.append(LiveBlock(ptr, e.nbytes, e.tag, e.stream, now - e.created))
+        return out
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
+        """Allocate ``nbytes`` ordered on ``stream``.
+
+        Args:
+            nbytes: a positive ``int``.
+            stream: a stream of the pool; the block may be used on it at once, and its free is
+                queued there.
+            tag: what the allocation is for.
+        Returns:
+            A live block aligned to 256 bytes, with a new generation.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive ``int``.
+            StreamMisuse: ``stream`` is not a stream of the pool.
+            OutOfMemory: the driver cannot satisfy the request.
+            DriverError: the driver failed, or handed out a pointer already live (then the new
+                allocation was given back and nothing changed).
+        Thread rule: any thread; the driver call runs outside the lock, the map update under it.
+        """
+        cdef _Entry entry
+        cdef DeviceBlock block
+        cdef bint collision
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+        cu_stream = self._stream_of(stream)
+        if cu_stream is None:
+            raise unknown_stream("AsyncCudaResource.allocate", self._ordinal, stream)
+        ptr = self._ops.alloc_async(nbytes, cu_stream)
+        generation = next_generation()
+        entry = _Entry.__new__(_Entry)
+        entry.generation = generation
+        entry.nbytes = nbytes
+        entry.stream = stream
+        entry.tag = tag
+        entry.created = _now()
+        block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+        lock_acquire(self._lock)
+        collision = ptr in self._live
+        if not collision:
+            self._live[ptr] = entry
+            self._live_bytes += entry.nbytes
+        lock_release(self._lock)
+        if not collision:
+            return block
+        self._ops.free_async(ptr, cu_stream)
+        raise DriverError(
+            f"AsyncCudaResource on device {self._ordinal}: pointer collision on alloc "
+            f"({ptr:#x} is already live); the new allocation was given back"
+        )
+
+    def deallocate(self, block):
+        """Queue the free of ``block`` on its allocation stream, behind every cross-stream use.
+
+        The block stops being live at once; its bytes count as pending until a reap.
+
+        Args:
+            block: a live block of this resource.
+        Raises:
+            InvalidRequest: ``block`` is of another device.
+            UseAfterFree: no block with this ``(ptr, generation)`` is live (freed already, or
+                never allocated here).
+            StreamMisuse: the allocation stream was closed.
+            DriverError: a wait or the free could not be queued; the block stays live and
+                nothing is counted, so the caller may retry.
+        Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
+        """
+        cdef _Entry entry
+        if _ordinal_of(block) != self._ordinal:
+            check_device("AsyncCudaResource.deallocate", self._ordinal, block)
+        ptr = _ptr_of(block)
+        lock_acquire(self._lock)
+        try:
+            entry = self._checked_entry("AsyncCudaResource.deallocate", block, ptr)
+            alloc_sid = entry.stream
+            alloc_stream = self._stream_of(alloc_sid)
+            if alloc_stream is None:
+                raise unknown_stream("AsyncCudaResource.deallocate", self._ordinal, alloc_sid)
+            # Fence the free behind every cross-stream use. If a wait or the free fails, the
+            # entry stays live and nothing is counted: the caller may retry. (Waits already
+            # queued are harmless: they only order the stream after work that was enqueued.)
+            lw_event = entry.lw_event
+            if lw_event is not None and entry.lw_stream != alloc_sid:
+                self._ops.wait(alloc_stream, lw_event)
+            reads = entry.reads
+            if reads:
+                for sid, event in reads.items():
+                    if sid != alloc_sid:
+                        self._ops.wait(alloc_stream, event)
+            self._ops.free_async(ptr, alloc_stream)
+            del self._live[ptr]
+            self._live_bytes -= entry.nbytes
+            self._pending[alloc_sid] = self._pending.get(alloc_sid, 0) + entry.nbytes
+            self._pending_bytes += entry.nbytes
+            if lw_event is not None:
+                self._events._free.append(lw_event)
+            if reads:
+                self._events._free.extend(reads.values())
+        finally:
+            lock_release(self._lock)
+
+    # -- reaping ----------------------------------------------------------------------------
+    def reap_pending(self):
+        """Synchronize every stream with queued frees and stop counting what was synchronized.
+
+        Raises:
+            DriverError: a synchronization failed; that stream and every one not yet visited stay
+                pending for the next reap.
+        Thread rule: any thread; the synchronizations run outside the lock, so allocations and
+        frees on other threads go on meanwhile.
+        """
+        pool = self._stream_pool
+
+        def sync(stream_id):
+            stream = pool.resolve(stream_id)
+            # A stream the pool no longer knows was closed, which waited for its queue: its
+            # frees ran.
+            if stream is not None:
+                stream.synchronize()
+
+        self.reap_pending_with(sync)
+
+    def reap_pending_with(self, sync_stream):
+        """Synchronize each stream with pending frees through ``sync_stream`` and stop counting
+        what it synchronized.
+
+        Args:
+            sync_stream: called with each stream id that has pending frees; it returns once that
+                stream's queued work is complete.
+        Raises:
+            BaseException: whatever ``sync_stream`` raised first; the failed stream and every
+                stream not yet visited stay pending for the next reap.
+        Thread rule: any thread; ``sync_stream`` is called outside the lock. Concurrent reaps
+        each take the streams pending when they start, so no stream is counted off twice.
+        """
+        cdef long long synced = 0
+        cdef Py_ssize_t failed_at, i
+        lock_acquire(self._lock)
+        drained = self._pending
+        if not drained:
+            lock_release(self._lock)
+            return
+        self._pending = {}
+        lock_release(self._lock)
+        items = list(drained.items())
+        failed_at = len(items)
+        error = None
+        for i in range(len(items)):
+            stream_id, nbytes = items[i]
+            try:
+                sync_stream(stream_id)
+            except BaseException as exc:  # re-raised below once state is restored
+                failed_at = i
+                error = exc
+                break
+            synced += nbytes
+        lock_acquire(self._lock)
+        for stream_id, nbytes in items[failed_at:]:
+            self._pending[stream_id] = self._pending.get(stream_id, 0) + nbytes
+        self._pending_bytes -= synced
+        lock_release(self._lock)
+        if error is not None:
+            raise error
+
+    # -- block-use tracking -----------------------------------------------------------------
+    cdef inline object _stream_of(self, object sid):
+        # The pool's map is a dict (typed lookup); tests may give any mapping with ``get``.
+        if type(self._streams) is dict:
+            return (<dict>self._streams).get(sid)
+        return self._streams.get(sid)
+
+    cdef _Entry _checked_entry(self, str owner, object block_id, object ptr):
+        found = self._live.get(ptr)
+        if found is None:
+            raise unknown_block(owner, self._ordinal, block_id, None)
+        entry = <_Entry>found
+        generation = _generation_of(block_id)
+        if entry.generation is not generation and entry.generation != generation:
+            raise unknown_block(owner, self._ordinal, block_id, int(entry.generation))
+        return entry
+
+    cdef object _resolve_use(self, str owner, object block_id, object use_stream):
+        if _ordinal_of(block_id) != self._ordinal:
+            check_device(owner, self._ordinal, block_id)
+        stream = self._stream_of(use_stream)
+        if stream is None:
+            raise unknown_stream(owner, self._ordinal, use_stream)
+        return stream
+
+    cdef object _recorded_event(self, object stream):
+        """An event from the pool, recorded on ``stream``. Call under the lock. A failed record
+        puts the event back (nobody waits on it) and raises."""
+        event = self._events.take()
+        try:
+            self._ops.record(event, stream)
+        except BaseException:
+            self._events._free.append(event)
+            raise
+        return event
+
+    def prepare_block_use(self, block_id, use_stream, access):
+        """Queue on ``use_stream`` the waits it needs before work with ``access`` on the block.
+
+        Call before enqueueing that work. The first cross-stream use records the block's
+        allocation-ready fence on its allocation stream.
+
+        Args:
+            block_id: a live block of this resource (a ``BlockId`` or the block itself).
+            use_stream: the stream the work goes on.
+            access: how the work uses the block (a write also waits for every read).
+        Raises:
+            InvalidRequest: the block is of another device.
+            UseAfterFree: the block is not live.
+            StreamMisuse: ``use_stream`` (or the allocation stream) is not a stream of the pool.
+            DriverError: a record or wait failed; the block's state is as it was.
+        Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
+        """
+        cdef _Entry entry
+        stream = self._resolve_use("AsyncCudaResource.prepare_block_use", block_id, use_stream)
+        ptr = _ptr_of(block_id)
+        lock_acquire(self._lock)
+        try:
+            entry = self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr)
+            if entry.lw_event is None:
+                if entry.stream != use_stream:
+                    # First cross-stream consumer: materialize the allocation-ready fence.
+                    alloc_stream = self._stream_of(entry.stream)
+                    if alloc_stream is None:
+                        raise unknown_stream("AsyncCudaResource.prepare_block_use", self._ordinal, entry.stream)
+                    event = self._recorded_event(alloc_stream)
+                    try:
+                        self._ops.wait(stream, event)
+                    except BaseException:
+                        # Nobody waits on it: back to the pool, and the block stays as it was.
+                        self._events._free.append(event)
+                        raise
+                    entry.lw_stream = entry.stream
+                    entry.lw_event = event
+            elif entry.lw_stream != use_stream:
+                self._ops.wait(stream, entry.lw_event)
+            if access is not _READ and entry.reads:
+                for sid, event in entry.reads.items():
+                    if sid != use_stream:
+                        self._ops.wait(stream, event)
+        finally:
+            lock_release(self._lock)
+
+    def finish_block_use(self, block_id, use_stream, access):
+        """Record, after work with ``access`` on the block was enqueued on ``use_stream``, what
+        later users and the free must wait for.
+
+        Args:
+            block_id: a live block of this resource (a ``BlockId`` or the block itself).
+            use_stream: the stream the work went on.
+            access: how the work used the block (a write replaces ``last_write`` and clears the
+                reads).
+        Raises:
+            InvalidRequest: the block is of another device.
+            UseAfterFree: the block is not live.
+            StreamMisuse: ``use_stream`` is not a stream of the pool.
+            DriverError: a record failed; the block's state is as it was.
+        Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
+        """
+        stream = self._resolve_use("AsyncCudaResource.finish_block_use", block_id, use_stream)
+        ptr = _ptr_of(block_id)
+        lock_acquire(self._lock)
+        try:
+            self._finish_locked(self._checked_entry("AsyncCudaResource.finish_block_use", block_id, ptr),
+                                stream, use_stream, access)
+        finally:
+            lock_release(self._lock)
+
+    cdef _finish_locked(self, _Entry entry, object stream, object use_stream, object access):
+        if access is _READ:
+            if entry.lw_event is None and use_stream == entry.stream:
+                # Still only on its own stream: the free is queued there, and the lazy fence a
+                # later cross-stream user records there will cover this read too. No event.
+                return
+            reads = entry.reads
+            if reads is None:
+                reads = entry.reads = {}
+            event = reads.get(use_stream)
+            if event is not None:
+                self._ops.record(event, stream)  # same stream: the new record subsumes the old one
+                return
+            reads[use_stream] = self._recorded_event(stream)
+            return
+        old_event = entry.lw_event
+        if old_event is None and use_stream == entry.stream:
+            pass  # still only on its own stream: the lazy fence will cover this write too
+        elif old_event is not None and entry.lw_stream == use_stream:
+            self._ops.record(old_event, stream)
+        else:
+            entry.lw_event = self._recorded_event(stream)
+            entry.lw_stream = use_stream
+            if old_event is not None:
+                self._events._free.append(old_event)
+        if entry.reads:
+            self._events._free.extend(entry.reads.values())
+            entry.reads = None
+
+    def record_block_use(self, block, use_stream):
+        """``finish_block_use(block, use_stream, Access.READ)``.
+
+        It queues no pre-launch wait, so it only protects the free, not a read after a
+        cross-stream write: use ``prepare_block_use`` for that.
+
+        Args and Raises: as :meth:`finish_block_use`.
+        Thread rule: any thread.
+        """
+        self.finish_block_use(block, use_stream, _READ)
+

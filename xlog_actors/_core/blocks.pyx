@@ -1,0 +1,259 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Value types of the allocator layer: stream and block identities, tags, generations, the block
+a resource hands out and the live-block entry a resource lists.
+
+Compiled because the allocation hot path builds one :class:`DeviceBlock` and one
+:class:`Generation` per call: as a Cython class the block costs about a tenth of the frozen
+dataclass's constructor. The public face is :mod:`xlog_actors.memory.block`, which re-exports
+these names; behaviour is that of the frozen, slotted dataclasses the SPEC names
+(``dataclasses.fields``/``replace``, equality, hashing, ``FrozenInstanceError``).
+
+All of them are immutable and safe to share between threads.
+"""
+
+cimport cython
+
+import enum
+from dataclasses import FrozenInstanceError
+from typing import ClassVar
+
+__all__ = [
+    "Access",
+    "AllocTag",
+    "BlockId",
+    "BlockState",
+    "DeviceBlock",
+    "Generation",
+    "LiveBlock",
+    "StreamId",
+    "make_block",
+]
+
+
+class StreamId(int):
+    """Names a stream of a :class:`~xlog_actors.memory.StreamPool`.
+
+    ``StreamId.DEFAULT == StreamId(0)`` always resolves while the pool is open; other ids come
+    from ``StreamPool.acquire()``. An ``int`` subclass, so it hashes and compares as its number.
+    Immutable; any thread.
+    """
+
+    __slots__ = ()
+    DEFAULT: ClassVar[StreamId]
+
+    def __repr__(self) -> str:
+        return f"StreamId({int(self)})"
+
+
+StreamId.DEFAULT = StreamId(0)
+
+
+class AllocTag(str):
+    """Names what an allocation is for; statistics and reports group by it.
+
+    ``AllocTag.UNTAGGED`` (``"untagged"``) is the tag of an allocation that gave none. A ``str``
+    subclass, so it hashes and compares as its text. Immutable; any thread.
+    """
+
+    __slots__ = ()
+    UNTAGGED: ClassVar[AllocTag]
+
+    def __repr__(self) -> str:
+        return f"AllocTag({str.__repr__(self)})"
+
+
+AllocTag.UNTAGGED = AllocTag("untagged")
+
+
+class Access(enum.Enum):
+    """How a kernel or copy uses a block; decides which waits ``prepare_block_use`` queues and what
+    ``finish_block_use`` records. Immutable; any thread."""
+
+    READ = "read"
+    WRITE = "write"
+    READ_WRITE = "read_write"
+
+    @property
+    def reads(self) -> bool:
+        """True for ``READ`` and ``READ_WRITE``. Thread rule: any thread."""
+        return self is not Access.WRITE
+
+    @property
+    def writes(self) -> bool:
+        """True for ``WRITE`` and ``READ_WRITE``. Thread rule: any thread."""
+        return self is not Access.READ
+
+
+# The process-wide source of generation numbers. Incremented with the GIL held and no Python
+# code in between, so it is atomic without a lock.
+cdef unsigned long long _last_generation = 0
+
+
+class Generation(int):
+    """Generation token of an allocation.
+
+    ``Generation.next()`` is process-wide, thread-safe and strictly increasing, so an address that
+    is freed and handed out again never carries the generation of its earlier life (the ABA
+    guard). Immutable; any thread.
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def next() -> Generation:
+        """The next generation of the process, greater than every one handed out before.
+
+        Returns:
+            A new :class:`Generation`.
+        Thread rule: any thread.
+        """
+        return next_generation()
+
+    def __repr__(self) -> str:
+        return f"Generation({int(self)})"
+
+
+cdef object _int_new = int.__new__
+
+
+cdef object next_generation():
+    global _last_generation
+    _last_generation += 1
+    return _int_new(Generation, _last_generation)
+
+
+class BlockState(enum.Enum):
+    """Where a block is in its life: ``LIVE`` (handed out), ``RETIRED`` (its free is queued on a
+    stream, not yet synchronized), ``FREED``. Immutable; any thread."""
+
+    LIVE = "live"
+    RETIRED = "retired"
+    FREED = "freed"
+
+
+cdef object _LIVE = BlockState.LIVE
+
+
+@cython.dataclasses.dataclass(frozen=True)
+cdef class DeviceBlock:
+    """One allocation as a resource hands it out.
+
+    Fields: ``ptr`` (device address), ``device_ordinal``, ``alloc_stream`` (the stream the
+    allocation, and its free, are ordered on), ``nbytes`` (the size asked for), ``align`` (the
+    alignment ``ptr`` is guaranteed), ``tag``, ``generation`` and ``state``.
+
+    Immutable: deallocating does not change it; the resource's own map decides whether
+    ``(ptr, generation)`` is still live. Any thread.
+    """
+
+    ptr: object
+    device_ordinal: object
+    alloc_stream: object
+    nbytes: object
+    align: object
+    tag: object
+    generation: object
+    state: object = BlockState.LIVE
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
+                           object align, object tag, object generation, object state):
+    cdef DeviceBlock b = DeviceBlock.__new__(DeviceBlock)
+    b.ptr = ptr
+    b.device_ordinal = device_ordinal
+    b.alloc_stream = alloc_stream
+    b.nbytes = nbytes
+    b.align = align
+    b.tag = tag
+    b.generation = generation
+    b.state = state
+    return b
+
+
+def make_block(ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state=_LIVE):
+    """Build a :class:`DeviceBlock` without going through the dataclass ``__init__``.
+
+    Args:
+        ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state: the fields of
+            :class:`DeviceBlock`, in its order.
+    Returns:
+        The new block, indistinguishable from ``DeviceBlock(...)``; nothing is checked.
+    Thread rule: any thread.
+    """
+    return new_block(ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state)
+
+
+@cython.dataclasses.dataclass(frozen=True)
+cdef class BlockId:
+    """The identity of a block, enough to validate it against a resource's live map.
+    Immutable; any thread."""
+
+    ptr: object
+    generation: object
+    device_ordinal: object
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    @staticmethod
+    def from_block(block):
+        """The identity of ``block``.
+
+        Args:
+            block: any block.
+        Returns:
+            ``BlockId(block.ptr, block.generation, block.device_ordinal)``.
+        Thread rule: any thread.
+        """
+        cdef BlockId b = BlockId.__new__(BlockId)
+        b.ptr = block.ptr
+        b.generation = block.generation
+        b.device_ordinal = block.device_ordinal
+        return b
+
+
+@cython.dataclasses.dataclass(frozen=True)
+cdef class LiveBlock:
+    """One live block as a resource lists it (``live_blocks()``) and a memory report shows it.
+
+    The fields a report needs of a :class:`DeviceBlock` (``stream`` is its ``alloc_stream``),
+    plus ``age_s``: seconds since the allocation, or None where the resource does not record
+    allocation times. Immutable; any thread.
+    """
+
+    ptr: object
+    nbytes: object
+    tag: object
+    stream: object
+    age_s: object
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    @staticmethod
+    def of(block, age_s=None):
+        """The entry of ``block``.
+
+        Args:
+            block: a live block.
+            age_s: seconds since it was allocated, None where unknown.
+        Returns:
+            ``LiveBlock(block.ptr, block.nbytes, block.tag, block.alloc_stream, age_s)``.
+        Thread rule: any thread.
+        """
+        return LiveBlock(block.ptr, block.nbytes, block.tag, block.alloc_stream, age_s)

@@ -1,0 +1,173 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled body of ``DirectCudaResource``: one synchronous driver allocation per call.
+
+One C-level lock guards the live map and the byte counter (see ``async_core.pyx`` for why a
+lock at all, and why it is uncontended on CUDA); the driver is called outside it.
+"""
+
+from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock, PyThread_type_lock
+
+from .blocks cimport DeviceBlock, new_block, next_generation
+from .lock cimport lock_acquire, lock_release
+from .ops cimport DriverOps, ops_for
+
+from ..driver.checks import check_device, check_nbytes, unknown_block
+from ..driver.limits import ALIGNMENT
+from ..errors import DriverError
+from .blocks import AllocTag, BlockState, StreamId
+
+__all__ = ["DirectCore"]
+
+cdef object _LIVE = BlockState.LIVE
+cdef object _ALIGNMENT = ALIGNMENT
+cdef object _DEFAULT_STREAM = StreamId.DEFAULT
+cdef object _UNTAGGED = AllocTag.UNTAGGED
+
+
+cdef class DirectCore:
+    """The state and hot paths of ``DirectCudaResource``.
+
+    Thread rule: every method may be called from any thread at any time.
+    """
+
+    cdef readonly object _driver
+    cdef readonly object _ordinal
+    cdef DriverOps _ops
+    cdef PyThread_type_lock _lock
+    cdef dict _live
+    cdef long long _bytes
+
+    def __cinit__(self, *args, **kwargs):
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("DirectCudaResource: cannot allocate its lock")
+
+    def __dealloc__(self):
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
+
+    def __init__(self, driver, ordinal):
+        """An empty resource on device ``ordinal`` of ``driver``.
+
+        Args:
+            driver: the driver that owns the device.
+            ordinal: the device's ordinal (checked by the driver on the first allocation).
+        Thread rule: any thread.
+        """
+        self._driver = driver
+        self._ordinal = ordinal
+        self._ops = ops_for(driver, ordinal)
+        self._live = {}
+        self._bytes = 0
+
+    @property
+    def device_ordinal(self):
+        """The ordinal of the device served. Thread rule: any thread."""
+        return self._ordinal
+
+    @property
+    def driver(self):
+        """The driver of the device served. Thread rule: any thread."""
+        return self._driver
+
+    def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
+        """Allocate ``nbytes`` synchronously.
+
+        Args:
+            nbytes: a positive ``int``.
+            stream: recorded on the block; orders nothing.
+            tag: what the allocation is for.
+        Returns:
+            A live block aligned to 256 bytes, with a new generation.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive ``int``, or the ordinal is not a device
+                of the driver.
+            OutOfMemory: the driver cannot satisfy the request.
+            DriverError: the driver failed, or handed out a pointer already live (then the new
+                allocation was given back and the map is as it was).
+        Thread rule: any thread; the driver call runs outside the lock.
+        """
+        cdef DeviceBlock block
+        cdef bint collision
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+        ptr = self._ops.alloc(nbytes)
+        block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, next_generation(), _LIVE)
+        lock_acquire(self._lock)
+        collision = ptr in self._live
+        if not collision:
+            self._live[ptr] = block
+            self._bytes += <long long>nbytes
+        lock_release(self._lock)
+        if collision:
+            # The driver handed out an address we believe is live: our map or the driver is
+            # wrong. Give the new allocation back and leave the map as it was.
+            self._ops.free(ptr)
+            raise DriverError(
+                f"DirectCudaResource on device {self._ordinal}: pointer collision on alloc ({ptr:#x} is already live)"
+            )
+        return block
+
+    def deallocate(self, block):
+        """Free ``block`` synchronously (``cuMemFree`` waits for the device first).
+
+        Args:
+            block: a live block of this resource.
+        Raises:
+            InvalidRequest: ``block`` is of another device.
+            UseAfterFree: no block with this ``(ptr, generation)`` is live.
+            DriverError: the driver failed; the block stays live and counted.
+        Thread rule: any thread; the block leaves the map under the lock before the driver is
+        called outside it, so a concurrent second free of it is refused.
+        """
+        cdef DeviceBlock live
+        check_device("DirectCudaResource.deallocate", self._ordinal, block)
+        ptr = block.ptr
+        generation = block.generation
+        lock_acquire(self._lock)
+        try:
+            found = self._live.get(ptr)
+            if found is None or ((<DeviceBlock>found).generation is not generation
+                                 and (<DeviceBlock>found).generation != generation):
+                raise unknown_block(
+                    "DirectCudaResource.deallocate",
+                    self._ordinal,
+                    block,
+                    None if found is None else int((<DeviceBlock>found).generation),
+                )
+            live = <DeviceBlock>found
+            del self._live[ptr]
+            self._bytes -= <long long>live.nbytes
+        finally:
+            lock_release(self._lock)
+        try:
+            self._ops.free(ptr)
+        except BaseException:
+            lock_acquire(self._lock)
+            self._live[ptr] = live
+            self._bytes += <long long>live.nbytes
+            lock_release(self._lock)
+            raise
+
+    def bytes_outstanding(self):
+        """Bytes of the live blocks (a free completes before ``deallocate`` returns, so nothing
+        is pending).
+
+        Returns:
+            The counter (one read).
+        Thread rule: any thread.
+        """
+        return self._bytes
+
+    def live_blocks(self):
+        """The live blocks as they were handed out (no ages: allocation times are not recorded).
+
+        Returns:
+            A new list, taken under the lock.
+        Thread rule: any thread.
+        """
+        lock_acquire(self._lock)
+        try:
+            return list(self._live.values())
+        finally:
+            lock_release(self._lock)

@@ -1,0 +1,47 @@
+# The driver calls the compiled resources make; see ops.pyx.
+
+ctypedef int CUresult
+ctypedef void* CUstream
+ctypedef void* CUevent
+ctypedef void* CUmemoryPool
+ctypedef unsigned long long CUdeviceptr
+
+ctypedef CUresult (*AllocFromPoolAsync_t)(CUdeviceptr*, size_t, CUmemoryPool, CUstream) noexcept nogil
+ctypedef CUresult (*FreeAsync_t)(CUdeviceptr, CUstream) noexcept nogil
+ctypedef CUresult (*EventRecord_t)(CUevent, CUstream) noexcept nogil
+ctypedef CUresult (*StreamWaitEvent_t)(CUstream, CUevent, unsigned int) noexcept nogil
+ctypedef CUresult (*MemAlloc_t)(CUdeviceptr*, size_t) noexcept nogil
+ctypedef CUresult (*MemFree_t)(CUdeviceptr) noexcept nogil
+
+
+cdef class DriverOps:
+    cdef readonly object driver
+    cdef readonly object ordinal
+    cdef object alloc_async(self, object nbytes, object stream)
+    cdef free_async(self, object ptr, object stream)
+    cdef record(self, object event, object stream)
+    cdef wait(self, object stream, object event)
+    cdef object alloc(self, object nbytes)
+    cdef free(self, object ptr)
+    cdef object create_event(self)
+
+
+cdef class CudaOps(DriverOps):
+    cdef object _dev
+    cdef object _tls
+    cdef object _stream_type
+    cdef object _event_type
+    cdef object _cuda_result
+    cdef object _pool_obj
+    cdef CUmemoryPool _pool
+    cdef AllocFromPoolAsync_t _alloc_from_pool
+    cdef FreeAsync_t _free_async
+    cdef EventRecord_t _event_record
+    cdef StreamWaitEvent_t _stream_wait_event
+    cdef MemAlloc_t _mem_alloc
+    cdef MemFree_t _mem_free
+    cdef object _stream_dev(self, object s)
+    cdef bint _device_ready(self)
+
+
+cpdef DriverOps ops_for(object driver, object ordinal)

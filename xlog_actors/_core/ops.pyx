@@ -1,0 +1,219 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The driver calls the compiled resources make, behind one small interface.
+
+* :class:`DriverOps` calls the driver protocol's Python methods: the host driver, and any driver
+  that offers no entry points. It is also every other class's slow path.
+* :class:`CudaOps` calls ``libcuda`` through function pointers the CUDA driver resolved with
+  ``cuGetProcAddress`` (``CudaDriver.entry_points()``), so the build needs no ``cuda.h`` and
+  no matching cuda-bindings. Its fast path runs when the stream (or device) is live, the
+  context healthy and already current in this thread: the checks of
+  ``CudaStream._enter``, read from the same attributes. Anything else (a closed stream, a
+  rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
+  raises the precise error or makes the context current. A failed CUDA call is mapped by the
+  device's own ``fail``, exactly as the Python driver maps it.
+
+**The GIL is kept across each CUDA call.** These entry points return in about a microsecond; a
+call that released the GIL would pay a GIL hand-off on return, which with several threads costs
+tens of microseconds (measured, ``docs/performance.md``). Keeping it also makes the stream's
+liveness check and its call one step no Python thread can come between: the job the stream's
+gate does for the Python driver, so the fast path does not take the gate. A rebuild retires a
+stream (under its gate, in Python, holding the GIL) either before the check, which then fails,
+or after the call, whose work the rebuild's synchronize then waits for.
+
+Thread rule: any thread; an ops object holds no mutable state but a cached pool handle, which
+is read and written with the GIL held.
+"""
+
+from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromUnsignedLongLong
+
+__all__ = ["CudaOps", "DriverOps", "ops_for"]
+
+
+cdef class DriverOps:
+    """The driver protocol's calls, through its Python methods (the host driver's path, and the
+    slow path of :class:`CudaOps`).
+
+    Thread rule: any thread.
+    """
+
+    def __init__(self, driver, ordinal):
+        """Args:
+            driver: the driver that owns the device.
+            ordinal: the device's ordinal.
+        Thread rule: any thread.
+        """
+        self.driver = driver
+        self.ordinal = ordinal
+
+    cdef object alloc_async(self, object nbytes, object stream):
+        return self.driver.alloc_async(nbytes, stream)
+
+    cdef free_async(self, object ptr, object stream):
+        self.driver.free_async(ptr, stream)
+
+    cdef record(self, object event, object stream):
+        stream.record(event)
+
+    cdef wait(self, object stream, object event):
+        stream.wait(event)
+
+    cdef object alloc(self, object nbytes):
+        return self.driver.alloc(self.ordinal, nbytes)
+
+    cdef free(self, object ptr):
+        self.driver.free(self.ordinal, ptr)
+
+    cdef object create_event(self):
+        return self.driver.create_event(self.ordinal)
+
+
+cdef class CudaOps(DriverOps):
+    """The CUDA driver's calls through ``libcuda`` entry points, with the Python driver as the
+    slow path (see the module docstring).
+
+    Thread rule: any thread.
+    """
+
+    def __init__(self, driver, ordinal, entry_points, device, tls, stream_type, event_type, cuda_result):
+        """Args:
+            driver: the ``CudaDriver``.
+            ordinal: the device's ordinal.
+            entry_points: name -> function address, from ``CudaDriver.entry_points()``.
+            device: the driver's ``CudaDevice`` of ``ordinal``.
+            tls: the driver's thread-local context marker.
+            stream_type, event_type: ``CudaStream``, ``CudaEvent``.
+            cuda_result: ``CUresult``, to hand failed codes to ``device.fail``.
+        Raises:
+            KeyError: an entry point is missing.
+        Thread rule: any thread.
+        """
+        DriverOps.__init__(self, driver, ordinal)
+        self._dev = device
+        self._tls = tls
+        self._stream_type = stream_type
+        self._event_type = event_type
+        self._cuda_result = cuda_result
+        self._pool_obj = None
+        self._alloc_from_pool = <AllocFromPoolAsync_t>PyLong_AsVoidPtr(entry_points["cuMemAllocFromPoolAsync"])
+        self._free_async = <FreeAsync_t>PyLong_AsVoidPtr(entry_points["cuMemFreeAsync"])
+        self._event_record = <EventRecord_t>PyLong_AsVoidPtr(entry_points["cuEventRecord"])
+        self._stream_wait_event = <StreamWaitEvent_t>PyLong_AsVoidPtr(entry_points["cuStreamWaitEvent"])
+        self._mem_alloc = <MemAlloc_t>PyLong_AsVoidPtr(entry_points["cuMemAlloc"])
+        self._mem_free = <MemFree_t>PyLong_AsVoidPtr(entry_points["cuMemFree"])
+
+    cdef object _stream_dev(self, object s):
+        """The device of ``s`` when work on it may take the fast path, else None."""
+        if type(s) is not self._stream_type:
+            return None
+        dev = s._dev
+        token = dev.token
+        if (dev is self._dev and token is not None and s._closed is None and dev.poisoned is None
+                and s._epoch == dev.epoch and getattr(self._tls, "token", None) is token):
+            return dev
+        return None
+
+    cdef bint _device_ready(self):
+        dev = self._dev
+        token = dev.token
+        return (token is not None and dev.poisoned is None and not self.driver._closed
+                and getattr(self._tls, "token", None) is token)
+
+    cdef object alloc_async(self, object nbytes, object stream):
+        cdef CUdeviceptr ptr = 0
+        cdef CUresult err
+        dev = self._stream_dev(stream)
+        if dev is None or type(nbytes) is not int or nbytes <= 0:
+            return DriverOps.alloc_async(self, nbytes, stream)
+        pool = dev.pool
+        if pool is None:
+            return DriverOps.alloc_async(self, nbytes, stream)
+        if pool is not self._pool_obj:
+            self._pool = PyLong_AsVoidPtr(int(pool))
+            self._pool_obj = pool
+        err = self._alloc_from_pool(&ptr, <size_t>nbytes, self._pool, PyLong_AsVoidPtr(stream._handle))
+        if err != 0:
+            dev.fail(self._cuda_result(err), f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {stream._id})", nbytes)
+        result = PyLong_FromUnsignedLongLong(ptr)
+        dev.pool_live.add(result)
+        return result
+
+    cdef free_async(self, object ptr, object stream):
+        cdef CUresult err
+        dev = self._stream_dev(stream)
+        if dev is None or type(ptr) is not int or ptr <= 0:
+            DriverOps.free_async(self, ptr, stream)
+            return
+        err = self._free_async(<CUdeviceptr>ptr, PyLong_AsVoidPtr(stream._handle))
+        if err != 0:
+            dev.fail(self._cuda_result(err), f"cuMemFreeAsync({ptr:#x}, stream {stream._id})")
+        dev.pool_live.discard(ptr)
+
+    cdef record(self, object event, object stream):
+        cdef CUresult err
+        dev = self._stream_dev(stream)
+        if dev is None or type(event) is not self._event_type or event._dev is not dev or event._epoch != dev.epoch:
+            DriverOps.record(self, event, stream)
+            return
+        err = self._event_record(PyLong_AsVoidPtr(event._h), PyLong_AsVoidPtr(stream._handle))
+        if err != 0:
+            dev.fail(self._cuda_result(err), f"cuEventRecord(stream {stream._id})")
+
+    cdef wait(self, object stream, object event):
+        cdef CUresult err
+        dev = self._stream_dev(stream)
+        if dev is None or type(event) is not self._event_type or event._dev is not dev or event._epoch != dev.epoch:
+            DriverOps.wait(self, stream, event)
+            return
+        err = self._stream_wait_event(PyLong_AsVoidPtr(stream._handle), PyLong_AsVoidPtr(event._h), 0)
+        if err != 0:
+            dev.fail(self._cuda_result(err), f"cuStreamWaitEvent(stream {stream._id})")
+
+    cdef object alloc(self, object nbytes):
+        cdef CUdeviceptr ptr = 0
+        cdef CUresult err
+        if type(nbytes) is not int or nbytes <= 0 or not self._device_ready():
+            return DriverOps.alloc(self, nbytes)
+        err = self._mem_alloc(&ptr, <size_t>nbytes)
+        dev = self._dev
+        if err != 0:
+            dev.fail(self._cuda_result(err), f"cuMemAlloc({nbytes} bytes)", nbytes)
+        result = PyLong_FromUnsignedLongLong(ptr)
+        dev.direct_live.add(result)
+        return result
+
+    cdef free(self, object ptr):
+        cdef CUresult err
+        dev = self._dev
+        if type(ptr) is not int or ptr <= 0 or not self._device_ready() or ptr not in dev.direct_live:
+            DriverOps.free(self, ptr)
+            return
+        # Claimed first, as the Python driver does: of a free racing a rebuild's sweep, exactly
+        # one reaches cuMemFree.
+        try:
+            dev.direct_live.remove(ptr)
+        except KeyError:
+            DriverOps.free(self, ptr)  # raises the driver's error for a pointer not live
+            return
+        err = self._mem_free(<CUdeviceptr>ptr)
+        if err != 0:
+            dev.fail(self._cuda_result(err), f"cuMemFree({ptr:#x})")
+
+
+cpdef DriverOps ops_for(object driver, object ordinal):
+    """The ops of device ``ordinal`` of ``driver``: :class:`CudaOps` where the driver offers
+    entry points (``driver.fast_path(ordinal)`` returns what ``CudaOps`` needs), else
+    :class:`DriverOps`.
+
+    Args:
+        driver: any driver of the protocol.
+        ordinal: the device's ordinal.
+    Returns:
+        The ops object.
+    Thread rule: any thread.
+    """
+    fast_path = getattr(driver, "fast_path", None)
+    if fast_path is not None:
+        spec = fast_path(ordinal)
+        if spec is not None:
+            return CudaOps(driver, ordinal, *spec)
+    return DriverOps(driver, ordinal)
