@@ -134,7 +134,9 @@ class BlockState(enum.Enum):
 cdef object _LIVE = BlockState.LIVE
 
 
-@cython.dataclasses.dataclass(frozen=True)
+# ``init=False`` and an ``__init__`` of our own: the field ``state`` has a default, and a default
+# in the class body clashes with the field's declaration in blocks.pxd (Cython 3.3.0).
+@cython.dataclasses.dataclass(frozen=True, init=False)
 cdef class DeviceBlock:
     """One allocation as a resource hands it out.
 
@@ -153,8 +155,18 @@ cdef class DeviceBlock:
     align: object
     tag: object
     generation: object
-    state: object = BlockState.LIVE
+    state: object
     __slots__ = ()
+
+    def __init__(self, ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state=_LIVE):
+        self.ptr = ptr
+        self.device_ordinal = device_ordinal
+        self.alloc_stream = alloc_stream
+        self.nbytes = nbytes
+        self.align = align
+        self.tag = tag
+        self.generation = generation
+        self.state = state
 
     def __setattr__(self, name, value):
         raise FrozenInstanceError(f"cannot assign to field {name!r}")
