@@ -201,7 +201,7 @@ cdef class CudaOps(DriverOps):
 
 cpdef DriverOps ops_for(object driver, object ordinal):
     """The ops of device ``ordinal`` of ``driver``: :class:`CudaOps` where the driver offers
-    entry points (``driver.fast_path(ordinal)`` returns what ``CudaOps`` needs), else
+    entry points (its class's ``fast_path(ordinal)`` returns what ``CudaOps`` needs), else
     :class:`DriverOps`.
 
     Args:
@@ -211,9 +211,11 @@ cpdef DriverOps ops_for(object driver, object ordinal):
         The ops object.
     Thread rule: any thread.
     """
-    fast_path = getattr(driver, "fast_path", None)
+    # Looked up on the type: a proxy that forwards attributes to a CUDA driver must still see
+    # its own methods called.
+    fast_path = getattr(type(driver), "fast_path", None)
     if fast_path is not None:
-        spec = fast_path(ordinal)
+        spec = fast_path(driver, ordinal)
         if spec is not None:
             return CudaOps(driver, ordinal, *spec)
     return DriverOps(driver, ordinal)
