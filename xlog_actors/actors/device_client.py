@@ -108,7 +108,22 @@ class DeviceClient:
             ``Allocate`` (a lost or poisoned context is also reported to the device's supervisor).
         Thread rule: any thread but the device actor's own.
         """
-        return cast(GpuRef, self._direct(lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)))
+        # _direct written out: this is the client's hot path, and the fallback message is built
+        # only when the actor must serve it.
+        ctx = self._cell.lifecycle.context
+        if ctx is not None and ctx.is_current():
+            try:
+                ref = ctx.allocate(nbytes, stream, tag)
+            except (ContextLost, ContextPoisoned) as exc:
+                self._cell.report_failure(exc, ctx.generation)
+                raise
+            except BaseException:
+                if ctx.is_current():
+                    raise
+            else:
+                if ctx.is_current():
+                    return cast(GpuRef, ref)
+        return cast(GpuRef, self._ask(Allocate(nbytes, stream, tag)))
 
     def allocate_many(
         self, sizes: list[int] | tuple[int, ...], stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
@@ -162,8 +177,8 @@ class DeviceClient:
         """
         if not isinstance(ref, GpuRef):
             raise InvalidRequest(f"free needs a GpuRef, got {type(ref).__name__}")
-        ctx = self._current()
-        if ctx is None or ref.context is not ctx:
+        ctx = self._cell.lifecycle.context
+        if ctx is None or ref.context is not ctx or not ctx.is_current():
             # Another generation (its memory went with its context) or another device: the
             # actor sorts it out with the same rules as a Free message.
             if ref.context.actor_ref.actor_urn != self._cell.actor_ref.actor_urn:

@@ -7,6 +7,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .._core.context_core import ContextCore
 from ..driver.checks import check_nbytes
 from ..errors import (
     ContextPoisoned,
@@ -34,8 +35,13 @@ RECLAIM_WAKE_BYTES = 1 << 20
 RECLAIM_BATCH = 32
 
 
-class DeviceContext:
+class DeviceContext(ContextCore):
     """The runtime of one generation plus what handles need to validate and free themselves.
+
+    ``allocate``, ``free`` and ``is_current`` are compiled
+    (:class:`~xlog_actors._core.context_core.ContextCore`, which also holds ``runtime``,
+    ``generation``, ``state_ref``, ``token``, ``blocks`` and ``open``); this class adds the
+    rest.
 
     ``blocks`` holds every block handed out as a ``GpuRef`` of this generation and not yet freed;
     a rebuild drops the whole context (the driver freed its memory), so nothing of it is freed
@@ -43,7 +49,7 @@ class DeviceContext:
     until the actor frees them (``drain_reclaims``).
 
     Thread rules: ``allocate``/``free`` may run on any thread (the runtime is thread-safe;
-    ``blocks`` is written under ``_table_lock``, read with single dict operations);
+    ``blocks`` changes by single dict operations made with the GIL held);
     ``reclaim`` only appends to ``reclaims`` (atomic) and ``tell``s the owning actor, so a
     garbage collector may call it anywhere; ``drain_reclaims`` runs on the actor's thread only.
     """
@@ -60,25 +66,16 @@ class DeviceContext:
             actor_ref: the device actor, which frees the blocks ``reclaim`` queues.
         Thread rule: the device actor's thread.
         """
-        self.runtime = runtime
+        super().__init__(runtime, state.generation, weakref.ref(state), state.token, GpuRef)
         self.driver = runtime.driver
         self.ordinal = runtime.device_ordinal
-        self.generation = state.generation
-        self.state_ref: weakref.ref[DeviceState] = weakref.ref(state)
-        self.token = state.token
         self.actor_ref = actor_ref
-        self.blocks: dict[int, DeviceBlock] = {}
         # Queued by GpuRef.__del__/release from any thread, freed by the actor: it drains the
         # queue before every GetStats, so a handle dropped before a GetStats was sent is freed
         # before it reports (a tell alone could queue behind that GetStats).
         self.reclaims: deque[DeviceBlock] = deque()
         self.wake_pending = False
-        self.open = True
         self._lock = threading.Lock()
-        # Makes "insert a new block" and "remove the block just freed" atomic with respect to
-        # each other: once deallocate returned, another thread may get the same address at once
-        # (stream-ordered reuse), and a plain pop would then drop *its* entry.
-        self._table_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DeviceContext(device={self.ordinal}, generation={self.generation}, stack={self.runtime.describe()!r})"
@@ -100,12 +97,6 @@ class DeviceContext:
         if state.generation != self.generation or not self.open:
             raise GpuRefStale("context rebuilt", f"device {self.ordinal} moved to generation {state.generation}")
 
-    def is_current(self) -> bool:
-        """True while this is the device's usable context: open, and the state unchanged since
-        it was built (no rebuild, shutdown or poisoning). Thread rule: any thread."""
-        state = self.state_ref()
-        return self.open and state is not None and state.token is self.token
-
     def check_ref(self, ref: GpuRef) -> DeviceBlock:
         """Validate ``ref`` and that it belongs to this device.
 
@@ -125,27 +116,10 @@ class DeviceContext:
         return block
 
     # -- allocation -----------------------------------------------------------------------------
-    def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef:
-        """Allocate one block of this generation and wrap it in a ``GpuRef``.
-
-        Args:
-            nbytes: a positive int.
-            stream: the stream the allocation is ordered on.
-            tag: what it is for.
-        Returns:
-            the handle.
-        Raises:
-            InvalidRequest, StreamMisuse: a bad argument.
-            OutOfMemory: with the stack's figures added to its message.
-        Thread rule: any thread.
-        """
-        try:
-            block = self.runtime.allocate(nbytes, stream, tag)
-        except OutOfMemory as exc:
-            raise enrich_out_of_memory(exc, self.runtime.resource) from None
-        with self._table_lock:
-            self.blocks[block.ptr] = block
-        return GpuRef._new(block, self)
+    def _out_of_memory(self, exc: OutOfMemory) -> OutOfMemory:
+        """``exc`` with the stack's figures added to its message (the compiled ``allocate``
+        raises what this returns)."""
+        return enrich_out_of_memory(exc, self.runtime.resource)
 
     def allocate_many(self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag) -> list[GpuRef]:
         """Allocate one block per size, all or none.
@@ -176,43 +150,9 @@ class DeviceContext:
                 raise enrich_out_of_memory(exc, self.runtime.resource) from None
             raise
         table = self.blocks
-        with self._table_lock:
-            for block in blocks:
-                table[block.ptr] = block
+        for block in blocks:
+            table[block.ptr] = block  # single dict operations: see the class docstring
         return [GpuRef._new(block, self) for block in blocks]
-
-    def free(self, block: DeviceBlock) -> bool:
-        """Free ``block`` if it is still one of this context's.
-
-        Args:
-            block: the block to free.
-        Returns:
-            True when it was freed; False when it was not this context's (already freed, or
-            the context is closed).
-        Raises:
-            CorruptionDetected: a guard found its canaries overwritten (freed all the same).
-            ResourceError: the resource refused; the block stays this context's.
-        Thread rule: any thread.
-        """
-        live = self.blocks.get(block.ptr)
-        if live is None or live.generation != block.generation or not self.open:
-            return False
-        try:
-            self.runtime.deallocate(block)
-        except CorruptionDetected:
-            # A guard found the canaries overwritten: raised after the block was freed, so it is
-            # no longer ours either way.
-            self._forget(block, live)
-            raise
-        # Only after the resource took it back: a failed deallocate leaves the block ours.
-        self._forget(block, live)
-        return True
-
-    def _forget(self, block: DeviceBlock, live: DeviceBlock) -> None:
-        # Only our own entry: the address may already be live again for another thread.
-        with self._table_lock:
-            if self.blocks.get(block.ptr) is live:
-                del self.blocks[block.ptr]
 
     def reclaim(self, block: DeviceBlock, wake: bool = False) -> None:
         """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):

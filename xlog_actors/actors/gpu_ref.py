@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from .._core.handles import HandleCore, make_handle
 from ..errors import GpuRefStale
 from ..memory.block import AllocTag, DeviceBlock, StreamId
 from . import interop
@@ -19,11 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GpuRef"]
 
-# Guards the flip of ``_released`` (rare: an explicit release or Free, never the access path).
-_release_lock = threading.Lock()
 
-
-class GpuRef:
+class GpuRef(HandleCore):
     """An immutable, shareable handle to one device allocation.
 
     * ``access()`` validates, in this order: the device state still exists, the device accepts
@@ -42,15 +38,10 @@ class GpuRef:
     Thread rule: any thread; a handle may be shared between threads and actors.
     """
 
-    __slots__ = ("__weakref__", "_block", "_context", "_generation", "_last_write", "_released", "_state", "_token")
-
-    _block: DeviceBlock
-    _generation: int
-    _state: weakref.ref[DeviceState]
-    _token: object
-    _context: DeviceContext
-    _last_write: StreamId | None
-    _released: bool
+    # The fields (``_block``, ``_generation``, ``_state``, ``_token``, ``_context``,
+    # ``_last_write``, ``_released``), ``access()``, ``record_write`` and the release flag are
+    # compiled (:class:`~xlog_actors._core.handles.HandleCore`).
+    __slots__ = ()
 
     def __new__(cls, *_args: object, **_kwargs: object) -> GpuRef:  # noqa: PYI034 - it only raises
         # Refused in __new__, not __init__: an object that __init__ refused would still exist,
@@ -59,15 +50,7 @@ class GpuRef:
 
     @classmethod
     def _new(cls, block: DeviceBlock, context: DeviceContext) -> GpuRef:
-        ref = object.__new__(cls)
-        s = _setters
-        s[0](ref, block)
-        s[1](ref, context.generation)
-        s[2](ref, context.state_ref)
-        s[3](ref, context.token)
-        s[4](ref, context)
-        s[5](ref, None)
-        s[6](ref, False)
+        ref: GpuRef = make_handle(cls, block, context)
         return ref
 
     # -- immutability -------------------------------------------------------------------------
@@ -87,23 +70,6 @@ class GpuRef:
         raise TypeError("a GpuRef is process-local and cannot be pickled")
 
     # -- validation ---------------------------------------------------------------------------
-    def access(self) -> DeviceBlock:
-        """Validate the handle (see the class docstring for the order of the checks).
-
-        Returns:
-            the block, safe to use until the device's next status change.
-        Raises:
-            GpuRefStale: with the first reason that applies.
-        Thread rule: any thread.
-        """
-        state = self._state()
-        if state is not None and state.token is self._token and not self._released:
-            return self._block
-        error = self._stale(state)
-        if error is None:
-            return self.access()
-        raise error
-
     def _stale(self, state: DeviceState | None) -> GpuRefStale | None:
         """Why the handle is stale; None when it is not (its token is then refreshed)."""
         where = f"device {self._block.device_ordinal}, block {self._block.ptr:#x}, generation {self._generation}"
@@ -118,7 +84,7 @@ class GpuRef:
         if self._released:
             return GpuRefStale("released", where)
         # The token moved for a reason that did not invalidate this handle: refresh it.
-        _setters[3](self, state.token)
+        self._refresh_token(state.token)
         return None
 
     def raw_device_ptr(self) -> int:
@@ -184,12 +150,6 @@ class GpuRef:
         """
         return self._last_write
 
-    def record_write(self, stream_id: StreamId) -> None:
-        """Record that work on ``stream_id`` wrote this memory (library actors call it after
-        enqueueing). Thread rule: any thread; the last call wins.
-        """
-        _setters[5](self, StreamId(stream_id))
-
     # -- lifetime -------------------------------------------------------------------------------
     def release(self) -> None:
         """Free the memory now rather than when the last reference goes. Idempotent; every
@@ -199,21 +159,6 @@ class GpuRef:
         """
         if self._mark_released():
             self._context.reclaim(self._block, wake=True)
-
-    def _mark_released(self) -> bool:
-        """True for the one caller that flips the handle to released. Atomic: holders in many
-        threads may release (or ``Free``) the same handle at once, and only one may free it."""
-        if self._released:
-            return False
-        with _release_lock:
-            if self._released:
-                return False
-            _setters[6](self, True)
-            return True
-
-    def _unmark_released(self) -> None:
-        """Undo ``_mark_released`` after a free that failed: the handle stays usable."""
-        _setters[6](self, False)
 
     def __del__(self) -> None:
         if not self._released:
@@ -270,8 +215,3 @@ class GpuRef:
             f"{', released' if self._released else ''})"
         )
 
-
-_setters = tuple(
-    GpuRef.__dict__[name].__set__
-    for name in ("_block", "_generation", "_state", "_token", "_context", "_last_write", "_released")
-)

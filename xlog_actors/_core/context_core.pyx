@@ -1,0 +1,118 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled half of ``DeviceContext``: the allocate and free bookkeeping that the device
+actor and every ``DeviceClient`` share, per generation of a device's context.
+
+``blocks`` maps the address of every block handed out as a handle of this generation (and not
+yet freed) to that block. Its updates are single dict operations made with the GIL held and no
+Python code in between, so they need no lock: in particular ``_forget`` removes an entry only if
+it is still the block just freed (once ``deallocate`` returned, another thread may already hold
+the same address, stream-ordered reuse, and a plain pop would drop *its* entry).
+
+Thread rule: ``allocate``/``free``/``is_current`` may run on any thread.
+"""
+
+from .handles cimport new_handle
+
+from ..errors import CorruptionDetected, OutOfMemory
+
+__all__ = ["ContextCore"]
+
+
+cdef class ContextCore:
+    """State and hot paths of a ``DeviceContext`` (the Python subclass in
+    :mod:`xlog_actors.actors.device_context`, which documents the rest).
+
+    Fields: ``runtime`` (the generation's runtime), ``generation``, ``state_ref`` (a weak
+    reference to the device state), ``token`` (the state's token when the context was built),
+    ``blocks`` (see the module docstring), ``open``; and the handle class it builds.
+
+    Thread rule: any thread.
+    """
+
+    cdef public object runtime
+    cdef public object generation
+    cdef public object state_ref
+    cdef public object token
+    cdef public dict blocks
+    cdef public bint open
+    cdef type _handle_type
+
+    def __init__(self, runtime, generation, state_ref, token, handle_type):
+        """Args:
+            runtime: the generation's runtime (its ``allocate``/``deallocate`` are used).
+            generation: the generation number.
+            state_ref: a weak reference to the device state.
+            token: the state's token now.
+            handle_type: the ``GpuRef`` class (a subclass of ``HandleCore``).
+        Thread rule: the device actor's thread.
+        """
+        self.runtime = runtime
+        self.generation = generation
+        self.state_ref = state_ref
+        self.token = token
+        self.blocks = {}
+        self.open = True
+        self._handle_type = handle_type
+
+    def is_current(self):
+        """True while this is the device's usable context: open, and the state unchanged since
+        it was built (no rebuild, shutdown or poisoning). Thread rule: any thread."""
+        if not self.open:
+            return False
+        state = self.state_ref()
+        return state is not None and state.token is self.token
+
+    def allocate(self, nbytes, stream, tag):
+        """Allocate one block of this generation and wrap it in a handle.
+
+        Args:
+            nbytes: a positive int.
+            stream: the stream the allocation is ordered on.
+            tag: what it is for.
+        Returns:
+            the handle.
+        Raises:
+            InvalidRequest, StreamMisuse: a bad argument.
+            OutOfMemory: with the stack's figures added by ``_out_of_memory``.
+        Thread rule: any thread.
+        """
+        try:
+            block = self.runtime.allocate(nbytes, stream, tag)
+        except OutOfMemory as exc:
+            raise self._out_of_memory(exc) from None
+        self.blocks[block.ptr] = block
+        return new_handle(self._handle_type, block, self)
+
+    def free(self, block):
+        """Free ``block`` if it is still one of this context's.
+
+        Args:
+            block: the block to free.
+        Returns:
+            True when it was freed; False when it was not this context's (already freed, or
+            the context is closed).
+        Raises:
+            CorruptionDetected: a guard found its canaries overwritten (freed all the same).
+            ResourceError: the resource refused; the block stays this context's.
+        Thread rule: any thread.
+        """
+        ptr = block.ptr
+        live = self.blocks.get(ptr)
+        if live is None or not self.open:
+            return False
+        if live is not block and live.generation != block.generation:
+            return False
+        try:
+            self.runtime.deallocate(block)
+        except CorruptionDetected:
+            # Raised after the block was freed: it is no longer ours either way.
+            self._forget(ptr, live)
+            raise
+        # Only after the resource took it back: a failed deallocate leaves the block ours.
+        self._forget(ptr, live)
+        return True
+
+    def _forget(self, ptr, live):
+        """Drop ``blocks[ptr]`` if it is still ``live`` (see the module docstring)."""
+        if self.blocks.get(ptr) is live:
+            del self.blocks[ptr]

@@ -1,0 +1,13 @@
+# The compiled state of a GpuRef; see handles.pyx.
+
+cdef class HandleCore:
+    cdef readonly object _block
+    cdef readonly object _generation
+    cdef readonly object _state
+    cdef object _token
+    cdef readonly object _context
+    cdef readonly object _last_write
+    cdef readonly bint _released
+    cdef object __weakref__
+
+cdef HandleCore new_handle(type cls, object block, object context)

@@ -1,0 +1,101 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled state of a ``GpuRef``: its fields, its validation fast path and its release flag.
+
+``GpuRef`` (:mod:`xlog_actors.actors.gpu_ref`) is a Python subclass that adds the facts, the
+lifetime hooks and the interop exports; this base holds what every ``access()`` and every
+allocation touches, so that a validation is one weak dereference and two identity checks in C,
+and a handle is built without a Python constructor.
+
+Invariants: every field but ``_token``, ``_last_write`` and ``_released`` is fixed at
+construction. ``_token`` is the device state's token the handle was last validated against; it
+is refreshed (never invalidated) by the subclass's ``_stale`` when the token moved for a reason
+that leaves the handle valid. ``_released`` only flips through ``_mark_released`` (False -> True,
+exactly once per successful free) and back through ``_unmark_released`` after a failed free.
+
+Thread rule: any thread. ``_mark_released`` reads and writes the flag with the GIL held and no
+Python code in between, so of many threads releasing one handle exactly one wins, without a lock.
+"""
+
+from .blocks import StreamId
+
+__all__ = ["HandleCore", "make_handle"]
+
+
+cdef class HandleCore:
+    """Fields and hot paths of a ``GpuRef`` (see the module docstring). Not made directly:
+    :func:`make_handle` builds instances of a subclass.
+
+    Thread rule: any thread.
+    """
+
+    def access(self):
+        """Validate the handle: the device state still exists, accepts operations, is not
+        poisoned, its generation is unchanged and the handle was not released.
+
+        Returns:
+            the block, safe to use until the device's next status change.
+        Raises:
+            GpuRefStale: with the first reason that applies (built by the subclass's ``_stale``).
+        Thread rule: any thread.
+        """
+        state = self._state()
+        if state is not None and state.token is self._token and not self._released:
+            return self._block
+        error = self._stale(state)
+        if error is None:
+            return self.access()
+        raise error
+
+    def _refresh_token(self, token):
+        """Adopt ``token`` as the one last validated against (the subclass's ``_stale`` calls it
+        when the token moved for a reason that leaves the handle valid)."""
+        self._token = token
+
+    def record_write(self, stream_id):
+        """Record that work on ``stream_id`` wrote this memory (library actors call it after
+        enqueueing).
+
+        Args:
+            stream_id: the writing stream's id.
+        Thread rule: any thread; the last call wins.
+        """
+        self._last_write = StreamId(stream_id)
+
+    def _mark_released(self):
+        """True for the one caller that flips the handle to released (see the module docstring)."""
+        if self._released:
+            return False
+        self._released = True
+        return True
+
+    def _unmark_released(self):
+        """Undo ``_mark_released`` after a free that failed: the handle stays usable."""
+        self._released = False
+
+
+cdef HandleCore new_handle(type cls, object block, object context):
+    # HandleCore.__new__ is the C allocator: it bypasses the subclass's refusing ``__new__``.
+    cdef HandleCore ref = HandleCore.__new__(cls)
+    ref._block = block
+    ref._generation = context.generation
+    ref._state = context.state_ref
+    ref._token = context.token
+    ref._context = context
+    ref._last_write = None
+    ref._released = False
+    return ref
+
+
+def make_handle(cls, block, context):
+    """A new handle of ``cls`` (a subclass of :class:`HandleCore`) for ``block``, made in
+    ``context`` (whose ``generation``, ``state_ref`` and ``token`` it takes).
+
+    Args:
+        cls: the handle class.
+        block: the allocation.
+        context: the device context of the generation it belongs to.
+    Returns:
+        The handle, unreleased, with no recorded write.
+    Thread rule: any thread.
+    """
+    return new_handle(cls, block, context)
