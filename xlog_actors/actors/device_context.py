@@ -116,6 +116,10 @@ class DeviceContext(ContextCore):
         return block
 
     # -- allocation -----------------------------------------------------------------------------
+    if TYPE_CHECKING:  # the compiled method's precise type (the core cannot name GpuRef)
+
+        def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef: ...
+
     def _out_of_memory(self, exc: OutOfMemory) -> OutOfMemory:
         """``exc`` with the stack's figures added to its message (the compiled ``allocate``
         raises what this returns)."""

@@ -139,7 +139,8 @@ class GpuRef(HandleCore):
     @property
     def context(self) -> DeviceContext:
         """The ``DeviceContext`` (generation) the handle was made in. Thread rule: any thread."""
-        return self._context
+        context: DeviceContext = self._context
+        return context
 
     # -- the shared cell ------------------------------------------------------------------------
     @property
