@@ -122,7 +122,7 @@ class DeviceClient:
                     raise
             else:
                 if ctx.is_current():
-                    return cast(GpuRef, ref)
+                    return ref
         return cast(GpuRef, self._ask(Allocate(nbytes, stream, tag)))
 
     def allocate_many(
