@@ -1,0 +1,242 @@
+"""The compiled core's CUDA fast path (``CudaOps``), run without a GPU.
+
+The entry points ``CudaOps`` calls are C function pointers; here they point at ctypes callbacks
+that play a CUDA driver, and the stream, event and device objects are stand-ins carrying exactly
+the attributes ``CudaDriver.fast_path`` documents. That shows on every machine which calls take
+the C path, which fall back to the Python driver (closed stream, rebuilt context, a thread where
+the context is not current, a foreign event), and that a failed C call is mapped by the device's
+``fail`` and leaves the resource as it was. The GPU suite runs the same paths on libcuda.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import pytest
+
+from xlog_actors.errors import DriverError, OutOfMemory
+from xlog_actors.memory import AsyncCudaResource, DirectCudaResource
+from xlog_actors.memory.block import Access, BlockId, StreamId
+
+_ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t, ctypes.c_void_p,
+                          ctypes.c_void_p)
+_FREE_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_MEM_ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t)
+_MEM_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong)
+
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY's value
+
+
+class FakeCuda:
+    """The six entry points as C callbacks, logging each call; ``fail_next`` makes the next call
+    return that error code."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.fail_next = 0
+        self._next_ptr = 0x10000
+        self.callbacks = {
+            "cuMemAllocFromPoolAsync": _ALLOC(self._alloc_from_pool),
+            "cuMemFreeAsync": _FREE_ASYNC(lambda p, s: self._call("free_async", p, s)),
+            "cuEventRecord": _RECORD(lambda e, s: self._call("record", e, s)),
+            "cuStreamWaitEvent": _WAIT(lambda s, e, f: self._call("wait", s, e)),
+            "cuMemAlloc": _MEM_ALLOC(self._mem_alloc),
+            "cuMemFree": _MEM_FREE(lambda p: self._call("mem_free", p)),
+        }
+        self.entry_points = {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self.callbacks.items()}
+
+    def _call(self, *entry: Any) -> int:
+        self.log.append(entry)
+        err, self.fail_next = self.fail_next, 0
+        return err
+
+    def _alloc_from_pool(self, out: Any, size: int, pool: Any, stream: Any) -> int:
+        err = self._call("alloc_from_pool", size, pool, stream)
+        if not err:
+            out[0] = self._next_ptr
+            self._next_ptr += 0x1000
+        return err
+
+    def _mem_alloc(self, out: Any, size: int) -> int:
+        err = self._call("mem_alloc", size)
+        if not err:
+            out[0] = self._next_ptr
+            self._next_ptr += 0x1000
+        return err
+
+
+class FakeDevice:
+    def __init__(self) -> None:
+        self.ordinal = 0
+        self.token: object = object()
+        self.epoch = 1
+        self.poisoned: str | None = None
+        self.pool = 0xF00
+        self.pool_live: set[int] = set()
+        self.direct_live: set[int] = set()
+        self.failed: list[Any] = []
+
+    def fail(self, err: object, what: str, requested: int = 0) -> None:
+        self.failed.append((err, what))
+        if err == OOM:
+            raise OutOfMemory(f"device 0: {what}", requested=requested)
+        raise DriverError(f"device 0: {what}: error {err}", code=f"CUresult({err})")
+
+
+class FakeStream:
+    def __init__(self, dev: FakeDevice, handle: int, sid: int) -> None:
+        self._dev, self._epoch, self._closed, self._handle, self._id = dev, dev.epoch, None, handle, sid
+
+
+class FakeEvent:
+    def __init__(self, dev: FakeDevice, handle: int) -> None:
+        self._dev, self._epoch, self._h = dev, dev.epoch, handle
+
+
+class FakeCudaDriver:
+    """The Python side: every method counts as the slow path and does its work in Python."""
+
+    def __init__(self, cuda: FakeCuda, dev: FakeDevice, tls: threading.local) -> None:
+        self.cuda, self.dev, self.tls = cuda, dev, tls
+        self._closed = False
+        self.slow: list[str] = []
+        self._events = 0
+        self._ptr = 0x900000
+
+    def fast_path(self, ordinal: object) -> tuple[Any, ...] | None:
+        if ordinal != 0:
+            return None
+        return (self.cuda.entry_points, self.dev, self.tls, FakeStream, FakeEvent, int)
+
+    def alloc_async(self, nbytes: int, stream: Any) -> int:
+        self.slow.append("alloc_async")
+        self._ptr += 0x1000
+        return self._ptr
+
+    def free_async(self, ptr: int, stream: Any) -> None:
+        self.slow.append("free_async")
+
+    def alloc(self, ordinal: int, nbytes: int) -> int:
+        self.slow.append("alloc")
+        self._ptr += 0x1000
+        return self._ptr
+
+    def free(self, ordinal: int, ptr: int) -> None:
+        self.slow.append("free")
+
+    def create_event(self, ordinal: int) -> FakeEvent:
+        self._events += 1
+        return FakeEvent(self.dev, 0xE000 + self._events)
+
+
+class FakePool:
+    device_ordinal = 0
+
+    def __init__(self, streams: dict[StreamId, Any]) -> None:
+        self.streams = streams
+
+    def resolve(self, sid: StreamId) -> Any:
+        return self.streams.get(sid)
+
+
+@pytest.fixture
+def rig() -> Any:
+    cuda, dev, tls = FakeCuda(), FakeDevice(), threading.local()
+    tls.token = dev.token  # the context is current in this thread
+    driver = FakeCudaDriver(cuda, dev, tls)
+    s0, s1 = FakeStream(dev, 0x5000, 1), FakeStream(dev, 0x5100, 2)
+    pool = FakePool({StreamId(0): s0, StreamId(1): s1})
+    res = AsyncCudaResource(driver, 0, pool)  # type: ignore[arg-type]  # stand-ins, not a Driver
+    return type("Rig", (), {"cuda": cuda, "dev": dev, "tls": tls, "driver": driver, "s0": s0, "s1": s1,
+                            "res": res})
+
+
+def test_a_live_stream_in_a_current_context_takes_the_c_path(rig: Any) -> None:
+    block = rig.res.allocate(4096)
+    rig.res.deallocate(block)
+    assert rig.driver.slow == [], "no Python driver call on the fast path"
+    assert rig.cuda.log == [("alloc_from_pool", 4096, 0xF00, 0x5000), ("free_async", block.ptr, 0x5000)]
+    assert rig.dev.pool_live == set(), "the pool's live set follows the C calls"
+    assert rig.res.pending_free_bytes() == 4096
+
+
+@pytest.mark.parametrize("why", ["closed", "rebuilt", "poisoned", "other thread", "device lost its context"])
+def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, why: str) -> None:
+    if why == "closed":
+        rig.s0._closed = "closed"
+    elif why == "rebuilt":
+        rig.dev.epoch += 1
+    elif why == "poisoned":
+        rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"
+    elif why == "other thread":
+        rig.tls.token = None
+    else:
+        rig.dev.token = None
+    block = rig.res.allocate(64)
+    rig.res.deallocate(block)
+    assert rig.driver.slow == ["alloc_async", "free_async"]
+    assert rig.cuda.log == []
+
+
+def test_a_failed_c_call_is_mapped_by_the_device_and_changes_nothing(rig: Any) -> None:
+    rig.cuda.fail_next = OOM
+    with pytest.raises(OutOfMemory):
+        rig.res.allocate(1 << 20)
+    assert rig.dev.failed[0][0] == OOM and "cuMemAllocFromPoolAsync(1048576 bytes" in rig.dev.failed[0][1]
+    assert rig.res.bytes_outstanding() == 0 and rig.dev.pool_live == set()
+    block = rig.res.allocate(64)
+    rig.cuda.fail_next = 1  # CUDA_ERROR_INVALID_VALUE on the free
+    with pytest.raises(DriverError, match="cuMemFreeAsync"):
+        rig.res.deallocate(block)
+    assert rig.res.live_bytes() == 64 and rig.res.pending_free_bytes() == 0, "the block stays live"
+    rig.res.deallocate(block)
+    assert rig.res.pending_free_bytes() == 64
+
+
+def test_cross_stream_tracking_records_and_waits_through_the_c_path(rig: Any) -> None:
+    block = rig.res.allocate(256)  # on stream 0 (handle 0x5000)
+    bid = BlockId.from_block(block)
+    rig.cuda.log.clear()
+    rig.res.prepare_block_use(bid, StreamId(1), Access.READ)
+    rig.res.finish_block_use(bid, StreamId(1), Access.READ)
+    fence, read = 0xE001, 0xE002
+    assert rig.cuda.log == [("record", fence, 0x5000), ("wait", 0x5100, fence), ("record", read, 0x5100)]
+    rig.cuda.log.clear()
+    rig.res.deallocate(block)
+    assert rig.cuda.log == [("wait", 0x5000, read), ("free_async", block.ptr, 0x5000)], (
+        "the free waits for the cross-stream read; the fence was its own stream's"
+    )
+    assert rig.driver.slow == []
+
+
+def test_a_stream_of_a_foreign_type_is_served_by_its_own_methods(rig: Any) -> None:
+    calls: list[str] = []
+
+    class Recording(FakeStream):
+        def record(self, event: Any) -> None:
+            calls.append("record")
+
+        def wait(self, event: Any) -> None:
+            calls.append("wait")
+
+    s1 = Recording(rig.dev, 0x5100, 2)
+    rig.res.stream_pool.streams[StreamId(1)] = s1
+    block = rig.res.allocate(256)
+    rig.res.prepare_block_use(BlockId.from_block(block), StreamId(1), Access.READ)
+    assert calls == ["wait"], "a stream of a foreign type is served by its own methods"
+
+
+def test_direct_allocation_takes_the_c_path_and_claims_its_pointer(rig: Any) -> None:
+    res = DirectCudaResource(rig.driver, 0)  # type: ignore[arg-type]  # stand-ins, not a Driver
+    block = res.allocate(4096)
+    assert rig.dev.direct_live == {block.ptr}
+    res.deallocate(block)
+    assert rig.dev.direct_live == set() and rig.driver.slow == []
+    assert [e[0] for e in rig.cuda.log] == ["mem_alloc", "mem_free"]
+    rig.driver._closed = True
+    res.deallocate(res.allocate(64))
+    assert rig.driver.slow == ["alloc", "free"], "a closed driver answers through its Python methods"
