@@ -113,13 +113,14 @@ class Generation(int):
         return f"Generation({int(self)})"
 
 
-cdef object _int_new = int.__new__
+cdef object _Generation = Generation
 
 
 cdef object next_generation():
     global _last_generation
     _last_generation += 1
-    return _int_new(Generation, _last_generation)
+    # A type call (about 70 ns) rather than ``int.__new__(Generation, n)`` (about 140 ns).
+    return _Generation(_last_generation)
 
 
 class BlockState(enum.Enum):
