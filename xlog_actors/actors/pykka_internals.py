@@ -7,9 +7,10 @@ as the asker drops them (a ``GetStats`` sent right after would otherwise still c
 behaviours live in pykka's private message loop, so :class:`ResilientActor` replaces that loop.
 It borrows, from the installed pykka:
 
-* ``Actor._actor_loop_running``: the loop it overrides, copied with two changes (a told message
-  that raises goes to :meth:`ResilientActor.on_told_failure` instead of stopping the actor; the
-  envelope and the reply are dropped as soon as the reply is set);
+* ``Actor._actor_loop_running``: the loop it overrides, copied with three changes (a told
+  message that raises goes to :meth:`ResilientActor.on_told_failure` instead of stopping the
+  actor; the envelope and the reply are dropped as soon as the reply is set; messages of
+  :attr:`ResilientActor.batch_types` queued together are served in one wake-up);
 * ``Actor._handle_receive(message)``: pykka's dispatch of stop and proxy messages, then
   ``on_receive``;
 * ``Actor._stop()`` and ``ActorRegistry.stop_all()``: what pykka does on a ``BaseException``
@@ -127,7 +128,7 @@ class ResilientActor(pykka.ThreadingActor):
         )
 
     def _actor_loop_running(self) -> None:
-        # pykka 4.x's loop, with the changes the module docstring gives. Each envelope is
+        # pykka 4.x's loop, with the three changes the module docstring gives. Each envelope is
         # handled in a call of its own (``_serve``), so it and its reply are dropped when that
         # call returns. The inbox ``get`` has no timeout on purpose: an idle actor waits for its
         # next message, and stopping it is itself a message.
