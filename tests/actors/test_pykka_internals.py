@@ -15,6 +15,7 @@ import queue
 import textwrap
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ import pykka
 import pytest
 from pykka._envelope import Envelope
 
-from xlog_actors.actors.pykka_internals import PYKKA_MAJOR, ResilientActor, is_actor_ref_of
+from xlog_actors.actors.pykka_internals import BATCH_LIMIT, PYKKA_MAJOR, ResilientActor, is_actor_ref_of
 
 #: sha256 of pykka 4.x's ``Actor._actor_loop_running`` source, which ``ResilientActor`` copies.
 LOOP_FINGERPRINT = "226670085f0c989497b438b01649c9646e99685e524121f5bef4d1af6358a8ae"
@@ -179,3 +180,131 @@ def test_a_base_exception_still_stops_every_actor() -> None:
             break
         threading.Event().wait(0.05)
     assert not ref.is_alive() and not bystander.is_alive()
+
+
+def test_the_inbox_is_a_queue_whose_head_the_batching_loop_can_read() -> None:
+    # What ResilientActor._take_queued_batch and _requeue use: the inbox is a queue.Queue whose
+    # waiting items are the deque ``.queue`` (oldest first), mutated under ``.mutex``, with the
+    # ``.not_full``/``.not_empty`` conditions on that same lock.
+    class Inert(pykka.ThreadingActor):
+        pass
+
+    actor = Inert()  # never started: the inbox keeps what is put in it
+    inbox = actor.actor_inbox
+    assert isinstance(inbox, queue.Queue)
+    actor.actor_ref.tell("a")
+    actor.actor_ref.tell("b")
+    actor.actor_ref.tell("c")
+    assert isinstance(inbox.queue, deque)
+    assert [e.message for e in inbox.queue] == ["a", "b", "c"]
+    with inbox.mutex:
+        first = inbox.queue.popleft()
+        inbox.not_full.notify(1)
+    assert first.message == "a" and inbox.qsize() == 2
+    with inbox.mutex:
+        inbox.queue.extendleft([first])
+        inbox.not_empty.notify(1)
+    assert [inbox.get_nowait().message for _ in range(3)] == ["a", "b", "c"]
+    for condition in (inbox.not_full, inbox.not_empty):
+        with condition:
+            assert inbox.mutex.locked()  # the same lock: holding it is holding the queue
+
+
+class Batching(ResilientActor):
+    """Serves ("item", n) messages in batches; "gate" blocks it until the test opens it."""
+
+    batch_types = (tuple,)
+
+    def __init__(self, gate: threading.Event, inside: threading.Event) -> None:
+        super().__init__()
+        self.gate, self.inside = gate, inside
+        self.batches: list[int] = []
+        self.seen: list[Any] = []
+        self.fail_batch = False
+
+    def on_batch(self, size: int) -> None:
+        self.batches.append(size)
+        if self.fail_batch:
+            self.fail_batch = False
+            raise ValueError("batch refused")
+
+    def on_receive(self, message: Any) -> Any:
+        if message == "gate":
+            self.inside.set()
+            assert self.gate.wait(TIMEOUT)
+            return None
+        if message == "report":
+            return list(self.batches), list(self.seen)
+        if message == "refuse next batch":
+            self.fail_batch = True
+            return None
+        self.seen.append(message)
+        if message == ("item", "boom"):
+            raise ValueError("boom")
+        if message == ("item", "exit"):
+            raise SystemExit(3)
+        return message[1]
+
+
+def _blocked(fail_batch: bool = False) -> tuple[pykka.ActorRef[Any], threading.Event]:
+    gate, inside = threading.Event(), threading.Event()
+    ref = Batching.start(gate, inside)
+    if fail_batch:
+        ref.ask("refuse next batch", timeout=TIMEOUT)
+    ref.tell("gate")
+    assert inside.wait(TIMEOUT)
+    return ref, gate
+
+
+def test_queued_messages_of_the_batch_types_are_served_in_one_wake_up_in_order() -> None:
+    ref, gate = _blocked()
+    items = [ref.ask(("item", i), block=False) for i in range(3)]
+    report_between = ref.ask("report", block=False)
+    bad = ref.ask(("item", "boom"), block=False)
+    ref.tell(("item", "boom"))  # told and failing: the batch goes on
+    tail = [ref.ask(("item", i), block=False) for i in range(3, 5)]
+    gate.set()
+    assert [f.get(timeout=TIMEOUT) for f in items + tail] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="boom"):
+        bad.get(timeout=TIMEOUT)
+    batches, seen = report_between.get(timeout=TIMEOUT)
+    assert (batches, seen) == ([3], [("item", 0), ("item", 1), ("item", 2)])  # the stop at "report"
+    batches, _ = ref.ask("report", timeout=TIMEOUT)
+    assert batches == [3, 4]
+    assert ref.proxy().seen.get(timeout=TIMEOUT)[-4:] == [("item", "boom"), ("item", "boom"), ("item", 3), ("item", 4)]
+    assert ref.is_alive()
+
+
+def test_a_batch_is_no_longer_than_the_limit_and_a_lone_message_is_no_batch() -> None:
+    ref, gate = _blocked()
+    futures = [ref.ask(("item", i), block=False) for i in range(BATCH_LIMIT + 1)]
+    gate.set()
+    assert [f.get(timeout=TIMEOUT) for f in futures] == list(range(BATCH_LIMIT + 1))
+    assert ref.ask(("item", "alone"), timeout=TIMEOUT) == "alone"
+    batches, _ = ref.ask("report", timeout=TIMEOUT)
+    assert batches == [BATCH_LIMIT]  # the last of the first lot, and the lone one, were no batch
+
+
+def test_a_failing_on_batch_is_the_answer_of_every_message_of_the_batch() -> None:
+    ref, gate = _blocked(fail_batch=True)
+    futures = [ref.ask(("item", i), block=False) for i in range(3)]
+    gate.set()
+    for future in futures:
+        with pytest.raises(ValueError, match="batch refused"):
+            future.get(timeout=TIMEOUT)
+    batches, seen = ref.ask("report", timeout=TIMEOUT)
+    assert batches == [3] and seen == []  # none was served
+    assert ref.ask(("item", 9), timeout=TIMEOUT) == 9
+
+
+def test_a_base_exception_in_a_batch_stops_the_actor_and_the_rest_is_answered_by_pykkas_teardown() -> None:
+    ref, gate = _blocked()
+    first = ref.ask(("item", 0), block=False)
+    ref.tell(("item", "exit"))  # told: pykka answers no asker of a message that raised a BaseException
+    rest = [ref.ask(("item", i), block=False) for i in range(1, 4)]
+    gate.set()
+    assert first.get(timeout=TIMEOUT) == 0
+    for future in rest:  # put back in the inbox, answered as pykka answers a stopped actor's inbox
+        with pytest.raises(pykka.ActorDeadError):
+            future.get(timeout=TIMEOUT)
+    assert not ref.is_alive()

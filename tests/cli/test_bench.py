@@ -15,7 +15,18 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors.cli import main
-from xlog_actors.cli.bench import Group, Row, RowResult, SkipRow, Target, collect, percentile, row_names
+from xlog_actors.cli.bench import (
+    GROUPS,
+    Group,
+    Row,
+    RowResult,
+    SkipRow,
+    Target,
+    collect,
+    percentile,
+    render_table,
+    row_names,
+)
 from xlog_actors.cli.bench.harness import Op, given
 
 ROW_KEYS = {"name", "median", "p99", "reference", "ratio", "target", "direction", "unit"}
@@ -52,7 +63,7 @@ def test_quick_host_json_rows(quick_doc: dict) -> None:
         assert isinstance(ref["name"], str) and ref["name"]
         assert _positive_finite(ref["median"]) and _positive_finite(ref["p99"])
         assert row["direction"] in ("lower_is_better", "higher_is_better")
-        assert row["unit"] in ("us", "GB/s")
+        assert row["unit"] in ("us", "GB/s", "ops/s")
         assert (row["unit"] == "us") == (row["direction"] == "lower_is_better")
         if row["target"] is None:
             assert row["pass"] is None and row["informational"]
@@ -68,7 +79,59 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 10  # the ten rows with a target
+    assert len(targeted) == 13  # the thirteen rows with a target that run on the host
+
+
+def test_quick_host_runs_the_concurrency_rows(quick_doc: dict) -> None:
+    rows = {r["name"]: r for r in quick_doc["rows"]}
+    for name, ours in (("DeviceClient 8 threads / 1 thread", 8), ("Allocate 16 workers / 1 worker", 16)):
+        row = rows[name]
+        assert row["unit"] == "ops/s" and row["direction"] == "higher_is_better"
+        assert row["concurrency"] == {"ours": ours, "reference": 1}
+        assert row["target"]["text"] == ">= 1x" and isinstance(row["pass"], bool)
+        # a sample of ours runs every thread's (actor's) share: ``ours`` times the ops of one
+        assert row["ops_per_sample"] == row["reference"]["ops_per_sample"]
+        assert row["ops_per_sample"] % ours == 0
+        # the ratio is of the aggregate throughputs
+        assert row["ratio"] == pytest.approx(row["median"] / row["reference"]["median"])
+    # the other rows carry the new key empty: readers of older runs see nothing else change
+    assert all(r["concurrency"] is None for r in quick_doc["rows"] if r["unit"] != "ops/s")
+
+
+def test_targets_are_issue_16s_table() -> None:
+    targets = {row.name: row.target.text for group in GROUPS for row in group.rows if row.target is not None}
+    assert {name: targets[name] for name in (
+        "AsyncCudaResource alloc+free", "cross-stream read prepare+finish", "DeviceClient allocate+free",
+        "DeviceActor AllocateMany(64)", "DeviceActor Allocate", "DirectCudaResource alloc+free", "GpuRef.access",
+        "DeviceClient 8 threads / 1 thread", "Allocate 16 workers / 1 worker",
+    )} == {
+        "AsyncCudaResource alloc+free": "<= 1x", "cross-stream read prepare+finish": "<= 1.2x",
+        "DeviceClient allocate+free": "<= 1.5x", "DeviceActor AllocateMany(64)": "<= 1.5x",
+        "DeviceActor Allocate": "<= 1.1x", "DirectCudaResource alloc+free": "<= 1.02x",
+        "GpuRef.access": "median <= 0.04", "DeviceClient 8 threads / 1 thread": ">= 1x",
+        "Allocate 16 workers / 1 worker": ">= 1x",
+    }
+
+
+def test_a_throughput_row_reports_aggregate_operations_per_second() -> None:
+    row = RowResult("t", "", "r", ours=[500.0, 500.0], ref=[1000.0, 1000.0], ops_per_sample=8, kind="throughput",
+                    target=Target("ratio", ">=", 1.0), ref_ops_per_sample=8, concurrency=(8, 1))
+    assert row.unit == "ops/s" and row.direction == "higher_is_better"
+    assert row.median == pytest.approx(2e6)  # 500 ns per op, all threads together
+    assert row.ratio == pytest.approx(2.0) and row.passed is True
+    doc = row.to_json()
+    assert doc["concurrency"] == {"ours": 8, "reference": 1}
+    assert doc["reference"]["median"] == pytest.approx(1e6)
+    assert "operations per second" in doc["ratio_definition"]
+    slower = RowResult("s", "", "r", ours=[2000.0], ref=[1000.0], ops_per_sample=8, kind="throughput",
+                       target=Target("ratio", ">=", 1.0))
+    assert slower.ratio == pytest.approx(0.5) and slower.passed is False
+    assert RowResult("x", "", "r", ours=[1.0], ref=[1.0], ops_per_sample=1).to_json()["concurrency"] is None
+    table = render_table({
+        "driver": "host", "device": "d", "date": "2026-11-23", "quick": True, "versions": {}, "seconds": 0.1,
+        "rows": [doc], "skipped": [], "errors": [],
+    })
+    assert "2,000,000 ops/s" in table and "2.000x ↑" in table
 
 
 def test_only_selects_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -123,6 +123,10 @@ class DeviceActor(ResilientActor):
         self._cell = ContextCell(self._ordinal, self.actor_ref, self._lifecycle)
         self._subscribers: list[pykka.ActorRef[Any]] = []
         self._last_error: BaseException | None = None
+        # Wake-ups that served a batch of queued allocations and frees (see on_batch).
+        self._batches = 0
+        self._batched_messages = 0
+        self._largest_batch = 0
         # Pinned host memory is the device's, not a context's: it outlives rebuilds.
         self._pinned = PinnedAllocator(self._driver, self._ordinal)
         with _registry_lock:
@@ -183,6 +187,33 @@ class DeviceActor(ResilientActor):
             XlogError: the message's own error (see each message).
         Thread rule: the actor's thread (pykka calls it).
         """
+        self._before_messages()
+        return self._dispatch(message)
+
+    #: Allocations and frees waiting together at the head of the inbox are served in one
+    #: wake-up (see ``ResilientActor``): the checks ``on_receive`` makes before every other
+    #: message run once for all of them (``on_batch``).
+    batch_types = (m.Allocate, m.AllocateMany, m.Free)
+
+    def on_batch(self, size: int) -> None:
+        """Before a batch of ``size`` queued ``Allocate``/``AllocateMany``/``Free`` messages:
+        the checks ``on_receive`` makes before a single message, once, and the batch counted in
+        ``DeviceStats``. Thread rule: the actor's thread (the loop calls it)."""
+        self._batches += 1
+        self._batched_messages += size
+        if size > self._largest_batch:
+            self._largest_batch = size
+        self._before_messages()
+
+    def on_receive_batched(self, message: Any) -> Any:
+        """Serve one message of a batch (``on_batch`` made the checks). Raises as
+        :meth:`on_receive`. Thread rule: the actor's thread (the loop calls it)."""
+        return self._dispatch(message)
+
+    def _before_messages(self) -> None:
+        """What every wake-up does before it serves its message(s): find a context reset from
+        outside, and free the blocks of dropped handles. Raises nothing: a failure is the
+        supervisor's business, not the message's."""
         if self._lifecycle.status is DeviceStatus.RUNNING:
             # A context reset from outside (another library) is found here, before a dangling
             # handle reaches the driver: the supervisor rebuilds, and this message is served by
@@ -201,6 +232,8 @@ class DeviceActor(ResilientActor):
             except Exception as exc:
                 logger.warning("device %d: freeing dropped handles failed: %r", self._ordinal, exc, exc_info=exc)
                 self._after_failure(exc, counting=True)
+
+    def _dispatch(self, message: Any) -> Any:
         handler = self._handlers.get(type(message))
         if handler is None:
             raise InvalidRequest(
@@ -469,6 +502,9 @@ class DeviceActor(ResilientActor):
             pinned_count=pinned.count,
             pinned_bytes=pinned.nbytes,
             pinned_by_tag=pinned.as_dict()["by_tag"],
+            batches=self._batches,
+            batched_messages=self._batched_messages,
+            largest_batch=self._largest_batch,
         )
 
     def _on_report(self, _msg: m.GetReport) -> MemoryReport:

@@ -199,7 +199,10 @@ class DeviceStats:
     grouped by tag and by stream with the oldest age, and ``"pinned"``; ``GetReport`` has every
     block); ``pinned_count``/``pinned_bytes``/``pinned_by_tag`` (tag -> ``{"count", "nbytes"}``):
     the device's pinned host buffers not yet freed (a released buffer counts until its last copy
-    ran), reported whatever the device's status.
+    ran), reported whatever the device's status; ``batches``/``batched_messages``/
+    ``largest_batch``: the actor's wake-ups that served two or more queued ``Allocate``/
+    ``AllocateMany``/``Free`` messages at once, the messages they served and the most in one
+    (counted since the actor started, across rebuilds).
     """
 
     device_id: int
@@ -216,6 +219,9 @@ class DeviceStats:
     pinned_count: int = 0
     pinned_bytes: int = 0
     pinned_by_tag: dict[str, dict[str, int]] = field(default_factory=dict)
+    batches: int = 0
+    batched_messages: int = 0
+    largest_batch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

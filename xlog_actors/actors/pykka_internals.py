@@ -7,15 +7,24 @@ as the asker drops them (a ``GetStats`` sent right after would otherwise still c
 behaviours live in pykka's private message loop, so :class:`ResilientActor` replaces that loop.
 It borrows, from the installed pykka:
 
-* ``Actor._actor_loop_running``: the loop it overrides, copied with two changes (a told message
-  that raises goes to :meth:`ResilientActor.on_told_failure` instead of stopping the actor; the
-  envelope and the reply are dropped as soon as the reply is set);
+* ``Actor._actor_loop_running``: the loop it overrides, copied with three changes (a told
+  message that raises goes to :meth:`ResilientActor.on_told_failure` instead of stopping the
+  actor; the envelope and the reply are dropped as soon as the reply is set; messages of
+  :attr:`ResilientActor.batch_types` queued together are served in one wake-up);
 * ``Actor._handle_receive(message)``: pykka's dispatch of stop and proxy messages, then
   ``on_receive``;
 * ``Actor._stop()`` and ``ActorRegistry.stop_all()``: what pykka does on a ``BaseException``
   (kept unchanged);
 * the inbox's envelopes: ``.message``, and ``.reply_to``, a future with ``set(value)`` and
-  ``set_exception()`` (None for a ``tell``).
+  ``set_exception()`` (None for a ``tell``);
+* for batched service (:attr:`ResilientActor.batch_types`), the inbox itself: pykka's
+  ``ThreadingActor`` inbox is a ``queue.Queue`` of envelopes, and the loop reads the envelopes
+  waiting at its head through the standard library's ``queue.Queue`` attributes ``.mutex``
+  (the lock every ``put``/``get`` holds), ``.queue`` (the ``collections.deque`` of waiting
+  items, oldest first) and ``.not_full`` (the condition a ``get`` notifies), as ``Queue.get``
+  itself does under that lock. Envelopes it took but could not serve because the actor stopped
+  are put back at the head, so pykka's ``_actor_loop_teardown`` answers them as it answers the
+  rest of the inbox (``ActorDeadError``).
 
 Public pykka behaviour the runtime also relies on: ``Actor.start`` runs ``__init__`` in the
 caller's thread before anything is registered (so an ``__init__`` that raises leaves no actor),
@@ -29,14 +38,21 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from collections import deque
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import pykka
 
-__all__ = ["PYKKA_MAJOR", "ResilientActor", "is_actor_ref_of"]
+__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "is_actor_ref_of"]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
 PYKKA_MAJOR = 4
+
+#: The most envelopes one wake-up serves in a batch (the first included): what the hook run
+#: once per batch (:meth:`ResilientActor.on_batch`) does for the device, its drain of dropped
+#: handles and its context check, is never further behind than this many messages.
+BATCH_LIMIT = 64
 
 _pykka_logger = logging.getLogger("pykka")  # where pykka's own loop logs
 
@@ -49,8 +65,51 @@ class ResilientActor(pykka.ThreadingActor):
     An asked one is answered with the exception, as in pykka. A ``BaseException`` that is not an
     ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) still stops every actor, as in pykka.
 
+    **Batched service.** A subclass that lists message types in :attr:`batch_types` has the
+    envelopes of those types that are already waiting at the head of its inbox served in the
+    same wake-up as the one it took: right after it takes an envelope of such a type, the loop
+    also takes every further envelope at the head of the inbox whose message is of one of those
+    types (up to :data:`BATCH_LIMIT` in all), stopping at the first other message, so the order
+    of messages is kept exactly and nothing (a stop above all) is ever overtaken. Then it calls
+    :meth:`on_batch` once and serves each message of the batch, in order, with
+    :meth:`on_receive_batched`: each asker gets its own reply or its own exception, a told
+    message that fails goes to :meth:`on_told_failure`, and each envelope and its reply are
+    dropped as soon as that message is served. An envelope alone at the head is served by
+    ``on_receive`` as always.
+
     Thread rule: as any pykka actor: the hooks run on the actor's own thread.
     """
+
+    #: The message types served in batches (exact types); empty: one message per wake-up, as
+    #: in pykka.
+    batch_types: ClassVar[tuple[type, ...]] = ()
+
+    def on_batch(self, size: int) -> None:
+        """Called once before the messages of a batch are served, with how many there are.
+
+        The default does nothing. A subclass does here the work it would otherwise do before
+        every one of those messages. An ``Exception`` it raises is each message's answer (an
+        asker gets it, a told message's failure goes to :meth:`on_told_failure`) and none of
+        them is served.
+
+        Args:
+            size: the number of messages in the batch (two or more).
+        Thread rule: the actor's thread only.
+        """
+
+    def on_receive_batched(self, message: Any) -> Any:
+        """Serve one message of a batch, after :meth:`on_batch` ran; the default is
+        ``on_receive(message)``.
+
+        Args:
+            message: a message of one of :attr:`batch_types`.
+        Returns:
+            the reply to an asker.
+        Raises:
+            Exception: the asker's answer (or the told message's failure).
+        Thread rule: the actor's thread only.
+        """
+        return self.on_receive(message)
 
     def on_told_failure(self, message: Any, error: Exception) -> None:
         """A told message's handler raised ``error``; the actor lives on.
@@ -69,31 +128,99 @@ class ResilientActor(pykka.ThreadingActor):
         )
 
     def _actor_loop_running(self) -> None:
-        # pykka 4.x's loop, with the two changes the module docstring gives. Each envelope is
-        # handled in its own call, so it and its reply are dropped when that call returns. The
-        # inbox ``get`` has no timeout on purpose: an idle actor waits for its next message, and
-        # stopping it is itself a message.
+        # pykka 4.x's loop, with the three changes the module docstring gives. Each envelope is
+        # handled in a call of its own (``_serve``), so it and its reply are dropped when that
+        # call returns. The inbox ``get`` has no timeout on purpose: an idle actor waits for its
+        # next message, and stopping it is itself a message.
         while not self.actor_stopped.is_set():
-            self._handle_envelope(self.actor_inbox.get())
+            self._serve(self.actor_inbox.get())
 
-    def _handle_envelope(self, envelope: Any) -> None:
+    def _serve(self, envelope: Any) -> None:
+        if self.batch_types and type(envelope.message) in self.batch_types:
+            batch = self._take_queued_batch()
+            if batch:
+                batch.appendleft(envelope)
+                del envelope  # the batch holds it; it goes when it is served
+                self._handle_batch(batch)
+                return
+        self._handle_envelope(envelope)
+
+    def _take_queued_batch(self) -> deque[Any]:
+        """Take the envelopes of ``batch_types`` waiting at the head of the inbox (at most
+        ``BATCH_LIMIT - 1``: the caller holds the first), under the inbox's own lock."""
+        inbox = self.actor_inbox
+        taken: deque[Any] = deque()
+        # An unlocked look first (one length read of a deque): an empty inbox, the common case of
+        # a lone asker, costs no lock. A put that races it is served at the next wake-up.
+        if not inbox.queue:  # type: ignore[attr-defined]
+            return taken
+        types = self.batch_types
+        with inbox.mutex:  # type: ignore[attr-defined]
+            waiting: deque[Any] = inbox.queue  # type: ignore[attr-defined]
+            room = BATCH_LIMIT - 1
+            while waiting and room and type(waiting[0].message) in types:
+                taken.append(waiting.popleft())
+                room -= 1
+            if taken:
+                inbox.not_full.notify(len(taken))  # type: ignore[attr-defined]
+        return taken
+
+    def _handle_batch(self, batch: deque[Any]) -> None:
         try:
-            response = self._handle_receive(envelope.message)
+            self.on_batch(len(batch))
+        except Exception as error:  # noqa: BLE001 - each message's answer, or on_told_failure's
+            # Nothing of the batch is served: each message gets the error as its answer.
+            while batch:
+                self._answer_failure(batch.popleft(), error, sys.exc_info())
+            return
+        except BaseException:  # noqa: BLE001 - pykka's own handling, as in _handle_envelope
+            self._requeue(batch)
+            _pykka_logger.debug(f"{sys.exc_info()[1]!r} in {self}. Stopping all actors.")
+            self._stop()
+            pykka.ActorRegistry.stop_all()
+            return
+        receive = self.on_receive_batched
+        while batch:
+            if self.actor_stopped.is_set():
+                # A BaseException in a handler stopped the actor: what is left of the batch goes
+                # back to the inbox, which pykka's teardown answers with ActorDeadError.
+                self._requeue(batch)
+                return
+            self._handle_envelope(batch.popleft(), receive)
+
+    def _requeue(self, batch: deque[Any]) -> None:
+        inbox = self.actor_inbox
+        with inbox.mutex:  # type: ignore[attr-defined]
+            inbox.queue.extendleft(reversed(batch))  # type: ignore[attr-defined]
+            inbox.not_empty.notify(len(batch))  # type: ignore[attr-defined]
+        batch.clear()
+
+    def _answer_failure(self, envelope: Any, error: Exception, exc_info: Any) -> None:
+        if envelope.reply_to is not None:
+            _pykka_logger.info(f"Exception returned from {self} to caller:", exc_info=exc_info)
+            envelope.reply_to.set_exception(exc_info)
+        else:
+            try:
+                self.on_told_failure(envelope.message, error)
+            except Exception as hook_error:  # noqa: BLE001 - a failing hook must not stop the actor
+                _pykka_logger.error(f"on_told_failure of {self} failed: {hook_error!r}")
+
+    def _handle_envelope(self, envelope: Any, receive: Callable[[Any], Any] | None = None) -> None:
+        # ``receive``: pykka's ``_handle_receive`` (stop and proxy messages, then on_receive),
+        # or ``on_receive_batched`` for a message of a batch.
+        if receive is None:
+            receive = self._handle_receive
+        try:
+            response = receive(envelope.message)
             if envelope.reply_to is not None:
                 envelope.reply_to.set(response)
-        except Exception as error:
-            if envelope.reply_to is not None:
-                _pykka_logger.info(f"Exception returned from {self} to caller:", exc_info=sys.exc_info())
-                envelope.reply_to.set_exception()
-            else:
-                try:
-                    self.on_told_failure(envelope.message, error)
-                except Exception as hook_error:  # noqa: BLE001 - a failing hook must not stop the actor
-                    _pykka_logger.error(f"on_told_failure of {self} failed: {hook_error!r}")
+        except Exception as error:  # noqa: BLE001 - the asker's answer, or on_told_failure's
+            self._answer_failure(envelope, error, sys.exc_info())
         except BaseException:  # noqa: BLE001 - pykka's own handling, unchanged
             _pykka_logger.debug(f"{sys.exc_info()[1]!r} in {self}. Stopping all actors.")
             self._stop()
             pykka.ActorRegistry.stop_all()
+
 
 def is_actor_ref_of(ref: object, actor_class: type[pykka.Actor]) -> bool:
     """True when ``ref`` is a pykka ``ActorRef`` of a live actor of ``actor_class`` (or a subclass).

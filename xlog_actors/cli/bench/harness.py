@@ -236,7 +236,9 @@ class Row:
         twin: the reference's factory.
         spec: ``(samples, batch)`` from the plan.
         reference: the reference's name (default: the fixture's ``raw_name``).
-        kind: ``"time"`` (µs per op) or ``"rate"`` (GB/s of ``bytes_per_op``).
+        kind: ``"time"`` (µs per op), ``"rate"`` (GB/s of ``bytes_per_op``) or ``"throughput"``
+            (operations per second, all threads together: ``ours_ops`` and ``ref_ops`` count the
+            operations one ``fn(1)`` runs on all its threads).
         bytes_per_op: bytes one operation moves (rate rows).
         target: what the row must meet; None makes it informational.
         note: shown in the JSON.
@@ -244,6 +246,7 @@ class Row:
         host_skip: where set, the reason the row is skipped on the host driver.
         check: called with the fixture after sampling; raises when the result is wrong.
         measure: replaces the sampling: ``measure(fixture, ctx) -> (ours, ref)`` in ns per op.
+        concurrency: for a throughput row, ``(threads or actors of ours, of the reference)``.
     Thread rule: immutable; any thread.
     """
 
@@ -264,6 +267,7 @@ class Row:
     host_skip: str | None = None
     check: Callable[[Any], None] | None = None
     measure: Callable[[Any, Context], tuple[list[float], list[float]]] | None = None
+    concurrency: tuple[int, int] | None = None
 
     def run(self, fixture: Any, ctx: Context) -> RowResult:
         """Time the row beside its twin and build its result.
@@ -300,7 +304,7 @@ class Row:
             self.name, _text(self.measures, fixture, plan), _text(self.reference, fixture, plan), a, b,
             batch * ours_ops, kind=self.kind, bytes_per_op=_value(self.bytes_per_op, plan),
             target=self.target, informational=self.target is None, note=_text(self.note, fixture, plan),
-            ref_ops_per_sample=ref_batch * ref_ops,
+            ref_ops_per_sample=ref_batch * ref_ops, concurrency=self.concurrency,
         )
 
 

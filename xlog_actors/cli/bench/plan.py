@@ -42,6 +42,8 @@ class Plan:
     scale_high: int
     scale_rounds: int
     scale: tuple[int, int]  # (samples per phase, ops per sample)
+    threads: tuple[int, int]  # DeviceClient from 8 threads: (samples, allocate+free pairs per thread per sample)
+    workers: tuple[int, int]  # Allocate from 16 worker actors: (samples, asks per worker per sample)
     many_count: int = 64
 
 
@@ -83,6 +85,8 @@ _TABLE: dict[str, tuple[Any, Any, Any, Any]] = {
     "scale_high":       (100_000,      100_000,        5_000,          100_000),
     "scale_rounds":     (2,            4,              2,              2),
     "scale":            ((50, 10),     (300, 10),      (20, 10),       (100, 10)),
+    "threads":          ((20, 100),    (100, 200),     (6, 40),        (20, 100)),
+    "workers":          ((10, 20),     (60, 40),       (5, 10),        (15, 25)),
 }
 
 

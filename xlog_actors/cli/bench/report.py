@@ -151,6 +151,8 @@ def _cuda_driver_version() -> str | None:
 
 
 def _fmt(value: float, unit: str) -> str:
+    if unit == "ops/s":
+        return f"{value:,.0f} ops/s"
     if unit == "us":
         return f"{value:,.3f} µs" if value < 10 else f"{value:,.1f} µs"
     return f"{value:,.2f} GB/s" if value < 100 else f"{value:,.0f} GB/s"
@@ -199,7 +201,8 @@ def render_table(doc: dict[str, Any]) -> str:
         (f"xlog-actors bench: driver {doc['driver']}, device {doc['device']}, {doc['date']}"
          f"{' (--quick)' if doc['quick'] else ''}"),
         "versions: " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()),
-        "ratio = ours / reference: of times (↓, lower is better) or of bandwidths (↑, higher is better)",
+        ("ratio = ours / reference: of times (↓, lower is better) or of bandwidths and aggregate "
+         "operations per second (↑, higher is better)"),
         "",
     ]
     text += fmt(header)

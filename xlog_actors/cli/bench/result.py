@@ -81,6 +81,11 @@ class RowResult:
     ``kind="rate"``: figures are GB/s (``bytes_per_op`` / time) and ``ratio = ours / reference``
     *of the rates*, i.e. reference time / our time (higher is better); the "p99" of a rate row
     is the rate at the 99th-percentile time, the slow tail.
+    ``kind="throughput"``: figures are operations per second, all threads together (a sample's
+    wall time over the operations all its threads ran), and ``ratio = ours / reference`` of those
+    (higher is better); the "p99" is the throughput of the slow tail. ``concurrency`` is then
+    ``(threads or actors on our side, on the reference's)``, written to the JSON as
+    ``{"ours": ..., "reference": ...}`` (None for other rows).
 
     Thread rule: any thread; built once, then read.
     """
@@ -97,15 +102,18 @@ class RowResult:
     informational: bool = False
     note: str = ""
     ref_ops_per_sample: int | None = None
+    concurrency: tuple[int, int] | None = None
 
     @property
     def unit(self) -> str:
-        """``"us"`` for a time row, ``"GB/s"`` for a rate row."""
-        return "us" if self.kind == "time" else "GB/s"
+        """``"us"`` for a time row, ``"GB/s"`` for a rate row, ``"ops/s"`` for a throughput row."""
+        return {"time": "us", "throughput": "ops/s"}.get(self.kind, "GB/s")
 
     def _fig(self, ns: float) -> float:
         if self.kind == "time":
             return ns / 1e3
+        if self.kind == "throughput":
+            return 1e9 / ns  # operations per second
         return self.bytes_per_op / ns  # bytes per ns == GB/s
 
     @property
@@ -115,7 +123,8 @@ class RowResult:
 
     @property
     def ratio(self) -> float:
-        """Ours / reference: of median times (time rows) or of median rates (rate rows)."""
+        """Ours / reference: of median times (time rows) or of median rates (rate and throughput
+        rows)."""
         ours, ref = statistics.median(self.ours), statistics.median(self.ref)
         return ours / ref if self.kind == "time" else ref / ours
 
@@ -129,6 +138,8 @@ class RowResult:
         """What the ratio means, in words, for the JSON report."""
         if self.kind == "time":
             return "ours / reference, median time per op (lower is better)"
+        if self.kind == "throughput":
+            return "ours / reference, median aggregate operations per second (higher is better)"
         return "ours / reference, median bandwidth (higher is better)"
 
     @property
@@ -163,6 +174,9 @@ class RowResult:
             "ops_per_sample": self.ops_per_sample,
             "bytes_per_op": self.bytes_per_op or None,
             "note": self.note,
+            "concurrency": None if self.concurrency is None else {
+                "ours": self.concurrency[0], "reference": self.concurrency[1],
+            },
         }
 
 

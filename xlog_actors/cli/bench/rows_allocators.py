@@ -70,7 +70,7 @@ def _driver_async_pair(f: _Async) -> Op:
 
 ASYNC = Group("stream-ordered allocation", (
     Row("AsyncCudaResource alloc+free", "AsyncCudaResource.allocate(4 KiB) + deallocate on its default stream",
-        _async, _resource_pair, lambda f: f.raw, lambda p: p.alloc, target=Target("ratio", "<=", 1.5),
+        _async, _resource_pair, lambda f: f.raw, lambda p: p.alloc, target=Target("ratio", "<=", 1.0),
         note="raw twin on the same stream handle; PyTorch's caching allocator is about 1.37x of raw on an H200"),
     _driver_share("driver alloc_async+free_async", "CudaDriver.alloc_async(4 KiB) + free_async: the driver layer "
                   "alone", _async, _driver_async_pair, lambda p: p.alloc, "AsyncCudaResource"),
@@ -125,7 +125,7 @@ def _driver_sync_pair(f: _Direct) -> Op:
 
 DIRECT = Group("synchronous allocation", (
     Row("DirectCudaResource alloc+free", "DirectCudaResource.allocate(4 KiB) + deallocate", _direct,
-        _resource_pair, lambda f: f.raw, lambda p: p.direct, target=Target("ratio", "<=", 1.1)),
+        _resource_pair, lambda f: f.raw, lambda p: p.direct, target=Target("ratio", "<=", 1.02)),
     _driver_share("driver alloc+free", "CudaDriver.alloc(0, 4 KiB) + free: the driver layer alone", _direct,
                   _driver_sync_pair, lambda p: p.direct, "DirectCudaResource"),
 ))
@@ -227,7 +227,7 @@ def _driver_record_wait(f: _Tracking) -> Op:
 TRACKING = Group("cross-stream tracking", (
     Row("cross-stream read prepare+finish", "AsyncCudaResource.prepare_block_use + finish_block_use, READ on a "
         "second stream of a block written on the first", _tracking, _prepare_finish, lambda f: f.raw,
-        lambda p: p.event, target=Target("ratio", "<=", 2.0),
+        lambda p: p.event, target=Target("ratio", "<=", 1.2),
         note="steady state: one wait on the write's fence and one in-place re-record of the stream's read event "
         "per op"),
     _driver_share("driver record+wait", "CudaStream.record(event) + other.wait(event): the driver layer alone",
