@@ -83,7 +83,7 @@ def main() -> None:
         src.write_text(_C)
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
         c = ctypes.CDLL(str(lib))
-        addr = {n: ctypes.cast(getattr(c, n), ctypes.c_void_p).value for n in
+        addr = {n: int(ctypes.cast(getattr(c, n), ctypes.c_void_p).value or 0) for n in
                 ("alloc_from_pool", "mem_alloc", "nop1", "nop2", "nop3")}
         entry_points = {"cuMemAllocFromPoolAsync": addr["alloc_from_pool"], "cuMemFreeAsync": addr["nop2"],
                         "cuEventRecord": addr["nop2"], "cuStreamWaitEvent": addr["nop3"],
