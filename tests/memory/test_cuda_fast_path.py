@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from xlog_actors.driver.cuda.context import STAMPED_ATTRIBUTES
 from xlog_actors.errors import DriverError, OutOfMemory
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource
 from xlog_actors.memory.block import Access, BlockId, StreamId
@@ -70,7 +71,19 @@ class FakeCuda:
 
 
 class FakeDevice:
+    """Keeps ``CudaDevice``'s stamp contract: an assignment to a cached attribute sets ``stamp``
+    to None, then the attribute, then a new stamp."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in STAMPED_ATTRIBUTES:
+            object.__setattr__(self, "stamp", None)
+            object.__setattr__(self, name, value)
+            object.__setattr__(self, "stamp", object())
+        else:
+            object.__setattr__(self, name, value)
+
     def __init__(self) -> None:
+        self.stamp: object | None = object()
         self.ordinal = 0
         self.token: object = object()
         self.epoch = 1
@@ -164,7 +177,9 @@ def test_a_live_stream_in_a_current_context_takes_the_c_path(rig: Any) -> None:
     assert rig.res.pending_free_bytes() == 4096
 
 
-@pytest.mark.parametrize("why", ["closed", "rebuilt", "poisoned", "other thread", "device lost its context"])
+@pytest.mark.parametrize(
+    "why", ["closed", "rebuilt", "poisoned", "other thread", "device lost its context", "device changing"]
+)
 def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, why: str) -> None:
     if why == "closed":
         rig.s0._closed = "closed"
@@ -174,12 +189,26 @@ def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, 
         rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"
     elif why == "other thread":
         rig.tls.token = None
+    elif why == "device changing":  # an assignment under way in another thread (see CudaDevice)
+        object.__setattr__(rig.dev, "stamp", None)
     else:
         rig.dev.token = None
     block = rig.res.allocate(64)
     rig.res.deallocate(block)
     assert rig.driver.slow == ["alloc_async", "free_async"]
     assert rig.cuda.log == []
+
+
+def test_a_change_after_the_cache_was_filled_is_seen(rig: Any) -> None:
+    rig.res.deallocate(rig.res.allocate(64))  # fills the cached view of the device
+    assert rig.driver.slow == []
+    rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"
+    rig.res.allocate(64)
+    assert rig.driver.slow == ["alloc_async"], "the new stamp made the core re-read the device"
+    rig.dev.pool_live = set()  # a rebuild swaps the live set: the core must add to the new one
+    rig.dev.poisoned = None
+    block = rig.res.allocate(64)
+    assert rig.dev.pool_live == {block.ptr}
 
 
 def test_a_failed_c_call_is_mapped_by_the_device_and_changes_nothing(rig: Any) -> None:

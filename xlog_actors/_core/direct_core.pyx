@@ -121,9 +121,13 @@ cdef class DirectCore:
         called outside it, so a concurrent second free of it is refused.
         """
         cdef DeviceBlock live
-        check_device("DirectCudaResource.deallocate", self._ordinal, block)
-        ptr = block.ptr
-        generation = block.generation
+        if type(block) is DeviceBlock and (<DeviceBlock>block).device_ordinal == self._ordinal:
+            ptr = (<DeviceBlock>block).ptr
+            generation = (<DeviceBlock>block).generation
+        else:
+            check_device("DirectCudaResource.deallocate", self._ordinal, block)
+            ptr = block.ptr
+            generation = block.generation
         lock_acquire(self._lock)
         try:
             found = self._live.get(ptr)

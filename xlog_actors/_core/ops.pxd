@@ -32,16 +32,22 @@ cdef class CudaOps(DriverOps):
     cdef object _stream_type
     cdef object _event_type
     cdef object _cuda_result
+    cdef object _stamp
+    cdef object _epoch
+    cdef object _token
+    cdef bint _live
     cdef object _pool_obj
     cdef CUmemoryPool _pool
+    cdef object _pool_live
+    cdef object _direct_live
     cdef AllocFromPoolAsync_t _alloc_from_pool
     cdef FreeAsync_t _free_async
     cdef EventRecord_t _event_record
     cdef StreamWaitEvent_t _stream_wait_event
     cdef MemAlloc_t _mem_alloc
     cdef MemFree_t _mem_free
-    cdef object _stream_dev(self, object s)
-    cdef bint _device_ready(self)
+    cdef bint _current(self)
+    cdef bint _stream_ok(self, object s)
 
 
 cpdef DriverOps ops_for(object driver, object ordinal)

@@ -7,7 +7,9 @@
   ``cuGetProcAddress`` (``CudaDriver.entry_points()``), so the build needs no ``cuda.h`` and
   no matching cuda-bindings. Its fast path runs when the stream (or device) is live, the
   context healthy and already current in this thread: the checks of
-  ``CudaStream._enter``, read from the same attributes. Anything else (a closed stream, a
+  ``CudaStream._enter``. The device's side of them (epoch, token, poisoned flag, pool, live
+  sets) is cached and re-read only when the device's ``stamp`` moved (see ``CudaDevice``), so a
+  call reads the stamp, the thread's context token and three attributes of the stream. Anything else (a closed stream, a
   rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
   raises the precise error or makes the context current. A failed CUDA call is mapped by the
   device's own ``fail``, exactly as the Python driver maps it.
@@ -20,8 +22,8 @@ gate does for the Python driver, so the fast path does not take the gate. A rebu
 stream (under its gate, in Python, holding the GIL) either before the check, which then fails,
 or after the call, whose work the rebuild's synchronize then waits for.
 
-Thread rule: any thread; an ops object holds no mutable state but a cached pool handle, which
-is read and written with the GIL held.
+Thread rule: any thread; an ops object's only mutable state is its cached view of the device,
+read and written with the GIL held.
 """
 
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromUnsignedLongLong
@@ -94,6 +96,7 @@ cdef class CudaOps(DriverOps):
         self._event_type = event_type
         self._cuda_result = cuda_result
         self._pool_obj = None
+        self._stamp = None  # nothing cached yet
         self._alloc_from_pool = <AllocFromPoolAsync_t>PyLong_AsVoidPtr(entry_points["cuMemAllocFromPoolAsync"])
         self._free_async = <FreeAsync_t>PyLong_AsVoidPtr(entry_points["cuMemFreeAsync"])
         self._event_record = <EventRecord_t>PyLong_AsVoidPtr(entry_points["cuEventRecord"])
@@ -101,102 +104,100 @@ cdef class CudaOps(DriverOps):
         self._mem_alloc = <MemAlloc_t>PyLong_AsVoidPtr(entry_points["cuMemAlloc"])
         self._mem_free = <MemFree_t>PyLong_AsVoidPtr(entry_points["cuMemFree"])
 
-    cdef object _stream_dev(self, object s):
-        """The device of ``s`` when work on it may take the fast path, else None."""
-        if type(s) is not self._stream_type:
-            return None
-        dev = s._dev
-        token = dev.token
-        if (dev is self._dev and token is not None and s._closed is None and dev.poisoned is None
-                and s._epoch == dev.epoch and getattr(self._tls, "token", None) is token):
-            return dev
-        return None
-
-    cdef bint _device_ready(self):
+    cdef bint _current(self):
+        """True when the device is healthy and its context current in this thread, refreshing the
+        cached view of the device first if its stamp moved."""
         dev = self._dev
-        token = dev.token
-        return (token is not None and dev.poisoned is None and not self.driver._closed
-                and getattr(self._tls, "token", None) is token)
+        stamp = dev.stamp
+        if stamp is not self._stamp:
+            if stamp is None:
+                return False  # an assignment is under way: the Python driver decides
+            token = dev.token
+            self._epoch = dev.epoch
+            self._token = token
+            self._live = token is not None and dev.poisoned is None
+            pool = dev.pool
+            if pool is not None and pool is not self._pool_obj:
+                self._pool = PyLong_AsVoidPtr(int(pool))
+            self._pool_obj = pool
+            self._pool_live = dev.pool_live
+            self._direct_live = dev.direct_live
+            self._stamp = stamp
+        return self._live and getattr(self._tls, "token", None) is self._token
+
+    cdef bint _stream_ok(self, object s):
+        """``s`` is a live stream of this device's current epoch (call after ``_current``)."""
+        return (type(s) is self._stream_type and s._dev is self._dev and s._closed is None
+                and s._epoch == self._epoch)
 
     cdef object alloc_async(self, object nbytes, object stream):
         cdef CUdeviceptr ptr = 0
         cdef CUresult err
-        dev = self._stream_dev(stream)
-        if dev is None or type(nbytes) is not int or nbytes <= 0:
+        if (not self._current() or self._pool_obj is None or not self._stream_ok(stream)
+                or type(nbytes) is not int or nbytes <= 0):
             return DriverOps.alloc_async(self, nbytes, stream)
-        pool = dev.pool
-        if pool is None:
-            return DriverOps.alloc_async(self, nbytes, stream)
-        if pool is not self._pool_obj:
-            self._pool = PyLong_AsVoidPtr(int(pool))
-            self._pool_obj = pool
         err = self._alloc_from_pool(&ptr, <size_t>nbytes, self._pool, PyLong_AsVoidPtr(stream._handle))
         if err != 0:
-            dev.fail(self._cuda_result(err), f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {stream._id})", nbytes)
+            self._dev.fail(self._cuda_result(err),
+                           f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {stream._id})", nbytes)
         result = PyLong_FromUnsignedLongLong(ptr)
-        dev.pool_live.add(result)
+        self._pool_live.add(result)
         return result
 
     cdef free_async(self, object ptr, object stream):
         cdef CUresult err
-        dev = self._stream_dev(stream)
-        if dev is None or type(ptr) is not int or ptr <= 0:
+        if not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0:
             DriverOps.free_async(self, ptr, stream)
             return
         err = self._free_async(<CUdeviceptr>ptr, PyLong_AsVoidPtr(stream._handle))
         if err != 0:
-            dev.fail(self._cuda_result(err), f"cuMemFreeAsync({ptr:#x}, stream {stream._id})")
-        dev.pool_live.discard(ptr)
+            self._dev.fail(self._cuda_result(err), f"cuMemFreeAsync({ptr:#x}, stream {stream._id})")
+        self._pool_live.discard(ptr)
 
     cdef record(self, object event, object stream):
         cdef CUresult err
-        dev = self._stream_dev(stream)
-        if dev is None or type(event) is not self._event_type or event._dev is not dev or event._epoch != dev.epoch:
+        if (not self._current() or not self._stream_ok(stream) or type(event) is not self._event_type
+                or event._dev is not self._dev or event._epoch != self._epoch):
             DriverOps.record(self, event, stream)
             return
         err = self._event_record(PyLong_AsVoidPtr(event._h), PyLong_AsVoidPtr(stream._handle))
         if err != 0:
-            dev.fail(self._cuda_result(err), f"cuEventRecord(stream {stream._id})")
+            self._dev.fail(self._cuda_result(err), f"cuEventRecord(stream {stream._id})")
 
     cdef wait(self, object stream, object event):
         cdef CUresult err
-        dev = self._stream_dev(stream)
-        if dev is None or type(event) is not self._event_type or event._dev is not dev or event._epoch != dev.epoch:
+        if (not self._current() or not self._stream_ok(stream) or type(event) is not self._event_type
+                or event._dev is not self._dev or event._epoch != self._epoch):
             DriverOps.wait(self, stream, event)
             return
         err = self._stream_wait_event(PyLong_AsVoidPtr(stream._handle), PyLong_AsVoidPtr(event._h), 0)
         if err != 0:
-            dev.fail(self._cuda_result(err), f"cuStreamWaitEvent(stream {stream._id})")
+            self._dev.fail(self._cuda_result(err), f"cuStreamWaitEvent(stream {stream._id})")
 
     cdef object alloc(self, object nbytes):
         cdef CUdeviceptr ptr = 0
         cdef CUresult err
-        if type(nbytes) is not int or nbytes <= 0 or not self._device_ready():
+        if type(nbytes) is not int or nbytes <= 0 or not self._current() or self.driver._closed:
             return DriverOps.alloc(self, nbytes)
         err = self._mem_alloc(&ptr, <size_t>nbytes)
-        dev = self._dev
         if err != 0:
-            dev.fail(self._cuda_result(err), f"cuMemAlloc({nbytes} bytes)", nbytes)
+            self._dev.fail(self._cuda_result(err), f"cuMemAlloc({nbytes} bytes)", nbytes)
         result = PyLong_FromUnsignedLongLong(ptr)
-        dev.direct_live.add(result)
+        self._direct_live.add(result)
         return result
 
     cdef free(self, object ptr):
         cdef CUresult err
-        dev = self._dev
-        if type(ptr) is not int or ptr <= 0 or not self._device_ready() or ptr not in dev.direct_live:
-            DriverOps.free(self, ptr)
+        if (type(ptr) is not int or ptr <= 0 or not self._current() or self.driver._closed
+                or ptr not in self._direct_live):
+            DriverOps.free(self, ptr)  # the precise error for a pointer that is not live, too
             return
         # Claimed first, as the Python driver does: of a free racing a rebuild's sweep, exactly
-        # one reaches cuMemFree.
-        try:
-            dev.direct_live.remove(ptr)
-        except KeyError:
-            DriverOps.free(self, ptr)  # raises the driver's error for a pointer not live
-            return
+        # one reaches cuMemFree. (No Python code runs between the check above and this.)
+        self._direct_live.remove(ptr)
         err = self._mem_free(<CUdeviceptr>ptr)
         if err != 0:
-            dev.fail(self._cuda_result(err), f"cuMemFree({ptr:#x})")
+            self._dev.fail(self._cuda_result(err), f"cuMemFree({ptr:#x})")
 
 
 cpdef DriverOps ops_for(object driver, object ordinal):

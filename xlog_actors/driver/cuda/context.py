@@ -66,6 +66,9 @@ _UNAVAILABLE_CODES: Final[frozenset[str]] = frozenset(
     }
 )
 
+#: The attributes of a :class:`CudaDevice` the compiled core caches (see ``CudaDevice.stamp``).
+STAMPED_ATTRIBUTES = frozenset({"epoch", "token", "poisoned", "pool", "pool_live", "direct_live"})
+
 #: Which context incarnation is current in this thread (``tls.token``: a device's ``token``),
 #: shared by every CudaDriver: CUDA has one current context per thread, whoever set it.
 tls = threading.local()
@@ -82,9 +85,26 @@ class CudaDevice:
     objects, which a garbage-collected event's finalizer relies on to have them destroyed.
     ``poisoned`` is the sticky code once seen; it never clears. Guarded by ``lock`` except for
     the reads the hot paths make (single attribute loads).
+
+    ``stamp`` lets the compiled core cache the attributes its fast path reads
+    (:data:`STAMPED_ATTRIBUTES`): every assignment to one of them first sets ``stamp`` to None,
+    then the attribute, then a new ``stamp`` object. A reader that sees a stamp it cached may use
+    its cached values; one that sees None reads the attributes directly and caches nothing; one
+    that sees a new stamp re-reads them all (with the GIL held, so no assignment comes between).
     """
 
+    stamp: object | None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in STAMPED_ATTRIBUTES:
+            object.__setattr__(self, "stamp", None)
+            object.__setattr__(self, name, value)
+            object.__setattr__(self, "stamp", object())
+        else:
+            object.__setattr__(self, name, value)
+
     def __init__(self, ordinal: int, cudev: Any) -> None:
+        self.stamp = object()
         self.ordinal = ordinal
         self.cudev = cudev
         self.owner: object = None  # the CudaDriver this device belongs to
