@@ -456,16 +456,17 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
     client = device.ask(xa.GetClient())
     refs = client.allocate_many([256] * 100)
     keep = client.allocate(256)
-    ctx = client._cell.lifecycle.context
-    real_free = ctx.free
+    runtime = client._cell.lifecycle.context.runtime
+    real_deallocate = runtime.deallocate
     calls: dict[int, int] = {}
 
-    def counting_free(block: xa.DeviceBlock) -> bool:
+    def counting_deallocate(block: xa.DeviceBlock) -> None:
+        # The resource's free: what must happen exactly once per handle, whichever path frees it.
         calls[block.ptr] = calls.get(block.ptr, 0) + 1
         time.sleep(0.0005)  # widen the window in which another thread could free it too
-        return real_free(block)
+        real_deallocate(block)
 
-    ctx.free = counting_free
+    runtime.deallocate = counting_deallocate
     barrier = threading.Barrier(8)
     errors: list[BaseException] = []
 

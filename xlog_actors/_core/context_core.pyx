@@ -4,7 +4,7 @@ actor and every ``DeviceClient`` share, per generation of a device's context.
 
 ``blocks`` maps the address of every block handed out as a handle of this generation (and not
 yet freed) to that block. Its updates are single dict operations made with the GIL held and no
-Python code in between, so they need no lock: in particular ``_forget`` removes an entry only if
+Python code in between, so they need no lock: in particular ``_drop`` removes an entry only if
 it is still the block just freed (once ``deallocate`` returned, another thread may already hold
 the same address, stream-ordered reuse, and a plain pop would drop *its* entry).
 
@@ -29,14 +29,6 @@ cdef class ContextCore:
     Thread rule: any thread.
     """
 
-    cdef public object runtime
-    cdef public object generation
-    cdef public object state_ref
-    cdef public object token
-    cdef public dict blocks
-    cdef public bint open
-    cdef type _handle_type
-
     def __init__(self, runtime, generation, state_ref, token, handle_type):
         """Args:
             runtime: the generation's runtime (its ``allocate``/``deallocate`` are used).
@@ -54,13 +46,16 @@ cdef class ContextCore:
         self.open = True
         self._handle_type = handle_type
 
-    def is_current(self):
-        """True while this is the device's usable context: open, and the state unchanged since
-        it was built (no rebuild, shutdown or poisoning). Thread rule: any thread."""
+    cdef bint _current(self):
         if not self.open:
             return False
         state = self.state_ref()
         return state is not None and state.token is self.token
+
+    def is_current(self):
+        """True while this is the device's usable context: open, and the state unchanged since
+        it was built (no rebuild, shutdown or poisoning). Thread rule: any thread."""
+        return self._current()
 
     def allocate(self, nbytes, stream, tag):
         """Allocate one block of this generation and wrap it in a handle.
@@ -76,6 +71,9 @@ cdef class ContextCore:
             OutOfMemory: with the stack's figures added by ``_out_of_memory``.
         Thread rule: any thread.
         """
+        return self._alloc(nbytes, stream, tag)
+
+    cdef object _alloc(self, object nbytes, object stream, object tag):
         try:
             block = self.runtime.allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
@@ -96,6 +94,9 @@ cdef class ContextCore:
             ResourceError: the resource refused; the block stays this context's.
         Thread rule: any thread.
         """
+        return self._free(block)
+
+    cdef object _free(self, object block):
         ptr = block.ptr
         live = self.blocks.get(ptr)
         if live is None or not self.open:
@@ -106,13 +107,13 @@ cdef class ContextCore:
             self.runtime.deallocate(block)
         except CorruptionDetected:
             # Raised after the block was freed: it is no longer ours either way.
-            self._forget(ptr, live)
+            self._drop(ptr, live)
             raise
         # Only after the resource took it back: a failed deallocate leaves the block ours.
-        self._forget(ptr, live)
+        self._drop(ptr, live)
         return True
 
-    def _forget(self, ptr, live):
-        """Drop ``blocks[ptr]`` if it is still ``live`` (see the module docstring)."""
+    cdef _drop(self, object ptr, object live):
+        # Only our own entry (see the module docstring).
         if self.blocks.get(ptr) is live:
             del self.blocks[ptr]

@@ -7,6 +7,7 @@ from typing import Any, cast
 
 import pykka
 
+from .._core.client_core import ClientCore
 from ..errors import (
     ContextLost,
     ContextPoisoned,
@@ -58,7 +59,7 @@ class ContextCell:
             pass  # the device is gone; the caller already has its error
 
 
-class DeviceClient:
+class DeviceClient(ClientCore):
     """Allocates through the device's current runtime in the calling thread.
 
     A pykka ``ask`` costs about fifteen raw allocations; code that allocates in a loop uses a
@@ -73,14 +74,22 @@ class DeviceClient:
     whose context a rebuild took away while it ran is retried the same way, so a client never
     hands out a handle that is stale from birth.
 
+    ``allocate`` and ``free`` are compiled
+    (:class:`~xlog_actors._core.client_core.ClientCore`); their slow paths, and everything else,
+    are here.
+
     Thread rules: any thread, any number of threads at once (not the device actor's own
     thread: the slow path asks that actor).
     """
 
-    __slots__ = ("_cell",)
+    __slots__ = ()
 
     def __init__(self, cell: ContextCell) -> None:
-        self._cell = cell
+        """Args:
+            cell: what the client shares with its device actor.
+        Thread rule: the device actor's thread (it hands clients out through ``GetClient``).
+        """
+        super().__init__(cell, GpuRef)
 
     def _current(self) -> DeviceContext | None:
         ctx = self._cell.lifecycle.context
@@ -94,36 +103,10 @@ class DeviceClient:
         except pykka.ActorDeadError as exc:
             raise DeviceUnavailable(f"device {self._cell.ordinal}: its DeviceActor was stopped") from exc
 
-    def allocate(self, nbytes: int, stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED) -> GpuRef:
-        """Allocate one block, as ``Allocate`` does, in the calling thread.
-
-        Args:
-            nbytes: a positive int.
-            stream: the stream the allocation is ordered on.
-            tag: what the allocation is for (statistics group by it).
-        Returns:
-            a ``GpuRef`` of the device's current generation.
-        Raises:
-            InvalidRequest, OutOfMemory, StreamMisuse, ContextPoisoned, DeviceUnavailable: as
-            ``Allocate`` (a lost or poisoned context is also reported to the device's supervisor).
-        Thread rule: any thread but the device actor's own.
-        """
-        # _direct written out: this is the client's hot path, and the fallback message is built
-        # only when the actor must serve it.
-        ctx = self._cell.lifecycle.context
-        if ctx is not None and ctx.is_current():
-            try:
-                ref = ctx.allocate(nbytes, stream, tag)
-            except (ContextLost, ContextPoisoned) as exc:
-                self._cell.report_failure(exc, ctx.generation)
-                raise
-            except BaseException:
-                if ctx.is_current():
-                    raise
-            else:
-                if ctx.is_current():
-                    return ref
-        return cast(GpuRef, self._ask(Allocate(nbytes, stream, tag)))
+    def _allocate_slow(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef:
+        """``allocate`` when the compiled fast path could not serve it (no running context, or a
+        rebuild took it away during the call)."""
+        return cast(GpuRef, self._direct(lambda ctx: ctx.allocate(nbytes, stream, tag), Allocate(nbytes, stream, tag)))
 
     def allocate_many(
         self, sizes: list[int] | tuple[int, ...], stream: StreamId = StreamId.DEFAULT, tag: AllocTag = AllocTag.UNTAGGED
@@ -164,17 +147,9 @@ class DeviceClient:
                     return result
         return self._ask(fallback)
 
-    def free(self, ref: GpuRef) -> None:
-        """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message.
-
-        Args:
-            ref: a ``GpuRef`` of this device (an older generation's is a no-op).
-        Raises:
-            InvalidRequest: not a ``GpuRef``, or a handle of another device actor.
-            CorruptionDetected: a guard found its canaries overwritten (the block is freed anyway).
-            ContextLost, ContextPoisoned: met while freeing (reported to the supervisor too).
-        Thread rule: any thread but the device actor's own.
-        """
+    def _free_slow(self, ref: GpuRef) -> None:
+        """``free`` with every rule (the compiled fast path serves only a plain handle of the
+        current context)."""
         if not isinstance(ref, GpuRef):
             raise InvalidRequest(f"free needs a GpuRef, got {type(ref).__name__}")
         ctx = self._cell.lifecycle.context
@@ -207,7 +182,8 @@ class DeviceClient:
     @property
     def device_id(self) -> int:
         """The device's ordinal. Thread rule: any thread."""
-        return self._cell.ordinal
+        ordinal: int = self._cell.ordinal
+        return ordinal
 
     def __repr__(self) -> str:
         return f"DeviceClient(device={self._cell.ordinal}, status={self._cell.lifecycle.status.value})"

@@ -1,0 +1,120 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled fast paths of ``DeviceClient``: allocate and free in the calling thread on the
+device's current context, with no Python frame between the caller and the resource.
+
+The fast path runs when the device has a current context (the lifecycle's ``context`` is open
+and its state's token unchanged) and, for a free, the handle is a plain handle of that context
+not yet released. Everything else (no running context, a handle of another generation or device,
+a subclass of the handle type) goes to the Python subclass's slow paths, ``_allocate_slow`` and
+``_free_slow``, which hold the rules for those cases. Errors met on the fast path follow the
+same rules as the Python client: a lost or poisoned context is reported to the device's
+supervisor and raised; an error met while a rebuild took the context away is retried through the
+actor (an allocation) or dropped (a free: the memory went with the context).
+
+Thread rule: any thread but the device actor's own; any number at once.
+"""
+
+from .context_core cimport ContextCore
+from .handles cimport HandleCore
+
+from ..errors import ContextLost, ContextPoisoned, CorruptionDetected
+from .blocks import AllocTag, StreamId
+
+__all__ = ["ClientCore"]
+
+cdef object _DEFAULT_STREAM = StreamId.DEFAULT
+cdef object _UNTAGGED = AllocTag.UNTAGGED
+cdef tuple _CONTEXT_FAILURES = (ContextLost, ContextPoisoned)
+
+
+cdef class ClientCore:
+    """State and hot paths of a ``DeviceClient`` (see the module docstring).
+
+    Thread rule: any thread but the device actor's own.
+    """
+
+    cdef readonly object _cell
+    cdef object _lifecycle
+    cdef type _handle_type
+
+    def __init__(self, cell, handle_type):
+        """Args:
+            cell: what the client shares with its device actor (``lifecycle``,
+                ``report_failure``, ...).
+            handle_type: the handle class the device hands out (``GpuRef``).
+        Thread rule: any thread.
+        """
+        self._cell = cell
+        self._lifecycle = cell.lifecycle
+        self._handle_type = handle_type
+
+    def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
+        """Allocate one block, as ``Allocate`` does, in the calling thread.
+
+        Args:
+            nbytes: a positive int.
+            stream: the stream the allocation is ordered on.
+            tag: what the allocation is for (statistics group by it).
+        Returns:
+            a ``GpuRef`` of the device's current generation.
+        Raises:
+            InvalidRequest, OutOfMemory, StreamMisuse, ContextPoisoned, DeviceUnavailable: as
+            ``Allocate`` (a lost or poisoned context is also reported to the device's supervisor).
+        Thread rule: any thread but the device actor's own.
+        """
+        cdef ContextCore core
+        ctx = self._lifecycle.context
+        if isinstance(ctx, ContextCore):
+            core = <ContextCore>ctx
+            if core._current():
+                try:
+                    ref = core._alloc(nbytes, stream, tag)
+                except _CONTEXT_FAILURES as exc:
+                    self._cell.report_failure(exc, core.generation)
+                    raise
+                except BaseException:
+                    if core._current():
+                        raise
+                else:
+                    if core._current():
+                        return ref
+        return self._allocate_slow(nbytes, stream, tag)
+
+    def free(self, ref):
+        """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message.
+
+        Args:
+            ref: a ``GpuRef`` of this device (an older generation's is a no-op).
+        Raises:
+            InvalidRequest: not a ``GpuRef``, or a handle of another device actor.
+            CorruptionDetected: a guard found its canaries overwritten (the block is freed anyway).
+            ContextLost, ContextPoisoned: met while freeing (reported to the supervisor too).
+        Thread rule: any thread but the device actor's own.
+        """
+        cdef ContextCore core
+        cdef HandleCore handle
+        if type(ref) is not self._handle_type:
+            return self._free_slow(ref)
+        handle = <HandleCore>ref
+        ctx = self._lifecycle.context
+        if ctx is None or handle._context is not ctx or not isinstance(ctx, ContextCore):
+            return self._free_slow(ref)
+        core = <ContextCore>ctx
+        if not core._current():
+            return self._free_slow(ref)
+        if handle._released:
+            return None  # freed already: idempotent
+        handle._released = True  # claimed: of racing frees of one handle exactly one gets here
+        try:
+            core._free(handle._block)
+        except CorruptionDetected:
+            raise  # the guard freed the block before it reported: the handle stays released
+        except BaseException as exc:
+            is_context_failure = isinstance(exc, _CONTEXT_FAILURES)
+            if not core._current() and not is_context_failure:
+                return None  # a rebuild took the context, and the memory, away under this call
+            handle._released = False
+            if is_context_failure:
+                self._cell.report_failure(exc, core.generation)
+            raise
+        return None
