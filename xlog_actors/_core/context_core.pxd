@@ -8,6 +8,8 @@ cdef class ContextCore:
     cdef public dict blocks
     cdef public bint open
     cdef type _handle_type
+    cdef public object reclaims
+    cdef public bint wake_pending
     cdef bint _current(self)
     cdef object _alloc(self, object nbytes, object stream, object tag)
     cdef object _free(self, object block)

@@ -1,9 +1,13 @@
 import weakref
+from collections import deque
 from typing import Any
 
 from .blocks import AllocTag, DeviceBlock, StreamId
 
-__all__ = ["ContextCore"]
+__all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "ContextCore"]
+
+RECLAIM_WAKE_BYTES: int
+RECLAIM_BATCH: int
 
 class ContextCore:
     runtime: Any
@@ -12,8 +16,12 @@ class ContextCore:
     token: object
     blocks: dict[int, DeviceBlock]
     open: bool
+    reclaims: deque[DeviceBlock]
+    wake_pending: bool
     def __init__(self, runtime: Any, generation: int, state_ref: weakref.ref[Any], token: object,
                  handle_type: type) -> None: ...
     def is_current(self) -> bool: ...
     def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> Any: ...
     def free(self, block: DeviceBlock) -> bool: ...
+    def reclaim(self, block: DeviceBlock, wake: bool = False) -> None: ...
+    def drain_reclaims(self) -> None: ...

@@ -8,14 +8,29 @@ Python code in between, so they need no lock: in particular ``_drop`` removes an
 it is still the block just freed (once ``deallocate`` returned, another thread may already hold
 the same address, stream-ordered reuse, and a plain pop would drop *its* entry).
 
-Thread rule: ``allocate``/``free``/``is_current`` may run on any thread.
+Dropped handles: ``reclaim`` queues the block of a handle whose last reference went (from any
+thread, a garbage collector's included) and wakes the device actor only for a large block or a
+full batch; the actor frees the queue (``drain_reclaims``) before every message it handles.
+
+Thread rule: ``allocate``/``free``/``is_current``/``reclaim`` may run on any thread;
+``drain_reclaims`` on the device actor's thread only.
 """
+
+from collections import deque
 
 from .handles cimport new_handle
 
 from ..errors import CorruptionDetected, OutOfMemory
 
-__all__ = ["ContextCore"]
+__all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "ContextCore"]
+
+#: A dropped handle of at least this many bytes wakes its device actor at once.
+RECLAIM_WAKE_BYTES = 1 << 20
+#: This many dropped handles waiting wake the device actor.
+RECLAIM_BATCH = 32
+
+cdef Py_ssize_t _WAKE_BYTES = RECLAIM_WAKE_BYTES
+cdef Py_ssize_t _BATCH = RECLAIM_BATCH
 
 
 cdef class ContextCore:
@@ -45,6 +60,8 @@ cdef class ContextCore:
         self.blocks = {}
         self.open = True
         self._handle_type = handle_type
+        self.reclaims = deque()
+        self.wake_pending = False
 
     cdef bint _current(self):
         if not self.open:
@@ -117,3 +134,48 @@ cdef class ContextCore:
         # Only our own entry (see the module docstring).
         if self.blocks.get(ptr) is live:
             del self.blocks[ptr]
+
+    def reclaim(self, block, wake=False):
+        """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
+        queue it, and wake the actor (the subclass's ``_send_wake``) when it must.
+
+        Frees are batched like a caching allocator's: the actor drains the queue before every
+        message it handles and every ``GetStats``, so a small block waits at most for the
+        device's next message, and a wake-up (which costs the actor a whole message) is sent only
+        for a large block or a full batch. That bounds what waits to ``RECLAIM_BATCH`` blocks
+        under ``RECLAIM_WAKE_BYTES`` each. ``drain_reclaims`` clears ``wake_pending`` *before* it
+        empties the queue, so a block appended after that is either drained by it or sends a new
+        wake-up.
+
+        Args:
+            block: the block whose last handle went away.
+            wake: wake the actor now, whatever the block's size.
+        Thread rule: any thread, a garbage collector's included.
+        """
+        if not self.open:
+            return
+        reclaims = self.reclaims
+        reclaims.append(block)
+        if not self.wake_pending and (wake or block.nbytes >= _WAKE_BYTES or len(reclaims) >= _BATCH):
+            self.wake_pending = True
+            self._send_wake(block)
+
+    def drain_reclaims(self):
+        """Free every block ``reclaim`` queued. A free that fails puts its block back at the
+        head of the queue for the next drain and raises.
+
+        Raises:
+            CorruptionDetected: reported, not retried. ResourceError: the free failed.
+        Thread rule: the device actor's thread only.
+        """
+        self.wake_pending = False
+        reclaims = self.reclaims
+        while reclaims:
+            block = reclaims.popleft()
+            try:
+                self._free(block)
+            except CorruptionDetected:
+                raise  # freed all the same: reported, not retried
+            except BaseException:
+                reclaims.appendleft(block)
+                raise

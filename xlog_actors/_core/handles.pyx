@@ -72,6 +72,15 @@ cdef class HandleCore:
         """Undo ``_mark_released`` after a free that failed: the handle stays usable."""
         self._released = False
 
+    def __del__(self):
+        # The last reference went: hand the free to the device (its context queues it for the
+        # actor; never a driver call here, on whatever thread the collector runs).
+        if not self._released:
+            try:
+                self._context.reclaim(self._block)
+            except Exception:
+                pass  # at interpreter exit pykka may be gone: nothing leaks then, the process ends
+
 
 cdef HandleCore new_handle(type cls, object block, object context):
     # HandleCore.__new__ is the C allocator: it bypasses the subclass's refusing ``__new__``.

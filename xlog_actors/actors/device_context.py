@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .._core.context_core import ContextCore
+from .._core.context_core import RECLAIM_BATCH, RECLAIM_WAKE_BYTES, ContextCore
 from ..driver.checks import check_nbytes
 from ..errors import (
     ContextPoisoned,
-    CorruptionDetected,
     DeviceUnavailable,
     GpuRefStale,
     InvalidRequest,
@@ -28,11 +26,6 @@ if TYPE_CHECKING:
     import pykka
 
 __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "DeviceContext"]
-
-#: A dropped handle of at least this many bytes wakes its device actor at once.
-RECLAIM_WAKE_BYTES = 1 << 20
-#: This many dropped handles waiting wake the device actor.
-RECLAIM_BATCH = 32
 
 
 class DeviceContext(ContextCore):
@@ -70,11 +63,6 @@ class DeviceContext(ContextCore):
         self.driver = runtime.driver
         self.ordinal = runtime.device_ordinal
         self.actor_ref = actor_ref
-        # Queued by GpuRef.__del__/release from any thread, freed by the actor: it drains the
-        # queue before every GetStats, so a handle dropped before a GetStats was sent is freed
-        # before it reports (a tell alone could queue behind that GetStats).
-        self.reclaims: deque[DeviceBlock] = deque()
-        self.wake_pending = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -158,49 +146,10 @@ class DeviceContext(ContextCore):
             table[block.ptr] = block  # single dict operations: see the class docstring
         return [GpuRef._new(block, self) for block in blocks]
 
-    def reclaim(self, block: DeviceBlock, wake: bool = False) -> None:
-        """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
-        queue it and wake the actor with a ``Reclaim``.
-
-        Args:
-            block: the block whose last handle went away.
-            wake: wake the actor now, whatever the block's size.
-        Thread rule: any thread, a garbage collector's included.
-        """
-        if self.open:
-            reclaims = self.reclaims
-            reclaims.append(block)
-            # Frees are batched like a caching allocator's: the actor drains the queue before
-            # every message it handles and every GetStats, so a small block waits at most for
-            # the device's next message, and a wake-up ``tell`` (which costs the actor a whole
-            # message) is sent only for a large block or a full batch. That bounds what waits to
-            # RECLAIM_BATCH blocks under RECLAIM_WAKE_BYTES each. ``drain_reclaims`` clears
-            # ``wake_pending`` *before* it empties the queue, so a block appended after that is
-            # either drained by it or sends a new wake-up.
-            if not self.wake_pending and (
-                wake or block.nbytes >= RECLAIM_WAKE_BYTES or len(reclaims) >= RECLAIM_BATCH
-            ):
-                self.wake_pending = True
-                self.actor_ref.tell(Reclaim(block, self.generation))
-
-    def drain_reclaims(self) -> None:
-        """Free every block ``reclaim`` queued. The actor's thread only. A free that fails puts
-        its block back at the head of the queue for the next drain and raises.
-
-        Raises:
-            CorruptionDetected: reported, not retried. ResourceError: the free failed.
-        """
-        self.wake_pending = False
-        reclaims = self.reclaims
-        while reclaims:
-            block = reclaims.popleft()
-            try:
-                self.free(block)
-            except CorruptionDetected:
-                raise  # freed all the same: reported, not retried
-            except BaseException:
-                reclaims.appendleft(block)
-                raise
+    def _send_wake(self, block: DeviceBlock) -> None:
+        """Wake the owning actor to drain the reclaimed blocks (the compiled ``reclaim`` calls it
+        for a large block or a full batch)."""
+        self.actor_ref.tell(Reclaim(block, self.generation))
 
     def close(self, free_blocks: bool) -> list[BaseException]:
         """End this generation. With ``free_blocks`` (an orderly stop), give every live block

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._core.handles import HandleCore, make_handle
@@ -39,8 +38,9 @@ class GpuRef(HandleCore):
     """
 
     # The fields (``_block``, ``_generation``, ``_state``, ``_token``, ``_context``,
-    # ``_last_write``, ``_released``), ``access()``, ``record_write`` and the release flag are
-    # compiled (:class:`~xlog_actors._core.handles.HandleCore`).
+    # ``_last_write``, ``_released``), ``access()``, ``record_write``, the release flag and the
+    # finalizer that hands a dropped handle's free to its device are compiled
+    # (:class:`~xlog_actors._core.handles.HandleCore`).
     __slots__ = ()
 
     def __new__(cls, *_args: object, **_kwargs: object) -> GpuRef:  # noqa: PYI034 - it only raises
@@ -160,12 +160,6 @@ class GpuRef(HandleCore):
         """
         if self._mark_released():
             self._context.reclaim(self._block, wake=True)
-
-    def __del__(self) -> None:
-        if not self._released:
-            # At interpreter exit pykka may be gone: nothing leaks then, the process ends.
-            with contextlib.suppress(Exception):
-                self._context.reclaim(self._block)
 
     # -- interop (CUDA driver only) -------------------------------------------------------------
     @property
