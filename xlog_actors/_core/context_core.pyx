@@ -20,7 +20,8 @@ from collections import deque
 
 from .handles cimport new_handle
 
-from ..errors import CorruptionDetected, OutOfMemory
+from ..driver.checks import check_nbytes
+from ..errors import CorruptionDetected, InvalidRequest, OutOfMemory
 
 __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "ContextCore"]
 
@@ -97,6 +98,45 @@ cdef class ContextCore:
             raise self._out_of_memory(exc) from None
         self.blocks[block.ptr] = block
         return new_handle(self._handle_type, block, self)
+
+    def allocate_many(self, sizes, stream, tag):
+        """Allocate one block per size, all or none, and wrap each in a handle.
+
+        Args:
+            sizes: a list or tuple of positive ints (all checked before any allocation).
+            stream: the stream the allocations are ordered on.
+            tag: what they are for.
+        Returns:
+            one handle per size, in order.
+        Raises:
+            InvalidRequest: ``sizes`` is no list or tuple, or a size is no positive int.
+            StreamMisuse, OutOfMemory (with the stack's figures): as :meth:`allocate`; blocks
+                allocated before a failure are freed again.
+        Thread rule: any thread.
+        """
+        if type(sizes) is not list and type(sizes) is not tuple and not isinstance(sizes, (list, tuple)):
+            raise InvalidRequest(f"AllocateMany needs a list or tuple of sizes, got {type(sizes).__name__}")
+        for size in sizes:
+            if type(size) is not int or size <= 0:
+                check_nbytes(size)
+        allocate = self.runtime.allocate
+        blocks = []
+        try:
+            for size in sizes:
+                blocks.append(allocate(size, stream, tag))
+        except BaseException as exc:
+            deallocate = self.runtime.deallocate
+            for block in blocks:
+                deallocate(block)
+            if isinstance(exc, OutOfMemory):
+                raise self._out_of_memory(exc) from None
+            raise
+        table = self.blocks
+        handles = []
+        for block in blocks:
+            table[block.ptr] = block
+            handles.append(new_handle(self._handle_type, block, self))
+        return handles
 
     def free(self, block):
         """Free ``block`` if it is still one of this context's.

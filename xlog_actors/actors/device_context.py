@@ -7,7 +7,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._core.context_core import RECLAIM_BATCH, RECLAIM_WAKE_BYTES, ContextCore
-from ..driver.checks import check_nbytes
 from ..errors import (
     ContextPoisoned,
     DeviceUnavailable,
@@ -108,43 +107,14 @@ class DeviceContext(ContextCore):
 
         def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> GpuRef: ...
 
+        def allocate_many(
+            self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag
+        ) -> list[GpuRef]: ...
+
     def _out_of_memory(self, exc: OutOfMemory) -> OutOfMemory:
         """``exc`` with the stack's figures added to its message (the compiled ``allocate``
         raises what this returns)."""
         return enrich_out_of_memory(exc, self.runtime.resource)
-
-    def allocate_many(self, sizes: list[int] | tuple[int, ...], stream: StreamId, tag: AllocTag) -> list[GpuRef]:
-        """Allocate one block per size, all or none.
-
-        Args:
-            sizes: a list or tuple of positive ints (all checked before any allocation).
-            stream: the stream the allocations are ordered on.
-            tag: what they are for.
-        Returns:
-            one handle per size, in order.
-        Raises:
-            as :meth:`allocate`; blocks allocated before a failure are freed again.
-        Thread rule: any thread.
-        """
-        if not isinstance(sizes, (list, tuple)):
-            raise InvalidRequest(f"AllocateMany needs a list or tuple of sizes, got {type(sizes).__name__}")
-        for size in sizes:
-            check_nbytes(size)
-        allocate = self.runtime.allocate
-        blocks: list[DeviceBlock] = []
-        try:
-            for size in sizes:
-                blocks.append(allocate(size, stream, tag))
-        except BaseException as exc:
-            for block in blocks:
-                self.runtime.deallocate(block)
-            if isinstance(exc, OutOfMemory):
-                raise enrich_out_of_memory(exc, self.runtime.resource) from None
-            raise
-        table = self.blocks
-        for block in blocks:
-            table[block.ptr] = block  # single dict operations: see the class docstring
-        return [GpuRef._new(block, self) for block in blocks]
 
     def _send_wake(self, block: DeviceBlock) -> None:
         """Wake the owning actor to drain the reclaimed blocks (the compiled ``reclaim`` calls it
