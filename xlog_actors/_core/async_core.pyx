@@ -175,6 +175,7 @@ cdef class AsyncCore:
     cdef long long _live_bytes
     cdef dict _pending
     cdef long long _pending_bytes
+    cdef object _history
 
     def __cinit__(self, *args, **kwargs):
         self._lock = PyThread_allocate_lock()
@@ -201,6 +202,7 @@ cdef class AsyncCore:
         self._live_bytes = 0
         self._pending = {}
         self._pending_bytes = 0
+        self._history = None
 
     # -- properties and diagnostics ---------------------------------------------------------
     @property
@@ -312,6 +314,25 @@ cdef class AsyncCore:
             out.append(LiveBlock(ptr, e.nbytes, e.tag, e.stream, now - e.created))
         return out
 
+    @property
+    def history(self):
+        """The memory history recording this resource's allocations and frees, or None (off,
+        the default). Thread rule: any thread."""
+        return self._history
+
+    def set_history(self, history):
+        """Record every allocation and free from now on into ``history`` (None: stop).
+
+        ``history`` gets ``record_alloc(block)`` after each allocation and ``record_free(block)``
+        after each free that succeeded, in the calling thread, outside the resource's lock.
+        Switched off, a call costs one pointer compare.
+
+        Args:
+            history: an object with ``record_alloc`` and ``record_free``, or None.
+        Thread rule: any thread; calls already running may still record into the one before.
+        """
+        self._history = history
+
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
         """Allocate ``nbytes`` ordered on ``stream``.
@@ -355,6 +376,8 @@ cdef class AsyncCore:
             self._live_bytes += entry.nbytes
         lock_release(self._lock)
         if not collision:
+            if self._history is not None:
+                self._history.record_alloc(block)
             return block
         self._ops.free_async(ptr, cu_stream)
         raise DriverError(
@@ -411,6 +434,8 @@ cdef class AsyncCore:
                 self._events._free.extend(reads.values())
         finally:
             lock_release(self._lock)
+        if self._history is not None:
+            self._history.record_free(block)
 
     # -- reaping ----------------------------------------------------------------------------
     def reap_pending(self):

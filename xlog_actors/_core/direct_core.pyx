@@ -36,6 +36,7 @@ cdef class DirectCore:
     cdef PyThread_type_lock _lock
     cdef dict _live
     cdef long long _bytes
+    cdef object _history
 
     def __cinit__(self, *args, **kwargs):
         self._lock = PyThread_allocate_lock()
@@ -59,6 +60,7 @@ cdef class DirectCore:
         self._ops = ops_for(driver, ordinal)
         self._live = {}
         self._bytes = 0
+        self._history = None
 
     @property
     def device_ordinal(self):
@@ -69,6 +71,25 @@ cdef class DirectCore:
     def driver(self):
         """The driver of the device served. Thread rule: any thread."""
         return self._driver
+
+    @property
+    def history(self):
+        """The memory history recording this resource's allocations and frees, or None (off,
+        the default). Thread rule: any thread."""
+        return self._history
+
+    def set_history(self, history):
+        """Record every allocation and free from now on into ``history`` (None: stop).
+
+        ``history`` gets ``record_alloc(block)`` after each allocation and ``record_free(block)``
+        after each free that succeeded, in the calling thread, outside the resource's lock.
+        Switched off, a call costs one pointer compare.
+
+        Args:
+            history: an object with ``record_alloc`` and ``record_free``, or None.
+        Thread rule: any thread; calls already running may still record into the one before.
+        """
+        self._history = history
 
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
         """Allocate ``nbytes`` synchronously.
@@ -106,6 +127,8 @@ cdef class DirectCore:
             raise DriverError(
                 f"DirectCudaResource on device {self._ordinal}: pointer collision on alloc ({ptr:#x} is already live)"
             )
+        if self._history is not None:
+            self._history.record_alloc(block)
         return block
 
     def deallocate(self, block):
@@ -152,6 +175,8 @@ cdef class DirectCore:
             self._bytes += <long long>live.nbytes
             lock_release(self._lock)
             raise
+        if self._history is not None:
+            self._history.record_free(block)
 
     def bytes_outstanding(self):
         """Bytes of the live blocks (a free completes before ``deallocate`` returns, so nothing
