@@ -19,6 +19,7 @@ from .library_messages import (
     In,
     InOut,
     Launch,
+    Launches,
     Out,
 )
 from .lifecycle import DeviceLifecycle, DeviceStatus
@@ -67,6 +68,7 @@ __all__ = [
     "InOut",
     "KernelActor",
     "Launch",
+    "Launches",
     "Out",
     "Rebuild",
     "Subscribe",

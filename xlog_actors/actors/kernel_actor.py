@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..driver.checks import check_launch
 from ..driver.kernel import Kernel
 from ..driver.protocol import Driver, Stream
 from ..errors import InvalidRequest
-from ..memory.block import DeviceBlock
+from ..memory.block import Access, DeviceBlock
 from .gpu_ref import GpuRef
 from .library_actor import LibraryActor
-from .library_messages import BufferArg, Launch
+from .library_messages import BufferArg, Launch, Launches
 
 __all__ = ["KernelActor"]
 
@@ -27,45 +28,86 @@ class KernelActor(LibraryActor):
     device context; on the host driver its host implementation runs on the stream.
     """
 
-    expected_messages = "Launch"
+    expected_messages = "Launch or Launches"
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
-        return self._launch if type(message) is Launch else None
+        kind = type(message)
+        if kind is Launch:
+            return self._launch
+        return self._launches if kind is Launches else None
 
     def _launch(self, msg: Launch) -> None:
-        kernel = msg.kernel
-        if not isinstance(kernel, Kernel):
-            raise InvalidRequest(f"Launch.kernel must be a Kernel, got {type(kernel).__name__}")
-        if not isinstance(msg.args, (list, tuple)):
-            raise InvalidRequest(f"Launch.args must be a list or tuple, got {type(msg.args).__name__}")
-        args = list(msg.args)
-        if len(args) != len(kernel.params):
-            raise InvalidRequest(
-                f"Launch.args: kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, "
-                f"got {len(args)}"
-            )
-        buffers: list[tuple[int, BufferArg]] = []
-        for i, (arg, kind) in enumerate(zip(args, kernel.params, strict=False)):
-            if isinstance(arg, GpuRef):
-                raise InvalidRequest(
-                    f"Launch.args[{i}] of kernel {kernel.name}: wrap a GpuRef as In(ref), Out(ref) or InOut(ref)"
-                )
-            if isinstance(arg, BufferArg):
-                if kind != "ptr":
-                    raise InvalidRequest(f"Launch.args[{i}] of kernel {kernel.name} is a {kind} scalar, got a buffer")
-                if not isinstance(arg.ref, GpuRef):
-                    raise InvalidRequest(
-                        f"Launch.args[{i}] of kernel {kernel.name}: In/Out/InOut wrap a GpuRef, "
-                        f"got {type(arg.ref).__name__}"
-                    )
-                buffers.append((i, arg))
-            elif kind == "ptr":
-                raise InvalidRequest(f"Launch.args[{i}] of kernel {kernel.name} is a buffer; pass In/Out/InOut(ref)")
+        self._launch_all([_checked(msg, "Launch")])
+
+    def _launches(self, msg: Launches) -> None:
+        launches = msg.launches
+        if not isinstance(launches, (list, tuple)) or not launches:
+            raise InvalidRequest(f"Launches.launches must be a non-empty list or tuple of Launch, got {launches!r}")
+        checked = []
+        for i, launch in enumerate(launches):
+            if type(launch) is not Launch:
+                raise InvalidRequest(f"Launches.launches[{i}] must be a Launch, got {type(launch).__name__}")
+            checked.append(_checked(launch, f"Launches.launches[{i}]"))
+        self._launch_all(checked)
+
+    def _launch_all(self, launches: list[_Checked]) -> None:
+        """Enqueue ``launches`` in order in one tracked run: every launch judged first, so a
+        refused one enqueues nothing."""
+        uses: list[tuple[GpuRef, Access]] = [(b.ref, b.access) for launch in launches for _, b in launch.buffers]
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
-            values = list(args)
-            for (i, _), block in zip(buffers, blocks, strict=False):
-                values[i] = block.ptr
-            driver.launch(kernel, msg.grid, msg.block, values, stream)
+            resolved = []
+            at = 0
+            for launch in launches:
+                values = list(launch.args)
+                for i, _ in launch.buffers:
+                    values[i] = blocks[at].ptr
+                    at += 1
+                check_launch(launch.msg.kernel, launch.msg.grid, launch.msg.block, values)
+                resolved.append(values)
+            for launch, values in zip(launches, resolved, strict=True):
+                driver.launch(launch.msg.kernel, launch.msg.grid, launch.msg.block, values, stream)
 
-        self._run([(b.ref, b.access) for _, b in buffers], enqueue)
+        self._run(uses, enqueue)
+
+
+class _Checked:
+    """A ``Launch`` whose fields passed the checks: its arguments and its buffer arguments."""
+
+    __slots__ = ("args", "buffers", "msg")
+
+    def __init__(self, msg: Launch, args: list[Any], buffers: list[tuple[int, BufferArg]]) -> None:
+        self.msg, self.args, self.buffers = msg, args, buffers
+
+
+def _checked(msg: Launch, what: str) -> _Checked:
+    """``msg``'s fields checked (``what`` names it in errors): a ``Kernel``, one argument per
+    parameter, every ``ptr`` parameter an ``In``/``Out``/``InOut`` of a ``GpuRef``."""
+    kernel = msg.kernel
+    if not isinstance(kernel, Kernel):
+        raise InvalidRequest(f"{what}.kernel must be a Kernel, got {type(kernel).__name__}")
+    if not isinstance(msg.args, (list, tuple)):
+        raise InvalidRequest(f"{what}.args must be a list or tuple, got {type(msg.args).__name__}")
+    args = list(msg.args)
+    if len(args) != len(kernel.params):
+        raise InvalidRequest(
+            f"{what}.args: kernel {kernel.name} takes {len(kernel.params)} arguments {kernel.params}, got {len(args)}"
+        )
+    buffers: list[tuple[int, BufferArg]] = []
+    for i, (arg, kind) in enumerate(zip(args, kernel.params, strict=False)):
+        if isinstance(arg, GpuRef):
+            raise InvalidRequest(
+                f"{what}.args[{i}] of kernel {kernel.name}: wrap a GpuRef as In(ref), Out(ref) or InOut(ref)"
+            )
+        if isinstance(arg, BufferArg):
+            if kind != "ptr":
+                raise InvalidRequest(f"{what}.args[{i}] of kernel {kernel.name} is a {kind} scalar, got a buffer")
+            if not isinstance(arg.ref, GpuRef):
+                raise InvalidRequest(
+                    f"{what}.args[{i}] of kernel {kernel.name}: In/Out/InOut wrap a GpuRef, "
+                    f"got {type(arg.ref).__name__}"
+                )
+            buffers.append((i, arg))
+        elif kind == "ptr":
+            raise InvalidRequest(f"{what}.args[{i}] of kernel {kernel.name} is a buffer; pass In/Out/InOut(ref)")
+    return _Checked(msg, args, buffers)

@@ -31,6 +31,7 @@ __all__ = [
     "In",
     "InOut",
     "Launch",
+    "Launches",
     "Out",
 ]
 
@@ -220,3 +221,21 @@ class Launch:
     grid: int | Sequence[int]
     block: int | Sequence[int]
     args: Sequence[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Launches:
+    """Launch several kernels, in order, on the kernel actor's stream: one message, one tracking
+    pass.
+
+    Fields: ``launches``, a non-empty list or tuple of ``Launch``.
+    Reply: None once all are enqueued. Before the first launch the stream waits for what any of
+    them needs (a handle used by several launches is waited for as the union of its uses);
+    after the last, every write is recorded. Within the sequence, stream order alone puts each
+    launch after the one before, so a later launch may read what an earlier one wrote.
+    Errors: ``InvalidRequest`` naming ``launches`` or ``launches[i]`` and the field, checked for
+    every launch, and every launch judged as ``cuLaunchKernel`` judges it, before any is
+    enqueued (a refused sequence enqueues nothing); the driver's launch errors.
+    """
+
+    launches: Sequence[Launch]
