@@ -23,7 +23,13 @@ import pykka
 import pytest
 from pykka._envelope import Envelope
 
-from xlog_actors.actors.pykka_internals import BATCH_LIMIT, PYKKA_MAJOR, ResilientActor, is_actor_ref_of
+from xlog_actors.actors.pykka_internals import (
+    BATCH_LIMIT,
+    PYKKA_MAJOR,
+    ResilientActor,
+    ask_notifying,
+    is_actor_ref_of,
+)
 
 #: sha256 of pykka 4.x's ``Actor._actor_loop_running`` source, which ``ResilientActor`` copies.
 LOOP_FINGERPRINT = "226670085f0c989497b438b01649c9646e99685e524121f5bef4d1af6358a8ae"
@@ -308,3 +314,49 @@ def test_a_base_exception_in_a_batch_stops_the_actor_and_the_rest_is_answered_by
         with pytest.raises(pykka.ActorDeadError):
             future.get(timeout=TIMEOUT)
     assert not ref.is_alive()
+
+
+class _Answers(ResilientActor):
+    def on_receive(self, message: Any) -> Any:
+        if message == "boom":
+            raise ValueError("boom")
+        if isinstance(message, threading.Event):
+            message.wait(5)
+            return "waited"
+        return message * 2
+
+
+def test_ask_notifying_posts_its_key_once_the_reply_is_in() -> None:
+    ref = _Answers.start()
+    try:
+        replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        gate = threading.Event()
+        slow = ask_notifying(ref, gate, replies, "slow")
+        fast = ask_notifying(ref, 21, replies, "fast")
+        bad = ask_notifying(ref, "boom", replies, "bad")
+        with pytest.raises(queue.Empty):
+            replies.get(timeout=0.05)  # nothing answered while the actor waits on the gate
+        gate.set()
+        assert [replies.get(timeout=5) for _ in range(3)] == ["slow", "fast", "bad"]
+        assert slow.get(timeout=0) == "waited" and fast.get(timeout=0) == 42
+        with pytest.raises(ValueError, match="boom"):
+            bad.get(timeout=0)
+    finally:
+        ref.stop()
+
+
+def test_ask_notifying_a_dead_or_stopping_actor_posts_the_error() -> None:
+    ref = _Answers.start()
+    replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    gate = threading.Event()
+    ask_notifying(ref, gate, replies, "busy")
+    queued = ask_notifying(ref, 1, replies, "queued")  # ahead of the stop message: still served
+    ref.stop(block=False)
+    gate.set()
+    assert [replies.get(timeout=5), replies.get(timeout=5)] == ["busy", "queued"]
+    assert queued.get(timeout=0) == 2
+    ref.actor_stopped.wait(5)
+    dead = ask_notifying(ref, 1, replies, "dead")
+    assert replies.get(timeout=5) == "dead"
+    with pytest.raises(pykka.ActorDeadError):
+        dead.get(timeout=0)

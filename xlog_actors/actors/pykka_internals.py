@@ -26,6 +26,12 @@ It borrows, from the installed pykka:
   are put back at the head, so pykka's ``_actor_loop_teardown`` answers them as it answers the
   rest of the inbox (``ActorDeadError``).
 
+* for :func:`ask_notifying`, what ``ActorRef.ask`` does: a future of ``pykka.ThreadingFuture``'s
+  kind (a subclass here, whose ``set``/``set_exception`` also post a key on a queue) put in an
+  ``Envelope(message, reply_to=future)`` (``pykka._envelope.Envelope``) on ``ref.actor_inbox``,
+  after an ``is_alive()`` check; and that every reply, an actor's own or the teardown's
+  ``ActorDeadError``, goes through ``set`` or ``set_exception``.
+
 Public pykka behaviour the runtime also relies on: ``Actor.start`` runs ``__init__`` in the
 caller's thread before anything is registered (so an ``__init__`` that raises leaves no actor),
 and ``ActorRef.actor_class`` names the class of the actor behind a ref.
@@ -37,14 +43,16 @@ fails when an upgrade changes them.
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 import pykka
+from pykka._envelope import Envelope
 
-__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "is_actor_ref_of"]
+__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "ask_notifying", "is_actor_ref_of"]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
 PYKKA_MAJOR = 4
@@ -238,3 +246,48 @@ def is_actor_ref_of(ref: object, actor_class: type[pykka.Actor]) -> bool:
         and issubclass(ref.actor_class, actor_class)
         and ref.is_alive()
     )
+
+
+class _NotifyingFuture(pykka.ThreadingFuture[Any]):
+    """A ``ThreadingFuture`` that, once answered, posts its key on a queue."""
+
+    def __init__(self, replies: queue.SimpleQueue[Hashable], key: Hashable) -> None:
+        super().__init__()
+        self._replies = replies
+        self._key = key
+
+    def set(self, value: Any | None = None) -> None:
+        super().set(value)
+        self._replies.put(self._key)
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        super().set_exception(exc_info if exc_info is not None else sys.exc_info())
+        self._replies.put(self._key)
+
+
+def ask_notifying(
+    ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQueue[Hashable], key: Hashable
+) -> pykka.Future[Any]:
+    """``ref.ask(message, block=False)``, whose future also posts ``key`` on ``replies`` once it
+    is answered: so one thread can wait for whichever of many asks is answered first
+    (``replies.get()``), instead of on one future at a time.
+
+    Args:
+        ref: the actor to ask.
+        message: the message.
+        replies: where ``key`` is posted once the reply (or the error) is in.
+        key: what to post (the caller's name for this ask).
+    Returns:
+        The future of the reply, as ``ask(block=False)`` returns it. A dead actor's future holds
+        ``ActorDeadError`` and has posted ``key`` already.
+    Thread rule: any thread.
+    """
+    future = _NotifyingFuture(replies, key)
+    try:
+        if not ref.is_alive():
+            raise pykka.ActorDeadError(f"{ref} not found")
+    except pykka.ActorDeadError:
+        future.set_exception()
+    else:
+        ref.actor_inbox.put(Envelope(message, reply_to=future))
+    return future
