@@ -52,6 +52,8 @@ from typing import Any, ClassVar
 import pykka
 from pykka._envelope import Envelope
 
+from . import ranges
+
 __all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "ask_notifying", "is_actor_ref_of"]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
@@ -144,6 +146,23 @@ class ResilientActor(pykka.ThreadingActor):
             self._serve(self.actor_inbox.get())
 
     def _serve(self, envelope: Any) -> None:
+        tracer = ranges.RANGES
+        if tracer is None:
+            self._serve_envelope(envelope)
+            return
+        # Profiler ranges (see ``ranges``): one per wake-up, named after its (first) message; a
+        # batch served at once is one range. This frame must not hold the envelope while it is
+        # served: a failure's traceback keeps the frames above it, and the envelope would keep
+        # its reply's handles alive through that (the box is empty when the call runs).
+        tracer.push(type(self), type(envelope.message))
+        box = [envelope]
+        del envelope
+        try:
+            self._serve_envelope(box.pop())
+        finally:
+            tracer.pop()
+
+    def _serve_envelope(self, envelope: Any) -> None:
         if self.batch_types and type(envelope.message) in self.batch_types:
             batch = self._take_queued_batch()
             if batch:
