@@ -79,7 +79,15 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 13  # the thirteen rows with a target that run on the host
+    assert len(targeted) == 14  # the fourteen rows with a target that run on the host
+
+
+def test_quick_host_measures_the_history_row(quick_doc: dict) -> None:
+    """The memory history's cost (#19): beside the same resource with the history off."""
+    row = {r["name"]: r for r in quick_doc["rows"]}["AsyncCudaResource alloc+free, history on"]
+    assert row["target"]["text"] == "<= 2x"
+    assert row["reference"]["name"] == "the same with the history off"
+    assert row["unit"] == "us"
 
 
 def test_quick_host_runs_the_concurrency_rows(quick_doc: dict) -> None:

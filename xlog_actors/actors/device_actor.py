@@ -13,6 +13,7 @@ back and forth.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -32,6 +33,7 @@ from ..errors import (
     InvalidRequest,
     XlogError,
 )
+from ..memory.history import MemoryHistory, check_max_entries, origin_capture
 from ..memory.pinned import PinnedAllocator, PinnedBuffer
 from ..memory.report import MemoryReport, memory_report
 from ..memory.stream_pool import StreamPool
@@ -55,7 +57,8 @@ _registry: weakref.WeakKeyDictionary[Driver, dict[int, str]] = weakref.WeakKeyDi
 
 #: The messages a user may send, for the answer to one the actor does not understand.
 _PUBLIC_MESSAGES = (
-    "Allocate, AllocateMany, AllocatePinned, Free, Rebuild, Subscribe, Unsubscribe, GetStats, GetReport or GetClient"
+    "Allocate, AllocateMany, AllocatePinned, Free, Rebuild, Subscribe, Unsubscribe, GetStats, GetReport, GetClient, "
+    "RecordMemoryHistory or GetMemorySnapshot"
 )
 
 
@@ -127,6 +130,10 @@ class DeviceActor(ResilientActor):
         self._batches = 0
         self._batched_messages = 0
         self._largest_batch = 0
+        # The memory history (RecordMemoryHistory): the device's, not a context's; each new
+        # context's runtime records into it. ``_recording`` holds messages' origin capture on.
+        self._history: MemoryHistory | None = None
+        self._recording: contextlib.ExitStack | None = None
         # Pinned host memory is the device's, not a context's: it outlives rebuilds.
         self._pinned = PinnedAllocator(self._driver, self._ordinal)
         with _registry_lock:
@@ -151,6 +158,8 @@ class DeviceActor(ResilientActor):
             m.Attach: self._on_attach,
             m.Reclaim: self._on_reclaim,
             m.ReportFailure: self._on_report_failure,
+            m.RecordMemoryHistory: self._on_record_history,
+            m.GetMemorySnapshot: self._on_memory_snapshot,
         }
 
     def __repr__(self) -> str:
@@ -177,6 +186,7 @@ class DeviceActor(ResilientActor):
                     for error in ctx.close(free_blocks=True):
                         logger.warning("device %d: while stopping: %r", self._ordinal, error)
         finally:
+            self._stop_recording()
             self._unregister()
 
     def on_receive(self, message: Any) -> Any:
@@ -299,6 +309,11 @@ class DeviceActor(ResilientActor):
                 pool.close()
                 raise
             runtime = XlogDeviceRuntime.with_resource(self._driver, self._ordinal, pool, resource)
+        if self._recording is not None:
+            try:
+                runtime.set_history(self._history)
+            except InvalidRequest as exc:  # a factory's new stack cannot record: say so, run anyway
+                logger.warning("device %d: the memory history stops: %s", self._ordinal, exc)
         self._lifecycle.built(DeviceContext(runtime, self._lifecycle.state, self.actor_ref))
 
     def _rebuild(self, reason: str) -> int:
@@ -308,6 +323,8 @@ class DeviceActor(ResilientActor):
             # in the context at once (and after a reset from outside there is nothing to free).
             for error in old.close(free_blocks=False):
                 logger.debug("device %d: closing generation %d: %r", self._ordinal, old.generation, error)
+        if self._history is not None:
+            self._history.forget_device(self._ordinal, "context rebuilt")
         self._driver.rebuild_context(self._ordinal)
         self._driver.make_current(self._ordinal)
         self._build()
@@ -334,6 +351,8 @@ class DeviceActor(ResilientActor):
         ctx = self._lifecycle.stop()
         if ctx is not None:
             ctx.close(free_blocks=False)
+            if self._history is not None:
+                self._history.forget_device(self._ordinal, "device stopped")
         self._notify(m.GenerationChanged(self._ordinal, self._lifecycle.state.generation, DeviceStatus.STOPPED.value))
 
     def _notify(self, message: m.GenerationChanged) -> None:
@@ -392,11 +411,21 @@ class DeviceActor(ResilientActor):
     # -- handlers ---------------------------------------------------------------------------------
     def _on_allocate(self, msg: m.Allocate) -> GpuRef:
         m.check_stream_and_tag(msg)
-        return self._context().allocate(msg.nbytes, msg.stream, msg.tag)
+        ctx = self._context()
+        if self._recording is None or msg.origin is None:
+            return ctx.allocate(msg.nbytes, msg.stream, msg.tag)
+        assert self._history is not None
+        with self._history.asked_from(msg.origin):  # the asker's stack, not this thread's
+            return ctx.allocate(msg.nbytes, msg.stream, msg.tag)
 
     def _on_allocate_many(self, msg: m.AllocateMany) -> list[GpuRef]:
         m.check_stream_and_tag(msg)
-        return self._context().allocate_many(msg.sizes, msg.stream, msg.tag)
+        ctx = self._context()
+        if self._recording is None or msg.origin is None:
+            return ctx.allocate_many(msg.sizes, msg.stream, msg.tag)
+        assert self._history is not None
+        with self._history.asked_from(msg.origin):
+            return ctx.allocate_many(msg.sizes, msg.stream, msg.tag)
 
     def _on_allocate_pinned(self, msg: m.AllocatePinned) -> PinnedBuffer:
         # Checked before the context: a bad request is refused whatever the device's status.
@@ -411,6 +440,7 @@ class DeviceActor(ResilientActor):
         ref = msg.ref
         if not isinstance(ref, GpuRef):
             raise InvalidRequest(f"Free.ref must be a GpuRef, got {type(ref).__name__}")
+        m.check_origin(msg)
         if ref.context.state_ref() is not self._lifecycle.state:
             raise InvalidRequest(
                 f"Free: {ref!r} belongs to another device actor (device {ref.block.device_ordinal}), "
@@ -422,7 +452,12 @@ class DeviceActor(ResilientActor):
             return
         if ref._mark_released():
             try:
-                ctx.free(ref.block)
+                if self._recording is not None and msg.origin is not None:
+                    assert self._history is not None
+                    with self._history.asked_from(msg.origin):
+                        ctx.free(ref.block)
+                else:
+                    ctx.free(ref.block)
             except CorruptionDetected:
                 raise  # the guard freed the block before it reported: the handle stays released
             except BaseException:
@@ -511,6 +546,39 @@ class DeviceActor(ResilientActor):
         ctx = self._context()
         ctx.drain_reclaims()
         return memory_report(ctx.runtime.resource, self._pinned.usage())
+
+    def _on_record_history(self, msg: m.RecordMemoryHistory) -> None:
+        # Everything is checked before anything changes.
+        if not isinstance(msg.enabled, bool):
+            raise InvalidRequest(f"RecordMemoryHistory.enabled must be a bool, got {msg.enabled!r}")
+        check_max_entries(msg.max_entries, "RecordMemoryHistory.max_entries")
+        ctx = self._lifecycle.context
+        if not msg.enabled:
+            if ctx is not None and self._recording is not None:
+                ctx.runtime.set_history(None)
+            self._stop_recording()
+            return
+        if self._recording is not None:
+            assert self._history is not None
+            self._history.resize(msg.max_entries)
+            return
+        history = MemoryHistory(msg.max_entries)
+        if ctx is not None:
+            ctx.runtime.set_history(history)  # InvalidRequest for a base that cannot record: nothing changed
+        self._history = history
+        self._recording = contextlib.ExitStack()
+        self._recording.enter_context(origin_capture())
+
+    def _stop_recording(self) -> None:
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+
+    def _on_memory_snapshot(self, _msg: m.GetMemorySnapshot) -> dict[str, Any]:
+        # Dropped handles were freed (and recorded) before this message, as before every one.
+        if self._history is None:
+            return MemoryHistory(1).snapshot()
+        return self._history.snapshot()
 
     def _on_client(self, _msg: m.GetClient) -> DeviceClient:
         return DeviceClient(self._cell)

@@ -8,6 +8,7 @@ that is asked gets its reply, or its typed error; one that is told and fails is 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ import pykka
 
 from ..errors import InvalidRequest
 from ..memory.block import AllocTag, DeviceBlock, StreamId
+from ..memory.history import DEFAULT_MAX_ENTRIES, ORIGIN_CAPTURE, Frames, capture_frames
 
 if TYPE_CHECKING:
 
@@ -29,14 +31,17 @@ __all__ = [
     "Free",
     "GenerationChanged",
     "GetClient",
+    "GetMemorySnapshot",
     "GetReport",
     "GetStats",
     "Rebuild",
     "Reclaim",
+    "RecordMemoryHistory",
     "ReportFailure",
     "Subscribe",
     "Unsubscribe",
     "check_actor_ref",
+    "check_origin",
     "check_stream_and_tag",
 ]
 
@@ -50,11 +55,18 @@ class Allocate:
     Reply: a ``GpuRef`` of ``nbytes`` bytes.
     Errors: ``InvalidRequest`` (a bad field), ``OutOfMemory``/``BudgetExceeded``, ``StreamMisuse``
     (an unknown stream), ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
+    ``origin`` (keyword only, left out of equality and repr) is filled in by the message itself
+    while a device records a memory history: the stack where it was made, for the history.
     """
 
     nbytes: int
     stream: StreamId = StreamId.DEFAULT
     tag: AllocTag = AllocTag.UNTAGGED
+    origin: Frames | None = field(default=None, compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if ORIGIN_CAPTURE[0] and self.origin is None:
+            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +93,18 @@ class AllocateMany:
     :class:`Allocate`.
     Reply: ``list[GpuRef]``, one per size, in order.
     Errors: as :class:`Allocate`; on any error nothing stays allocated.
+    ``origin`` (keyword only, left out of equality and repr) is filled in by the message itself
+    while a device records a memory history: the stack where it was made, for the history.
     """
 
     sizes: tuple[int, ...] | list[int]
     stream: StreamId = StreamId.DEFAULT
     tag: AllocTag = AllocTag.UNTAGGED
+    origin: Frames | None = field(default=None, compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if ORIGIN_CAPTURE[0] and self.origin is None:
+            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +115,16 @@ class Free:
     Reply: None. Idempotent: a released handle, or one of an older generation, is a no-op.
     Errors: ``InvalidRequest`` (not a ``GpuRef``, or a handle of another device actor),
     ``CorruptionDetected`` (a guard found its canaries overwritten; the block is freed anyway).
+    ``origin`` (keyword only, left out of equality and repr) is filled in by the message itself
+    while a device records a memory history: the stack where it was made, for the history.
     """
 
     ref: GpuRef
+    origin: Frames | None = field(default=None, compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if ORIGIN_CAPTURE[0] and self.origin is None:
+            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +199,38 @@ class GetReport:
     Reply: a ``MemoryReport`` listing every live block with its tag, stream and age, and the
     device's pinned host memory by tag (``.format()`` renders it; ``.as_dict()`` is JSON-ready).
     Errors: ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMemoryHistory:
+    """Switch the device's memory history on or off.
+
+    Fields: ``enabled`` (a bool); ``max_entries`` (a positive int: the most events kept, the
+    newest; default 100,000).
+    Reply: None. On: every allocation and free of the device's base resource from now on is
+    recorded, with the Python stack that asked for it, across rebuilds (each new context records
+    into the same history; the blocks a rebuild took are recorded as freed, note
+    ``"context rebuilt"``). On while already on: the bound changes, the newest events are kept.
+    Off: recording stops; what was recorded stays readable with :class:`GetMemorySnapshot`, and
+    switching on again starts an empty history.
+    Errors: ``InvalidRequest`` (a bad field, or a stack whose base resource cannot record;
+    nothing changes).
+    """
+
+    enabled: bool = True
+    max_entries: int = DEFAULT_MAX_ENTRIES
+
+
+@dataclass(frozen=True, slots=True)
+class GetMemorySnapshot:
+    """Ask for the device's memory history.
+
+    Fields: none.
+    Reply: a dict in the format of ``torch.cuda.memory._snapshot()`` (see
+    ``MemoryHistory.snapshot``); with no history recorded, ``segments`` and ``device_traces`` are
+    empty. ``pickle.dump`` it to a file for ``xlog-actors memory PATH`` or PyTorch's viewer.
+    Errors: none of its own.
     """
 
 
@@ -262,13 +320,14 @@ class ReportFailure:
 
 
 def check_stream_and_tag(msg: Allocate | AllocateMany) -> None:
-    """Check the ``stream`` and ``tag`` fields of an allocation message (the runtime checks the
+    """Check the ``stream``, ``tag`` and ``origin`` fields of an allocation message (the runtime checks the
     sizes itself).
 
     Args:
         msg: the message.
     Raises:
-        InvalidRequest: ``stream`` is not an int (a ``StreamId``), or ``tag`` not a str.
+        InvalidRequest: ``stream`` is not an int (a ``StreamId``), ``tag`` not a str, or
+            ``origin`` not None or a tuple.
     Thread rule: any thread.
     """
     name = type(msg).__name__
@@ -276,6 +335,18 @@ def check_stream_and_tag(msg: Allocate | AllocateMany) -> None:
         raise InvalidRequest(f"{name}.stream must be a StreamId, got {msg.stream!r}")
     if not isinstance(msg.tag, str):
         raise InvalidRequest(f"{name}.tag must be an AllocTag (a str), got {msg.tag!r}")
+    check_origin(msg)
+
+
+def check_origin(msg: Allocate | AllocateMany | Free) -> None:
+    """Check the ``origin`` field of a message (None, or the tuple the message captured itself).
+
+    Raises:
+        InvalidRequest: ``origin`` is something else.
+    Thread rule: any thread.
+    """
+    if msg.origin is not None and type(msg.origin) is not tuple:
+        raise InvalidRequest(f"{type(msg).__name__}.origin must be None (it is filled in), got {msg.origin!r}")
 
 
 def check_actor_ref(msg: Subscribe | Unsubscribe) -> None:

@@ -1,4 +1,4 @@
-"""Layer 5: the command line. ``xlog-actors info | demo | bench`` (also ``python -m xlog_actors``).
+"""Layer 5: the command line. ``xlog-actors info | demo | bench | memory`` (also ``python -m xlog_actors``).
 
 Every flag is checked before any work starts: a mistake is one line on stderr naming the flag and
 what it accepts, with exit status 2; ``--driver cuda`` where no GPU is usable is one line naming what
@@ -74,6 +74,12 @@ def _parser() -> OneLineParser:
     bench.add_argument(
         "--only", metavar="NAME", action="append", default=None, help="run only rows whose name contains NAME"
     )
+    memory = sub.add_parser("memory", help="render a memory snapshot as one self-contained HTML timeline")
+    memory.add_argument("path", metavar="PATH", help="a pickled memory snapshot (MemoryHistory.dump)")
+    memory.add_argument(
+        "-o", "--output", metavar="OUT.html", type=writable_file, default=None,
+        help="where to write the page (default: PATH with .html; its directory must exist and be writable)",
+    )
     return parser
 
 
@@ -86,6 +92,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "memory":
+        from .memory import run_memory
+
+        return run_memory(args.path, args.output)
     from .bench import run_bench
 
     return run_bench(args)

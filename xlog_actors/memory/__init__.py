@@ -9,6 +9,7 @@ from .block import Access, AllocTag, BlockId, BlockState, DeviceBlock, Generatio
 from .device_bound import DeviceBound
 from .direct import DirectCudaResource
 from .figures import AllocationFigures, AllocationStatistics
+from .history import MemoryHistory
 from .pinned import PinnedAllocator, PinnedBuffer, PinnedUsage
 from .resource import DeviceMemoryResource
 from .sizes import format_size, human_bytes, parse_size
@@ -29,6 +30,7 @@ __all__ = [
     "EventPool",
     "Generation",
     "LiveBlock",
+    "MemoryHistory",
     "PinnedAllocator",
     "PinnedBuffer",
     "PinnedUsage",

@@ -11,8 +11,10 @@ from ..driver.checks import check_ordinal
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
+from ..memory.adaptors.upstream import ResourceAdaptor
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
 from ..memory.device_bound import DeviceBound
+from ..memory.history import MemoryHistory
 from ..memory.resource import DeviceMemoryResource
 from ..memory.stack import build_resource, default_description
 from ..memory.stream_pool import StreamPool
@@ -221,6 +223,43 @@ class XlogDeviceRuntime(DeviceBound):
     def resource(self) -> DeviceMemoryResource:
         """The resource stack every allocation method forwards to. Thread rule: any thread."""
         return self._resource
+
+    def base_resource(self) -> DeviceMemoryResource:
+        """The base resource under the stack's adaptors (``async`` or ``direct``, or a factory's
+        own). Thread rule: any thread."""
+        base = self._resource
+        while isinstance(base, ResourceAdaptor):
+            base = base.upstream
+        return base
+
+    def set_history(self, history: MemoryHistory | None) -> None:
+        """Record every allocation and free of the stack's base resource into ``history`` from
+        now on (None: stop). The base resource sees the blocks it hands out: under a ``guard``
+        adaptor those include the canaries.
+
+        Args:
+            history: a ``MemoryHistory``, or None.
+        Raises:
+            InvalidRequest: ``history`` is neither, or the base resource cannot record a history
+                (a factory's own resource without ``set_history``); nothing changes.
+        Thread rule: any thread; an allocation racing with the call may or may not be recorded.
+        """
+        if history is not None and not isinstance(history, MemoryHistory):
+            raise InvalidRequest(f"set_history takes a MemoryHistory or None, got {type(history).__name__}")
+        base = self.base_resource()
+        setter = getattr(base, "set_history", None)
+        if not callable(setter):
+            raise InvalidRequest(
+                f"device {self._ordinal}: the stack's base resource {type(base).__name__} cannot record a memory "
+                "history (only AsyncCudaResource and DirectCudaResource do)"
+            )
+        setter(history)
+
+    @property
+    def history(self) -> MemoryHistory | None:
+        """The history the base resource records into, or None. Thread rule: any thread."""
+        history = getattr(self.base_resource(), "history", None)
+        return history if isinstance(history, MemoryHistory) else None
 
     def describe(self) -> str:
         """The stack's description, such as ``"async+stats"``. Thread rule: any thread."""

@@ -12,6 +12,7 @@ from ...driver.protocol import Driver, Event, Stream
 from ...memory.async_resource import AsyncCudaResource
 from ...memory.block import Access, BlockId, StreamId
 from ...memory.direct import DirectCudaResource
+from ...memory.history import MemoryHistory
 from ...memory.stream_pool import StreamPool
 from .harness import Context, Group, Op, Row, Setup, interleave
 from .plan import SIZE, Plan
@@ -68,12 +69,54 @@ def _driver_async_pair(f: _Async) -> Op:
     return via_driver
 
 
+@dataclass
+class _History:
+    on: AsyncCudaResource
+    off: AsyncCudaResource
+    history: MemoryHistory
+
+
+@contextlib.contextmanager
+def _history(ctx: Context) -> Iterator[_History]:
+    """Two resources on one stream pool: one records into a memory history, one does not."""
+    pool = StreamPool(ctx.driver, 0)
+    try:
+        on, off = AsyncCudaResource(ctx.driver, 0, pool), AsyncCudaResource(ctx.driver, 0, pool)
+        history = MemoryHistory()
+        on.set_history(history)
+        yield _History(on, off, history)
+        on.set_history(None)
+        on.reap_pending()
+        off.reap_pending()
+    finally:
+        pool.close()
+
+
+def _history_on(f: _History) -> Op:
+    return alloc_free_loop(f.on.allocate, f.on.deallocate)
+
+
+def _history_off(f: _History) -> Op:
+    return alloc_free_loop(f.off.allocate, f.off.deallocate)
+
+
+def _history_check(f: _History) -> None:
+    if f.history.recorded == 0:
+        raise RuntimeError("the memory history recorded nothing")
+
+
 ASYNC = Group("stream-ordered allocation", (
     Row("AsyncCudaResource alloc+free", "AsyncCudaResource.allocate(4 KiB) + deallocate on its default stream",
         _async, _resource_pair, lambda f: f.raw, lambda p: p.alloc, target=Target("ratio", "<=", 1.0),
         note="raw twin on the same stream handle; PyTorch's caching allocator is about 1.37x of raw on an H200"),
     _driver_share("driver alloc_async+free_async", "CudaDriver.alloc_async(4 KiB) + free_async: the driver layer "
                   "alone", _async, _driver_async_pair, lambda p: p.alloc, "AsyncCudaResource"),
+    Row("AsyncCudaResource alloc+free, history on", "AsyncCudaResource.allocate(4 KiB) + deallocate recording into "
+        "a MemoryHistory (time, stream, tag, size, address and the caller's stack, for both events)", _history,
+        _history_on, _history_off, lambda p: p.alloc, reference="the same with the history off",
+        target=Target("ratio", "<=", 2.0), check=_history_check,
+        note="two resources on one stream pool, sampled alternately; the history's ring keeps 100,000 events (once "
+        "full, each new one drops the oldest); the stack walked is the bench's own, a few frames deep"),
 ))
 
 

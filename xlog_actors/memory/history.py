@@ -1,0 +1,439 @@
+"""``MemoryHistory``: every allocation and free of a device's base resource, with the Python stack
+that asked for it, kept in a bounded ring and written in the snapshot format PyTorch's memory
+viewer reads.
+
+The compiled resources (``AsyncCudaResource``, ``DirectCudaResource``) call ``record_alloc(block)``
+after each allocation and ``record_free(block)`` after each successful free once a history is set
+on them (``set_history``); nothing is recorded, and nothing is paid but one pointer compare, while
+none is. ``XlogDeviceRuntime.set_history`` finds the base resource under any adaptor stack, and a
+``DeviceActor`` switches it on with the ``RecordMemoryHistory`` message.
+
+What one event keeps (a tuple, no dict until a snapshot is taken): the wall-clock time in
+nanoseconds (``time.time_ns``), the action (``alloc`` or ``free``), the device ordinal, the
+stream (the ``StreamId`` the block was allocated on), the tag, the size in bytes, the address,
+and the stack: at most ``max_frames`` (code object, instruction offset) pairs, innermost first,
+taken by walking ``sys._getframe`` (no ``traceback``/``inspect`` objects, no source read; the line
+numbers are worked out from the offsets only when a snapshot is taken) and
+skipping the runtime's own frames (files inside the ``xlog_actors`` package, inside ``pykka``, and
+``threading.py``), so the user's code is on top. A ``DeviceActor`` serves requests on its own
+thread; there the stack is the one captured where the ``Allocate``/``AllocateMany``/``Free``
+message was made (``messages.py``), in the asker's thread. Frees of dropped handles, which the
+device actor performs on its own, carry an empty stack.
+
+The module is past 400 lines because the recording, its cheap stack capture and the snapshot writer
+share one event layout (a plain tuple, for speed): apart, each would have to know the other's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import CodeType, FrameType
+from typing import Any, Protocol
+
+from ..errors import InvalidRequest
+
+__all__ = [
+    "DEFAULT_MAX_ENTRIES",
+    "DEFAULT_MAX_FRAMES",
+    "ORIGIN_CAPTURE",
+    "SNAPSHOT_FORMAT",
+    "Frames",
+    "MemoryHistory",
+    "capture_frames",
+    "check_max_entries",
+    "frame_line",
+    "origin_capture",
+]
+
+#: The ring's default bound (PyTorch's own default is unbounded; ours is not).
+DEFAULT_MAX_ENTRIES = 100_000
+#: The most frames kept per event: each costs about 0.1-0.25 µs to walk, twice per block (its
+#: allocation and its free), and the innermost frames are the ones that name the culprit.
+DEFAULT_MAX_FRAMES = 8
+#: The version of the ``"xlog_actors"`` key of a snapshot.
+SNAPSHOT_FORMAT = 1
+
+#: A captured stack: (code object, instruction offset) pairs, innermost first.
+Frames = tuple[tuple[CodeType, int], ...]
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_THREADING_FILE = os.path.abspath(threading.__file__) if threading.__file__ else "threading.py"
+_PYKKA_PART = os.sep + "pykka" + os.sep
+# filename -> whether its frames are the runtime's own (skipped). Filenames are few and shared.
+_skip_cache: dict[str, bool] = {}
+
+#: ``ORIGIN_CAPTURE[0]`` > 0 while some device actor records a history: only then do the
+#: ``Allocate``/``AllocateMany``/``Free`` messages capture the stack of the thread that makes them
+#: (a list, so the check is one index, not a function call).
+ORIGIN_CAPTURE = [0]
+_origin_lock = threading.Lock()
+
+
+def _is_runtime(filename: str) -> bool:
+    skip = _skip_cache.get(filename)
+    if skip is None:
+        path = os.path.abspath(filename) if filename[:1] not in ("<", "") else filename
+        skip = path.startswith(_PACKAGE_DIR) or _PYKKA_PART in path or path == _THREADING_FILE
+        _skip_cache[filename] = skip
+    return skip
+
+
+def capture_frames(frame: FrameType | None, max_frames: int = DEFAULT_MAX_FRAMES) -> Frames:
+    """The stack from ``frame`` outwards, without the runtime's own frames.
+
+    Each frame is kept as its code object and its instruction offset (``f_lasti``): reading
+    ``f_lineno`` decodes the line table, several times dearer, so lines are found only when a
+    snapshot is taken (:func:`frame_line`).
+
+    Args:
+        frame: where to start (``sys._getframe(n)``); None gives an empty stack.
+        max_frames: the most frames kept (the innermost ones).
+    Returns:
+        (code object, instruction offset) pairs, innermost first.
+    Thread rule: any thread, on a frame of its own stack.
+    """
+    out: list[tuple[CodeType, int]] = []
+    append = out.append
+    cache = _skip_cache
+    n = 0
+    while frame is not None:
+        code = frame.f_code
+        skip = cache.get(code.co_filename)
+        if skip is None:
+            skip = _is_runtime(code.co_filename)
+        if not skip:
+            append((code, frame.f_lasti))
+            n += 1
+            if n == max_frames:
+                break
+        frame = frame.f_back
+    return tuple(out)
+
+
+_line_cache: dict[tuple[CodeType, int], int] = {}
+
+
+def frame_line(code: CodeType, lasti: int) -> int:
+    """The source line of instruction offset ``lasti`` in ``code`` (as ``f_lineno`` would say).
+
+    Thread rule: any thread.
+    """
+    key = (code, lasti)
+    line = _line_cache.get(key)
+    if line is None:
+        line = code.co_firstlineno
+        for start, end, number in code.co_lines():
+            if start <= lasti < end:
+                if number is not None:
+                    line = number
+                break
+        if len(_line_cache) > 100_000:
+            _line_cache.clear()
+        _line_cache[key] = line
+    return line
+
+
+@contextmanager
+def origin_capture() -> Iterator[None]:
+    """While entered, messages capture the stack where they are made (see ``ORIGIN_CAPTURE``).
+    Nests; a device actor holds it while it records.
+
+    Thread rule: any thread.
+    """
+    with _origin_lock:
+        ORIGIN_CAPTURE[0] += 1
+    try:
+        yield
+    finally:
+        with _origin_lock:
+            ORIGIN_CAPTURE[0] -= 1
+
+
+def check_max_entries(value: object, what: str = "max_entries") -> int:
+    """``value`` if it is a positive ``int`` (not a ``bool``).
+
+    Raises:
+        InvalidRequest: otherwise, naming ``what``.
+    Thread rule: any thread.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidRequest(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+class _Block(Protocol):
+    ptr: int
+    device_ordinal: int
+    alloc_stream: int
+    nbytes: int
+    tag: str
+    generation: int
+
+
+# One event: (time_ns, action, device, stream, tag, nbytes, ptr, frames, note, generation). The
+# stream and tag are kept as the block has them (a StreamId, an AllocTag) and made plain int and
+# str only for a snapshot.
+_Entry = tuple[int, str, int, int, str, int, int, Frames, str, int]
+_getframe = sys._getframe
+_get_ident = threading.get_ident
+_time_ns = time.time_ns
+
+
+def _frames_dicts(frames: Frames) -> list[dict[str, Any]]:
+    return [{"filename": code.co_filename, "line": frame_line(code, lasti), "name": code.co_name}
+            for code, lasti in frames]
+
+
+class MemoryHistory:
+    """A bounded, thread-safe record of allocations and frees.
+
+    ``MemoryHistory(max_entries=100_000, max_frames=8)``. Give it to
+    ``XlogDeviceRuntime.set_history`` (or a base resource's ``set_history``), or let a
+    ``DeviceActor`` own one (``RecordMemoryHistory``). The ring keeps the newest ``max_entries``
+    events; the blocks still live are kept apart from the ring (one entry per live block), so a
+    snapshot lists every block live at that moment even when its allocation left the ring.
+
+    The snapshot follows the format of ``torch.cuda.memory._snapshot()`` as documented in
+    ``torch/cuda/memory.py`` and read by ``torch/cuda/_memory_viz.py`` (PyTorch 2.11 and the
+    ``main`` branch of late 2026; the trace-entry keys are those of PyTorch 2.1 and later).
+
+    Thread rule: every method, any thread, any time; events from several threads are kept in the
+    order they took the lock, which is the order of the calls except in one race: when a free in
+    one thread and the reuse of its address by another thread's allocation record at the same
+    moment, the allocation may come first (the live blocks stay right: they are matched by
+    generation).
+    """
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_frames: int = DEFAULT_MAX_FRAMES) -> None:
+        """
+        Args:
+            max_entries: the most events kept (a positive int).
+            max_frames: the most frames kept per event (a positive int).
+        Raises:
+            InvalidRequest: either is not a positive int.
+        """
+        self._max_entries = check_max_entries(max_entries)
+        self._max_frames = check_max_entries(max_frames, "max_frames")
+        self._lock = threading.Lock()
+        self._ring: deque[_Entry] = deque(maxlen=self._max_entries)
+        self._live: dict[tuple[int, int], _Entry] = {}
+        self._recorded = 0
+        # thread id -> the stack to record instead of that thread's (see asked_from); empty
+        # while no request from another thread is served, so the check is one truth test.
+        self._origins: dict[int, Frames] = {}
+
+    # -- recording (called by the compiled resources) ---------------------------------------------
+    def record_alloc(self, block: _Block) -> None:
+        """Record an allocation (the resource calls it, in the allocating thread, after the
+        allocation succeeded). Thread rule: any thread."""
+        origins = self._origins
+        frames = origins.get(_get_ident()) if origins else None
+        if frames is None:
+            frames = capture_frames(_getframe(1), self._max_frames)
+        entry = (_time_ns(), "alloc", block.device_ordinal, block.alloc_stream, block.tag, block.nbytes, block.ptr,
+                 frames, "", block.generation)
+        with self._lock:
+            self._ring.append(entry)
+            self._live[(entry[2], entry[6])] = entry
+            self._recorded += 1
+
+    def record_free(self, block: _Block) -> None:
+        """Record a successful free (queued on its stream for a stream-ordered resource). Thread
+        rule: any thread."""
+        origins = self._origins
+        frames = origins.get(_get_ident()) if origins else None
+        if frames is None:
+            frames = capture_frames(_getframe(1), self._max_frames)
+        entry = (_time_ns(), "free", block.device_ordinal, block.alloc_stream, block.tag, block.nbytes, block.ptr,
+                 frames, "", block.generation)
+        key = (entry[2], entry[6])
+        with self._lock:
+            self._ring.append(entry)
+            live = self._live.get(key)
+            # another thread may already have been handed the address again and recorded it
+            if live is not None and live[9] == entry[9]:
+                del self._live[key]
+            self._recorded += 1
+
+    @contextmanager
+    def asked_from(self, frames: Frames | None) -> Iterator[None]:
+        """While entered, events recorded in this thread carry ``frames`` (the stack captured
+        where a request was made, in another thread) instead of this thread's stack.
+
+        Thread rule: any thread; it affects only the calling thread.
+        """
+        if frames is None:
+            yield
+            return
+        ident = threading.get_ident()
+        before = self._origins.get(ident)
+        self._origins[ident] = frames  # one key per thread: no other thread writes it
+        try:
+            yield
+        finally:
+            if before is None:
+                del self._origins[ident]
+            else:
+                self._origins[ident] = before
+
+    def forget_device(self, ordinal: int, reason: str) -> int:
+        """Record a free, with an empty stack and ``reason`` as its note, for every block of
+        device ``ordinal`` still live here: their memory went at once, without a free per block
+        (a context rebuilt, or a device stopped for good).
+
+        Returns:
+            how many blocks were forgotten.
+        Thread rule: any thread.
+        """
+        now = time.time_ns()
+        with self._lock:
+            gone = [key for key in self._live if key[0] == ordinal]
+            for key in gone:
+                alloc = self._live.pop(key)
+                self._ring.append((now, "free", alloc[2], alloc[3], alloc[4], alloc[5], alloc[6], (), reason, alloc[9]))
+                self._recorded += 1
+        return len(gone)
+
+    # -- settings ---------------------------------------------------------------------------------
+    @property
+    def max_entries(self) -> int:
+        """The ring's bound. Thread rule: any thread."""
+        return self._max_entries
+
+    def resize(self, max_entries: int) -> None:
+        """Change the ring's bound, keeping the newest events that fit.
+
+        Raises:
+            InvalidRequest: ``max_entries`` is not a positive int; nothing changes.
+        Thread rule: any thread.
+        """
+        check_max_entries(max_entries)
+        with self._lock:
+            self._ring = deque(self._ring, maxlen=max_entries)
+            self._max_entries = max_entries
+
+    def clear(self) -> None:
+        """Forget every event and live block. Thread rule: any thread."""
+        with self._lock:
+            self._ring.clear()
+            self._live.clear()
+            self._recorded = 0
+
+    # -- reading ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Events in the ring."""
+        return len(self._ring)
+
+    @property
+    def recorded(self) -> int:
+        """Events recorded since the history was made or cleared, those that left the ring
+        included. Thread rule: any thread."""
+        return self._recorded
+
+    def events(self) -> list[dict[str, Any]]:
+        """The events in the ring, oldest first, as plain dicts: ``time_ns``, ``action``
+        (``"alloc"``/``"free"``), ``device``, ``stream``, ``tag``, ``size``, ``addr``, ``frames``
+        (``[{"filename", "line", "name"}]``, innermost first) and ``note``.
+
+        Thread rule: any thread.
+        """
+        with self._lock:
+            entries = list(self._ring)
+        return [
+            {"time_ns": t, "action": a, "device": d, "stream": int(s), "tag": str(tag), "size": n, "addr": p,
+             "frames": _frames_dicts(f), "note": note}
+            for t, a, d, s, tag, n, p, f, note, _g in entries
+        ]
+
+    def snapshot(self) -> dict[str, Any]:
+        """The history in the format of ``torch.cuda.memory._snapshot()``.
+
+        * ``"segments"``: one segment per block live now (a stream-ordered pool hides the driver's
+          own segments, so each block is its own segment, ``segment_type`` ``"large"`` above 1
+          MiB else ``"small"``), each with one ``"active_allocated"`` block; keys ``device``,
+          ``address``, ``total_size``, ``allocated_size``, ``active_size``, ``requested_size``,
+          ``stream``, ``segment_type``, ``segment_pool_id``, ``is_expandable``, ``frames``,
+          ``blocks`` (``size``, ``requested_size``, ``address``, ``state``, ``frames``).
+        * ``"device_traces"``: one list per device ordinal (up to the highest one seen), oldest
+          first; an allocation is one ``"alloc"`` entry, a free a ``"free_requested"`` and a
+          ``"free_completed"`` entry at the time it was asked (a stream-ordered free completes
+          later on its stream; the history does not wait for it). Keys: ``action``, ``addr``,
+          ``size``, ``stream``, ``time_us`` (microseconds since the epoch), ``frames``
+          (``{"filename", "line", "name"}``, innermost first), ``compile_context`` and
+          ``user_metadata`` (empty).
+        * ``"allocator_settings"``: empty.
+
+        Extra keys the viewer ignores and ``xlog-actors memory`` reads: ``"tag"`` on every trace
+        entry, segment and block; ``"note"`` on a free the runtime recorded for a whole context
+        (``"context rebuilt"``); and ``"xlog_actors"``: ``{"format", "max_entries", "recorded",
+        "dropped", "tags"}``.
+
+        Thread rule: any thread; the snapshot is of one instant (taken under the lock).
+        """
+        with self._lock:
+            entries = list(self._ring)
+            live = list(self._live.values())
+            recorded = self._recorded
+            max_entries = self._max_entries
+        devices = 1 + max([e[2] for e in entries] + [e[2] for e in live] + [-1])
+        traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
+        tags: set[str] = set()
+        for t, action, device, stream_id, alloc_tag, nbytes, ptr, frames, note, _g in entries:
+            stream, tag = int(stream_id), str(alloc_tag)
+            tags.add(tag)
+            fdicts = _frames_dicts(frames)
+            base = {"addr": ptr, "size": nbytes, "stream": stream, "time_us": t // 1000, "frames": fdicts,
+                    "compile_context": "", "user_metadata": "", "tag": tag}
+            if note:
+                base["note"] = note
+            if action == "alloc":
+                traces[device].append({"action": "alloc", **base})
+            else:
+                traces[device].append({"action": "free_requested", **base})
+                traces[device].append({"action": "free_completed", **base})
+        segments = []
+        for _t, _a, device, stream_id, alloc_tag, nbytes, ptr, frames, _n, _g in sorted(
+            live, key=lambda e: (e[2], e[6])
+        ):
+            stream, tag = int(stream_id), str(alloc_tag)
+            tags.add(tag)
+            fdicts = _frames_dicts(frames)
+            block = {"address": ptr, "size": nbytes, "requested_size": nbytes, "state": "active_allocated",
+                     "frames": fdicts, "tag": tag}
+            segments.append({
+                "device": device, "address": ptr, "total_size": nbytes, "allocated_size": nbytes,
+                "active_size": nbytes, "requested_size": nbytes, "stream": stream,
+                "segment_type": "large" if nbytes > (1 << 20) else "small", "segment_pool_id": (0, 0),
+                "is_expandable": False, "frames": fdicts, "blocks": [block], "tag": tag,
+            })
+        return {
+            "segments": segments,
+            "device_traces": traces,
+            "allocator_settings": {},
+            "xlog_actors": {
+                "format": SNAPSHOT_FORMAT, "max_entries": max_entries, "recorded": recorded,
+                "dropped": recorded - len(entries), "tags": sorted(tags),
+            },
+        }
+
+    def dump(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`snapshot` to ``path`` as ``torch.cuda.memory._dump_snapshot`` does (one
+        ``pickle.dump`` of the dict), for ``xlog-actors memory`` or pytorch.org/memory_viz.
+
+        Raises:
+            OSError: the file cannot be written.
+        Thread rule: any thread.
+        """
+        snap = self.snapshot()
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
+
+    def __repr__(self) -> str:
+        return f"MemoryHistory(events={len(self._ring)}, max_entries={self._max_entries}, live={len(self._live)})"
