@@ -86,16 +86,21 @@ def test_the_real_nvtx_module_takes_the_ranges(driver: Any) -> None:
     assert ranges.RANGES is not None, "with nvtx installed the runtime's ranges are on"
 
 
-def test_a_range_keeps_no_reply_alive_past_its_asker(recorder: _Recorder, driver: Any) -> None:
-    """A failure's traceback keeps the serving frames; the range's frame must not keep the batch's
-    first envelope (and so its reply's handles) through it."""
+@pytest.mark.parametrize("traced", [True, False], ids=["ranges on", "ranges off"])
+def test_no_reply_outlives_its_asker_through_a_failure(
+    recorder: _Recorder, driver: Any, traced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure's traceback keeps the serving frames; no frame of the loop may keep the batch's
+    first envelope (and so its reply's handles) through it, ranges on or off."""
     import gc
 
     device = xa.DeviceActor.start(0, driver)
     device.ask(xa.GetStats())
-    with recorder._lock:
+    with recorder._lock:  # the recorder's lock holds the device until both asks are queued
         good = device.ask(xa.Allocate(256), block=False)
         wrong = device.ask(xa.Allocate(-1), block=False)  # fails in the same batch
+        if not traced:
+            monkeypatch.setattr(ranges, "RANGES", None)  # the loop looks again at its next message
     with pytest.raises(xa.InvalidRequest):
         wrong.get(timeout=10)
     assert good.get(timeout=10).nbytes == 256

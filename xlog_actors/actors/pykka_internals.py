@@ -142,18 +142,19 @@ class ResilientActor(pykka.ThreadingActor):
         # handled in a call of its own (``_serve``), so it and its reply are dropped when that
         # call returns. The inbox ``get`` has no timeout on purpose: an idle actor waits for its
         # next message, and stopping it is itself a message.
+        # No frame of this loop holds an envelope while it is served: a failure's traceback keeps
+        # the frames above it, and an envelope kept that way would keep its reply's handles alive.
         while not self.actor_stopped.is_set():
-            self._serve(self.actor_inbox.get())
+            tracer = ranges.RANGES
+            if tracer is None:
+                self._serve_envelope(self.actor_inbox.get())
+            else:
+                self._serve_traced(tracer, self.actor_inbox.get())
 
-    def _serve(self, envelope: Any) -> None:
-        tracer = ranges.RANGES
-        if tracer is None:
-            self._serve_envelope(envelope)
-            return
+    def _serve_traced(self, tracer: ranges.Ranges, envelope: Any) -> None:
         # Profiler ranges (see ``ranges``): one per wake-up, named after its (first) message; a
         # batch served at once is one range. This frame must not hold the envelope while it is
-        # served: a failure's traceback keeps the frames above it, and the envelope would keep
-        # its reply's handles alive through that (the box is empty when the call runs).
+        # served (see the loop): the box is empty when the call runs.
         tracer.push(type(self), type(envelope.message))
         box = [envelope]
         del envelope
