@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from xlog_actors.driver.cuda.context import STAMPED_ATTRIBUTES
-from xlog_actors.memory import AsyncCudaResource, DirectCudaResource
+from xlog_actors.memory import AsyncCudaResource, DirectCudaResource, MemoryHistory
 from xlog_actors.memory.block import Access, BlockId, StreamId
 
 _C = r"""
@@ -106,14 +106,17 @@ def main() -> None:
         driver = Driver(entry_points, dev, tls)
         s0, s1 = Stream(dev, 0x5000, 1), Stream(dev, 0x5100, 2)
         res = AsyncCudaResource(driver, 0, Pool({StreamId(0): s0, StreamId(1): s1}))  # type: ignore[arg-type]
+        recorded = AsyncCudaResource(driver, 0, Pool({StreamId(0): s0, StreamId(1): s1}))  # type: ignore[arg-type]
+        recorded.set_history(MemoryHistory())
         direct = DirectCudaResource(driver, 0)  # type: ignore[arg-type]
         block = res.allocate(4096)
         bid = BlockId.from_block(block)
         res.prepare_block_use(bid, StreamId(1), Access.READ)
         res.finish_block_use(bid, StreamId(1), Access.READ)
-        ns = {"res": res, "direct": direct, "bid": bid, "s1": StreamId(1), "READ": Access.READ, "dev": dev}
+        ns = {"recorded": recorded, "res": res, "direct": direct, "bid": bid, "s1": StreamId(1), "READ": Access.READ, "dev": dev}
         rows: list[tuple[str, str]] = [
             ("AsyncCudaResource allocate+deallocate", "res.deallocate(res.allocate(4096))"),
+            ("  the same, memory history on", "recorded.deallocate(recorded.allocate(4096))"),
             ("cross-stream READ prepare+finish",
              "res.prepare_block_use(bid, s1, READ); res.finish_block_use(bid, s1, READ)"),
             ("DirectCudaResource allocate+deallocate", "direct.deallocate(direct.allocate(4096))"),
