@@ -113,7 +113,8 @@ def main() -> None:
         bid = BlockId.from_block(block)
         res.prepare_block_use(bid, StreamId(1), Access.READ)
         res.finish_block_use(bid, StreamId(1), Access.READ)
-        ns = {"recorded": recorded, "res": res, "direct": direct, "bid": bid, "s1": StreamId(1), "READ": Access.READ, "dev": dev}
+        ns = {"recorded": recorded, "res": res, "direct": direct, "bid": bid, "s1": StreamId(1),
+              "READ": Access.READ, "dev": dev}
         rows: list[tuple[str, str]] = [
             ("AsyncCudaResource allocate+deallocate", "res.deallocate(res.allocate(4096))"),
             ("  the same, memory history on", "recorded.deallocate(recorded.allocate(4096))"),
