@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover - the build requirements name Cython
     sys.exit("xlog_actors: building the compiled core needs Cython>=3.0 (pip install Cython)")
 
-_MODULES = ("blocks", "ops", "async_core", "direct_core", "handles", "context_core", "client_core")
+_MODULES = ("blocks", "ops", "resource_core", "async_core", "direct_core", "handles", "context_core", "client_core")
 
 
 class BuildCore(build_ext):

@@ -28,12 +28,12 @@ and the tracking hooks all move the same per-block entries under the same lock, 
 above are checkable only when read in one place.
 """
 
-from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock, PyThread_type_lock
 from posix.time cimport clock_gettime, timespec
 
 from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
 from .lock cimport lock_acquire, lock_release
 from .ops cimport DriverOps, ops_for
+from .resource_core cimport ResourceCore
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.limits import ALIGNMENT
@@ -158,33 +158,19 @@ cdef inline object _ordinal_of(object block_id):
     return block_id.device_ordinal
 
 
-cdef class AsyncCore:
+cdef class AsyncCore(ResourceCore):
     """The state and hot paths of ``AsyncCudaResource`` (see the module docstring).
 
     Thread rule: every method may be called from any thread at any time.
     """
 
-    cdef readonly object _driver
-    cdef readonly object _ordinal
     cdef object _stream_pool
     cdef object _streams
-    cdef DriverOps _ops
     cdef EventPool _events
-    cdef PyThread_type_lock _lock
     cdef dict _live
     cdef long long _live_bytes
     cdef dict _pending
     cdef long long _pending_bytes
-    cdef object _history
-
-    def __cinit__(self, *args, **kwargs):
-        self._lock = PyThread_allocate_lock()
-        if self._lock == NULL:
-            raise MemoryError("AsyncCudaResource: cannot allocate its lock")
-
-    def __dealloc__(self):
-        if self._lock != NULL:
-            PyThread_free_lock(self._lock)
 
     def __init__(self, driver, ordinal, stream_pool):
         """An empty resource on device ``ordinal`` of ``driver``, ordering its work on the
@@ -192,29 +178,16 @@ cdef class AsyncCore:
 
         Thread rule: any thread.
         """
-        self._driver = driver
-        self._ordinal = ordinal
+        ResourceCore.__init__(self, driver, ordinal)
         self._stream_pool = stream_pool
         self._streams = stream_pool.streams
-        self._ops = ops_for(driver, ordinal)
         self._events = EventPool(driver, ordinal)
         self._live = {}
         self._live_bytes = 0
         self._pending = {}
         self._pending_bytes = 0
-        self._history = None
 
     # -- properties and diagnostics ---------------------------------------------------------
-    @property
-    def device_ordinal(self):
-        """The ordinal of the device served. Thread rule: any thread."""
-        return self._ordinal
-
-    @property
-    def driver(self):
-        """The driver of the device served. Thread rule: any thread."""
-        return self._driver
-
     @property
     def stream_pool(self):
         """The stream pool the resource orders its work on. Thread rule: any thread."""
@@ -313,25 +286,6 @@ cdef class AsyncCore:
             e = <_Entry>found
             out.append(LiveBlock(ptr, e.nbytes, e.tag, e.stream, now - e.created))
         return out
-
-    @property
-    def history(self):
-        """The memory history recording this resource's allocations and frees, or None (off,
-        the default). Thread rule: any thread."""
-        return self._history
-
-    def set_history(self, history):
-        """Record every allocation and free from now on into ``history`` (None: stop).
-
-        ``history`` gets ``record_alloc(block)`` after each allocation and ``record_free(block)``
-        after each free that succeeded, in the calling thread, outside the resource's lock.
-        Switched off, a call costs one pointer compare.
-
-        Args:
-            history: an object with ``record_alloc`` and ``record_free``, or None.
-        Thread rule: any thread; calls already running may still record into the one before.
-        """
-        self._history = history
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):

@@ -1,15 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The compiled body of ``DirectCudaResource``: one synchronous driver allocation per call.
 
-One C-level lock guards the live map and the byte counter (see ``async_core.pyx`` for why a
-lock at all, and why it is uncontended on CUDA); the driver is called outside it.
+One C-level lock (``ResourceCore``'s) guards the live map and the byte counter; the driver is
+called outside it.
 """
-
-from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock, PyThread_type_lock
 
 from .blocks cimport DeviceBlock, new_block, next_generation
 from .lock cimport lock_acquire, lock_release
-from .ops cimport DriverOps, ops_for
+from .resource_core cimport ResourceCore
 
 from ..driver.checks import check_device, check_nbytes, unknown_block
 from ..driver.limits import ALIGNMENT
@@ -24,28 +22,14 @@ cdef object _DEFAULT_STREAM = StreamId.DEFAULT
 cdef object _UNTAGGED = AllocTag.UNTAGGED
 
 
-cdef class DirectCore:
+cdef class DirectCore(ResourceCore):
     """The state and hot paths of ``DirectCudaResource``.
 
     Thread rule: every method may be called from any thread at any time.
     """
 
-    cdef readonly object _driver
-    cdef readonly object _ordinal
-    cdef DriverOps _ops
-    cdef PyThread_type_lock _lock
     cdef dict _live
     cdef long long _bytes
-    cdef object _history
-
-    def __cinit__(self, *args, **kwargs):
-        self._lock = PyThread_allocate_lock()
-        if self._lock == NULL:
-            raise MemoryError("DirectCudaResource: cannot allocate its lock")
-
-    def __dealloc__(self):
-        if self._lock != NULL:
-            PyThread_free_lock(self._lock)
 
     def __init__(self, driver, ordinal):
         """An empty resource on device ``ordinal`` of ``driver``.
@@ -55,41 +39,9 @@ cdef class DirectCore:
             ordinal: the device's ordinal (checked by the driver on the first allocation).
         Thread rule: any thread.
         """
-        self._driver = driver
-        self._ordinal = ordinal
-        self._ops = ops_for(driver, ordinal)
+        ResourceCore.__init__(self, driver, ordinal)
         self._live = {}
         self._bytes = 0
-        self._history = None
-
-    @property
-    def device_ordinal(self):
-        """The ordinal of the device served. Thread rule: any thread."""
-        return self._ordinal
-
-    @property
-    def driver(self):
-        """The driver of the device served. Thread rule: any thread."""
-        return self._driver
-
-    @property
-    def history(self):
-        """The memory history recording this resource's allocations and frees, or None (off,
-        the default). Thread rule: any thread."""
-        return self._history
-
-    def set_history(self, history):
-        """Record every allocation and free from now on into ``history`` (None: stop).
-
-        ``history`` gets ``record_alloc(block)`` after each allocation and ``record_free(block)``
-        after each free that succeeded, in the calling thread, outside the resource's lock.
-        Switched off, a call costs one pointer compare.
-
-        Args:
-            history: an object with ``record_alloc`` and ``record_free``, or None.
-        Thread rule: any thread; calls already running may still record into the one before.
-        """
-        self._history = history
 
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
         """Allocate ``nbytes`` synchronously.
