@@ -21,7 +21,7 @@ import timeit
 from pathlib import Path
 from typing import Any
 
-from xlog_actors.driver.cuda.context import STAMPED_ATTRIBUTES
+from xlog_actors.driver.cuda.context import Stamped
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource, MemoryHistory
 from xlog_actors.memory.block import Access, BlockId, StreamId
 
@@ -36,20 +36,11 @@ int nop1(u64 a) { return 0; }
 """
 
 
-class Device:
-    """Keeps ``CudaDevice``'s stamp contract: an assignment to a cached attribute sets ``stamp``
-    to None, then the attribute, then a new stamp."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in STAMPED_ATTRIBUTES:
-            object.__setattr__(self, "stamp", None)
-            object.__setattr__(self, name, value)
-            object.__setattr__(self, "stamp", object())
-        else:
-            object.__setattr__(self, name, value)
+class Device(Stamped):
+    """A device stand-in; ``Stamped`` keeps ``CudaDevice``'s stamp contract."""
 
     def __init__(self) -> None:
-        self.stamp: object | None = object()
+        self.stamp = object()
         self.ordinal, self.token, self.epoch, self.poisoned, self.pool = 0, object(), 1, None, 0xF00
         self.pool_live: set[int] = set()
         self.direct_live: set[int] = set()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from xlog_actors.driver.cuda.context import STAMPED_ATTRIBUTES
+from xlog_actors.driver.cuda.context import Stamped
 from xlog_actors.errors import DriverError, OutOfMemory
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource
 from xlog_actors.memory.block import Access, BlockId, StreamId
@@ -70,20 +70,11 @@ class FakeCuda:
         return err
 
 
-class FakeDevice:
-    """Keeps ``CudaDevice``'s stamp contract: an assignment to a cached attribute sets ``stamp``
-    to None, then the attribute, then a new stamp."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in STAMPED_ATTRIBUTES:
-            object.__setattr__(self, "stamp", None)
-            object.__setattr__(self, name, value)
-            object.__setattr__(self, "stamp", object())
-        else:
-            object.__setattr__(self, name, value)
+class FakeDevice(Stamped):
+    """A device stand-in; ``Stamped`` keeps ``CudaDevice``'s stamp contract."""
 
     def __init__(self) -> None:
-        self.stamp: object | None = object()
+        self.stamp = object()
         self.ordinal = 0
         self.token: object = object()
         self.epoch = 1

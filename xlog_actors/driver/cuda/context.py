@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     # A type-only back reference: a device holds its streams, and each stream its device.
     from .streams import CudaStream
 
-__all__ = ["CudaDevice", "tls"]
+__all__ = ["STAMPED_ATTRIBUTES", "CudaDevice", "Stamped", "tls"]
 
 _UINT64_MAX: Final[int] = (1 << 64) - 1
 # Codes of cuInit / cuDevicePrimaryCtxRetain meaning "this machine cannot give you the device".
@@ -74,7 +74,29 @@ STAMPED_ATTRIBUTES = frozenset({"epoch", "token", "poisoned", "pool", "pool_live
 tls = threading.local()
 
 
-class CudaDevice:
+class Stamped:
+    """Keeps a ``stamp`` that changes with every assignment to one of :data:`STAMPED_ATTRIBUTES`:
+    the stamp is set to None, then the attribute, then a new ``stamp`` object. A reader that sees
+    a stamp it cached may use its cached values; one that sees None reads the attributes
+    directly and caches nothing; one that sees a new stamp re-reads them all (with the GIL held,
+    so no assignment comes between). The compiled core's view of a :class:`CudaDevice` relies on
+    it; test stand-ins of a device inherit it to keep the same contract.
+
+    Thread rule: any thread; each assignment is the three steps above.
+    """
+
+    stamp: object | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in STAMPED_ATTRIBUTES:
+            object.__setattr__(self, "stamp", None)
+            object.__setattr__(self, name, value)
+            object.__setattr__(self, "stamp", object())
+        else:
+            object.__setattr__(self, name, value)
+
+
+class CudaDevice(Stamped):
     """One ordinal of one :class:`CudaDriver`: its primary-context retain and what lives in it.
 
     Invariants: ``token is not None`` exactly while this driver holds a retain on the primary
@@ -87,21 +109,8 @@ class CudaDevice:
     the reads the hot paths make (single attribute loads).
 
     ``stamp`` lets the compiled core cache the attributes its fast path reads
-    (:data:`STAMPED_ATTRIBUTES`): every assignment to one of them first sets ``stamp`` to None,
-    then the attribute, then a new ``stamp`` object. A reader that sees a stamp it cached may use
-    its cached values; one that sees None reads the attributes directly and caches nothing; one
-    that sees a new stamp re-reads them all (with the GIL held, so no assignment comes between).
+    (:data:`STAMPED_ATTRIBUTES`), through :class:`Stamped`.
     """
-
-    stamp: object | None
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in STAMPED_ATTRIBUTES:
-            object.__setattr__(self, "stamp", None)
-            object.__setattr__(self, name, value)
-            object.__setattr__(self, "stamp", object())
-        else:
-            object.__setattr__(self, name, value)
 
     def __init__(self, ordinal: int, cudev: Any) -> None:
         self.stamp = object()
