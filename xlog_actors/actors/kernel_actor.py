@@ -51,8 +51,9 @@ class KernelActor(LibraryActor):
         self._launch_all(checked)
 
     def _launch_all(self, launches: list[_Checked]) -> None:
-        """Enqueue ``launches`` in order in one tracked run: every launch judged first, so a
-        refused one enqueues nothing."""
+        """Enqueue ``launches`` in order in one tracked run. Several launches are all judged
+        first, so a refused one enqueues nothing (the driver judges each again as it launches
+        it); a lone launch is judged by the driver only."""
         uses: list[tuple[GpuRef, Access]] = [(b.ref, b.access) for launch in launches for _, b in launch.buffers]
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
@@ -63,7 +64,9 @@ class KernelActor(LibraryActor):
                 for i, _ in launch.buffers:
                     values[i] = blocks[at].ptr
                     at += 1
-                check_launch(launch.msg.kernel, launch.msg.grid, launch.msg.block, values)
+                if len(launches) > 1:
+                    # Judged before any is enqueued; a lone launch is judged by the driver alone.
+                    check_launch(launch.msg.kernel, launch.msg.grid, launch.msg.block, values)
                 resolved.append(values)
             for launch, values in zip(launches, resolved, strict=True):
                 driver.launch(launch.msg.kernel, launch.msg.grid, launch.msg.block, values, stream)
