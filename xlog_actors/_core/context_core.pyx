@@ -114,7 +114,7 @@ cdef class ContextCore:
                 allocated before a failure are freed again.
         Thread rule: any thread.
         """
-        if type(sizes) is not list and type(sizes) is not tuple and not isinstance(sizes, (list, tuple)):
+        if not isinstance(sizes, (list, tuple)):
             raise InvalidRequest(f"AllocateMany needs a list or tuple of sizes, got {type(sizes).__name__}")
         for size in sizes:
             if type(size) is not int or size <= 0:
