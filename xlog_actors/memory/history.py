@@ -230,15 +230,20 @@ class MemoryHistory:
         self._origins: dict[int, Frames] = {}
 
     # -- recording (called by the compiled resources) ---------------------------------------------
-    def record_alloc(self, block: _Block) -> None:
-        """Record an allocation (the resource calls it, in the allocating thread, after the
-        allocation succeeded). Thread rule: any thread."""
+    def _entry(self, action: str, block: _Block) -> _Entry:
+        """The event of ``action`` on ``block``, with the stack of whoever asked for it (the
+        served request's origin, else the caller of ``record_alloc``/``record_free``)."""
         origins = self._origins
         frames = origins.get(_get_ident()) if origins else None
         if frames is None:
-            frames = capture_frames(_getframe(1), self._max_frames)
-        entry = (_time_ns(), "alloc", block.device_ordinal, block.alloc_stream, block.tag, block.nbytes, block.ptr,
-                 frames, "", block.generation)
+            frames = capture_frames(_getframe(2), self._max_frames)
+        return (_time_ns(), action, block.device_ordinal, block.alloc_stream, block.tag, block.nbytes, block.ptr,
+                frames, "", block.generation)
+
+    def record_alloc(self, block: _Block) -> None:
+        """Record an allocation (the resource calls it, in the allocating thread, after the
+        allocation succeeded). Thread rule: any thread."""
+        entry = self._entry("alloc", block)
         with self._lock:
             self._ring.append(entry)
             self._live[(entry[2], entry[6])] = entry
@@ -247,12 +252,7 @@ class MemoryHistory:
     def record_free(self, block: _Block) -> None:
         """Record a successful free (queued on its stream for a stream-ordered resource). Thread
         rule: any thread."""
-        origins = self._origins
-        frames = origins.get(_get_ident()) if origins else None
-        if frames is None:
-            frames = capture_frames(_getframe(1), self._max_frames)
-        entry = (_time_ns(), "free", block.device_ordinal, block.alloc_stream, block.tag, block.nbytes, block.ptr,
-                 frames, "", block.generation)
+        entry = self._entry("free", block)
         key = (entry[2], entry[6])
         with self._lock:
             self._ring.append(entry)
