@@ -1,6 +1,9 @@
 # The value types the compiled resources build and read at C speed; see blocks.pyx.
 
-cdef class DeviceBlock:
+cdef class _Frozen:
+    pass
+
+cdef class DeviceBlock(_Frozen):
     cdef readonly object ptr
     cdef readonly object device_ordinal
     cdef readonly object alloc_stream
@@ -10,7 +13,7 @@ cdef class DeviceBlock:
     cdef readonly object generation
     cdef readonly object state
 
-cdef class BlockId:
+cdef class BlockId(_Frozen):
     cdef readonly object ptr
     cdef readonly object generation
     cdef readonly object device_ordinal

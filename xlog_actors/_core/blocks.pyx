@@ -137,8 +137,20 @@ cdef object _LIVE = BlockState.LIVE
 
 # ``init=False`` and an ``__init__`` of our own: the field ``state`` has a default, and a default
 # in the class body clashes with the field's declaration in blocks.pxd (Cython 3.3.0).
+cdef class _Frozen:
+    """The base of the frozen value types: assigning or deleting an attribute raises
+    ``FrozenInstanceError``, as on a frozen dataclass (Cython's frozen flag raises a plain
+    ``AttributeError``). Immutable; any thread."""
+
+    def __setattr__(self, name, value):
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
 @cython.dataclasses.dataclass(frozen=True, init=False)
-cdef class DeviceBlock:
+cdef class DeviceBlock(_Frozen):
     """One allocation as a resource hands it out.
 
     Fields: ``ptr`` (device address), ``device_ordinal``, ``alloc_stream`` (the stream the
@@ -169,12 +181,6 @@ cdef class DeviceBlock:
         self.generation = generation
         self.state = state
 
-    def __setattr__(self, name, value):
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name):
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
 
 cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
                            object align, object tag, object generation, object state):
@@ -204,7 +210,7 @@ def make_block(ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation
 
 
 @cython.dataclasses.dataclass(frozen=True)
-cdef class BlockId:
+cdef class BlockId(_Frozen):
     """The identity of a block, enough to validate it against a resource's live map.
     Immutable; any thread."""
 
@@ -212,12 +218,6 @@ cdef class BlockId:
     generation: object
     device_ordinal: object
     __slots__ = ()
-
-    def __setattr__(self, name, value):
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name):
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
 
     @staticmethod
     def from_block(block):
@@ -237,7 +237,7 @@ cdef class BlockId:
 
 
 @cython.dataclasses.dataclass(frozen=True)
-cdef class LiveBlock:
+cdef class LiveBlock(_Frozen):
     """One live block as a resource lists it (``live_blocks()``) and a memory report shows it.
 
     The fields a report needs of a :class:`DeviceBlock` (``stream`` is its ``alloc_stream``),
@@ -251,12 +251,6 @@ cdef class LiveBlock:
     stream: object
     age_s: object
     __slots__ = ()
-
-    def __setattr__(self, name, value):
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name):
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
 
     @staticmethod
     def of(block, age_s=None):
