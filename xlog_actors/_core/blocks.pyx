@@ -172,19 +172,12 @@ cdef class DeviceBlock(_Frozen):
     __slots__ = ()
 
     def __init__(self, ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state=_LIVE):
-        self.ptr = ptr
-        self.device_ordinal = device_ordinal
-        self.alloc_stream = alloc_stream
-        self.nbytes = nbytes
-        self.align = align
-        self.tag = tag
-        self.generation = generation
-        self.state = state
+        _fill(self, ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state)
 
 
-cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
-                           object align, object tag, object generation, object state):
-    cdef DeviceBlock b = DeviceBlock.__new__(DeviceBlock)
+cdef inline void _fill(DeviceBlock b, object ptr, object device_ordinal, object alloc_stream, object nbytes,
+                       object align, object tag, object generation, object state) noexcept:
+    # The one place a block's fields are written: its __init__ and new_block both call it.
     b.ptr = ptr
     b.device_ordinal = device_ordinal
     b.alloc_stream = alloc_stream
@@ -193,6 +186,12 @@ cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_strea
     b.tag = tag
     b.generation = generation
     b.state = state
+
+
+cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
+                           object align, object tag, object generation, object state):
+    cdef DeviceBlock b = DeviceBlock.__new__(DeviceBlock)
+    _fill(b, ptr, device_ordinal, alloc_stream, nbytes, align, tag, generation, state)
     return b
 
 
