@@ -71,8 +71,8 @@ def test_a_checksum_collision_cannot_hide_a_wrong_first_or_last_batch(
     nbytes = 1 << 14
     real = pipeline._landed
 
-    def swapped(reply: object, out: object, timeout: float) -> object:
-        landed = real(reply, out, timeout)  # type: ignore[arg-type]  # test double: any reply
+    def swapped(reply: object, out: object) -> object:
+        landed = real(reply, out)  # type: ignore[arg-type]  # test double: any reply
         if landed is None:
             return None  # not landed yet: the pipeline polls again
         data = bytearray(landed)

@@ -131,14 +131,10 @@ def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: Pin
     return ask_notifying(copy_out, CopyToHost(ref, nbytes, out=out), replies, "copy back")
 
 
-def _landed(reply: CopyDone, out: PinnedBuffer, timeout: float) -> Buffer | None:
+def _landed(reply: CopyDone, out: PinnedBuffer) -> Buffer | None:
     """The bytes of a copy back (a view of ``out``) once they are on the host; None if they have
-    not landed within ``timeout`` seconds."""
-    try:
-        reply.wait(timeout)
-    except TimeoutError:
-        return None
-    return out.array(np.uint8)
+    not landed yet (never blocks)."""
+    return out.array(np.uint8) if reply.done() else None
 
 
 @dataclass
@@ -263,12 +259,11 @@ class _Run:
         if stream is not None:
             self.driver.sleep(stream, self.cfg.producer_delay_us)
 
-    def advance(self, batch: _Batch, timeout: float) -> bool:
-        """Move ``batch`` on if its stage's replies are in (waiting up to ``timeout`` s for them).
-        Returns whether it moved."""
+    def advance(self, batch: _Batch) -> bool:
+        """Move ``batch`` on if its stage's replies are in; never blocks. Returns whether it moved."""
         # A stage's requests all go to one actor, which answers in order: the last reply is the
-        # one to wait for, and polling only it keeps the orchestrating thread's share of the GIL small.
-        if _outcome(batch.futures[-1], timeout) is _PENDING:
+        # one to look at first, which keeps the orchestrating thread's share of the GIL small.
+        if _outcome(batch.futures[-1], 0) is _PENDING:
             return False
         results = [_outcome(f, 0) for f in batch.futures]
         if any(r is _PENDING for r in results):
@@ -287,8 +282,8 @@ class _Run:
                 _copy_back(self.copy_out, slot.sums, _SUM_BYTES, slot.host_sums, self.replies),
             ]
         else:
-            output = _landed(results[0], slot.host_out, timeout)
-            sums = None if output is None else _landed(results[1], slot.host_sums, timeout)
+            output = _landed(results[0], slot.host_out)
+            sums = None if output is None else _landed(results[1], slot.host_sums)
             if output is None or sums is None:
                 return False
             self._verify(batch.index, slot, output, sums)
@@ -340,7 +335,7 @@ class _Run:
                 self.errors.append(f"copy in, batch {index}: {exc!r}")
         moved = False
         for batch in list(self.inflight):
-            moved |= self.advance(batch, 0)
+            moved |= self.advance(batch)
         if not moved and self.inflight:
             landing = any(b.stage == 2 for b in self.inflight)
             try:
