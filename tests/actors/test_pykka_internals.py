@@ -26,8 +26,9 @@ from pykka._envelope import Envelope
 from xlog_actors.actors.pykka_internals import (
     BATCH_LIMIT,
     PYKKA_MAJOR,
+    Answer,
     ResilientActor,
-    ask_notifying,
+    ask_posting,
     is_actor_ref_of,
 )
 
@@ -326,37 +327,52 @@ class _Answers(ResilientActor):
         return message * 2
 
 
-def test_ask_notifying_posts_its_key_once_the_reply_is_in() -> None:
+def test_ask_posting_posts_each_answer_once_the_reply_is_in() -> None:
     ref = _Answers.start()
     try:
-        replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         gate = threading.Event()
-        slow = ask_notifying(ref, gate, replies, "slow")
-        fast = ask_notifying(ref, 21, replies, "fast")
-        bad = ask_notifying(ref, "boom", replies, "bad")
+        ask_posting(ref, gate, replies, "slow")
+        ask_posting(ref, 21, replies, "fast")
+        ask_posting(ref, "boom", replies, "bad")
         with pytest.raises(queue.Empty):
             replies.get(timeout=0.05)  # nothing answered while the actor waits on the gate
         gate.set()
-        assert [replies.get(timeout=5) for _ in range(3)] == ["slow", "fast", "bad"]
-        assert slow.get(timeout=0) == "waited" and fast.get(timeout=0) == 42
-        with pytest.raises(ValueError, match="boom"):
-            bad.get(timeout=0)
+        slow, fast, bad = (replies.get(timeout=5) for _ in range(3))
+        assert (slow.key, slow.value, slow.error) == ("slow", "waited", None)
+        assert (fast.key, fast.value, fast.error) == ("fast", 42, None)
+        assert bad.key == "bad" and bad.value is None
+        assert isinstance(bad.error, ValueError) and str(bad.error) == "boom"
+        with pytest.raises(queue.Empty):
+            replies.get(timeout=0.05)  # each ask is answered exactly once
     finally:
         ref.stop()
 
 
-def test_ask_notifying_a_dead_or_stopping_actor_posts_the_error() -> None:
+def test_ask_posting_to_a_dead_or_stopping_actor_posts_the_error() -> None:
     ref = _Answers.start()
-    replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
     gate = threading.Event()
-    ask_notifying(ref, gate, replies, "busy")
-    queued = ask_notifying(ref, 1, replies, "queued")  # ahead of the stop message: still served
+    ask_posting(ref, gate, replies, "busy")
+    ask_posting(ref, 1, replies, "queued")  # ahead of the stop message: still served
     ref.stop(block=False)
     gate.set()
-    assert [replies.get(timeout=5), replies.get(timeout=5)] == ["busy", "queued"]
-    assert queued.get(timeout=0) == 2
+    busy, queued = replies.get(timeout=5), replies.get(timeout=5)
+    assert (busy.key, queued.key, queued.value, queued.error) == ("busy", "queued", 2, None)
     ref.actor_stopped.wait(5)
-    dead = ask_notifying(ref, 1, replies, "dead")
-    assert replies.get(timeout=5) == "dead"
-    with pytest.raises(pykka.ActorDeadError):
-        dead.get(timeout=0)
+    ask_posting(ref, 1, replies, "dead")
+    dead = replies.get(timeout=0)  # posted before ask_posting returned
+    assert dead.key == "dead" and isinstance(dead.error, pykka.ActorDeadError)
+
+
+def test_ask_posting_a_message_queued_behind_a_stop_is_answered_actor_dead() -> None:
+    ref = _Answers.start()
+    replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
+    gate = threading.Event()
+    ask_posting(ref, gate, replies, "busy")
+    ref.stop(block=False)
+    ask_posting(ref, 1, replies, "late")  # behind the stop: the teardown answers it
+    gate.set()
+    answers = {a.key: a for a in (replies.get(timeout=5), replies.get(timeout=5))}
+    assert answers["busy"].value == "waited"
+    assert isinstance(answers["late"].error, pykka.ActorDeadError)

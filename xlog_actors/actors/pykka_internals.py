@@ -26,11 +26,11 @@ It borrows, from the installed pykka:
   are put back at the head, so pykka's ``_actor_loop_teardown`` answers them as it answers the
   rest of the inbox (``ActorDeadError``).
 
-* for :func:`ask_notifying`, what ``ActorRef.ask`` does: a future of ``pykka.ThreadingFuture``'s
-  kind (a subclass here, whose ``set``/``set_exception`` also post a key on a queue) put in an
-  ``Envelope(message, reply_to=future)`` (``pykka._envelope.Envelope``) on ``ref.actor_inbox``,
-  after an ``is_alive()`` check; and that every reply, an actor's own or the teardown's
-  ``ActorDeadError``, goes through ``set`` or ``set_exception``.
+* for :func:`ask_posting`, what ``ActorRef.ask`` does: an ``Envelope(message, reply_to=...)``
+  (``pykka._envelope.Envelope``) put on ``ref.actor_inbox`` after an ``is_alive()`` check; and
+  that every reply, an actor's own or the teardown's ``ActorDeadError``, goes through the reply
+  object's ``set(value)`` or ``set_exception(exc_info=None)`` and nothing else (so the reply
+  object need not be a ``pykka.Future``: the one here only posts the answer on a queue).
 
 Public pykka behaviour the runtime also relies on: ``Actor.start`` runs ``__init__`` in the
 caller's thread before anything is registered (so an ``__init__`` that raises leaves no actor),
@@ -47,14 +47,14 @@ import queue
 import sys
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple, cast
 
 import pykka
 from pykka._envelope import Envelope
 
 from . import ranges
 
-__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "ask_notifying", "is_actor_ref_of"]
+__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "Answer", "ResilientActor", "ask_posting", "is_actor_ref_of"]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
 PYKKA_MAJOR = 4
@@ -268,46 +268,52 @@ def is_actor_ref_of(ref: object, actor_class: type[pykka.Actor]) -> bool:
     )
 
 
-class _NotifyingFuture(pykka.ThreadingFuture[Any]):
-    """A ``ThreadingFuture`` that, once answered, posts its key on a queue."""
+class Answer(NamedTuple):
+    """One answered :func:`ask_posting`: the caller's ``key``, and the reply's ``value`` or the
+    ``error`` the actor raised (exactly one of them is meaningful: ``error`` is None on success).
 
-    def __init__(self, replies: queue.SimpleQueue[Hashable], key: Hashable) -> None:
-        super().__init__()
+    Thread rule: immutable; any thread.
+    """
+
+    key: Hashable
+    value: Any
+    error: BaseException | None
+
+
+class _PostingReply:
+    """The reply slot of one :func:`ask_posting`: the actor's ``set``/``set_exception`` post an
+    :class:`Answer` on the asker's queue. No lock and no condition, unlike a pykka future: the
+    queue is the only thing anybody waits on."""
+
+    __slots__ = ("_key", "_replies")
+
+    def __init__(self, replies: queue.SimpleQueue[Answer], key: Hashable) -> None:
         self._replies = replies
         self._key = key
 
     def set(self, value: Any | None = None) -> None:
-        super().set(value)
-        self._replies.put(self._key)
+        self._replies.put(Answer(self._key, value, None))
 
     def set_exception(self, exc_info: Any = None) -> None:
-        super().set_exception(exc_info if exc_info is not None else sys.exc_info())
-        self._replies.put(self._key)
+        error = (exc_info if exc_info is not None else sys.exc_info())[1]
+        self._replies.put(Answer(self._key, None, error))
 
 
-def ask_notifying(
-    ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQueue[Hashable], key: Hashable
-) -> pykka.Future[Any]:
-    """``ref.ask(message, block=False)``, whose future also posts ``key`` on ``replies`` once it
-    is answered: so one thread can wait for whichever of many asks is answered first
-    (``replies.get()``), instead of on one future at a time.
+def ask_posting(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQueue[Answer], key: Hashable) -> None:
+    """Ask ``ref`` ``message`` without a future: the reply, or the error it raised, is posted on
+    ``replies`` as ``Answer(key, value, error)``. One thread can then wait for whichever of many
+    asks is answered first (``replies.get()``), and an ask costs no lock or condition of its own.
 
     Args:
         ref: the actor to ask.
         message: the message.
-        replies: where ``key`` is posted once the reply (or the error) is in.
-        key: what to post (the caller's name for this ask).
-    Returns:
-        The future of the reply, as ``ask(block=False)`` returns it. A dead actor's future holds
-        ``ActorDeadError`` and has posted ``key`` already.
-    Thread rule: any thread.
+        replies: where the answer is posted, exactly once.
+        key: the caller's name for this ask, posted with its answer.
+    Thread rule: any thread. A dead actor's answer (``ActorDeadError``) is posted before this
+    returns; an actor that stops with the message still queued answers it the same way.
     """
-    future = _NotifyingFuture(replies, key)
-    try:
-        if not ref.is_alive():
-            raise pykka.ActorDeadError(f"{ref} not found")
-    except pykka.ActorDeadError:
-        future.set_exception()
-    else:
-        ref.actor_inbox.put(Envelope(message, reply_to=future))
-    return future
+    reply = _PostingReply(replies, key)
+    if not ref.is_alive():
+        replies.put(Answer(key, None, pykka.ActorDeadError(f"{ref} not found")))
+        return
+    ref.actor_inbox.put(Envelope(message, reply_to=cast("pykka.Future[Any]", reply)))

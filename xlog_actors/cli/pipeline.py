@@ -2,21 +2,23 @@
 three library actors (a ``CopyActor`` in, a ``KernelActor``, a ``CopyActor`` out), over a ring of
 ``depth`` device buffer sets.
 
-One thread orchestrates with pykka futures: it sends a batch's next stage as soon as the actor
-has *enqueued* the stage before (that reply comes back at once; the device work goes on), and
-waits for whichever reply comes first (every ask posts to one queue when answered:
-``ask_notifying``), never for one batch while another has a stage to send. A batch is four
-messages: its copy in, its two kernels as one ``Launches``, and the copies back of its output
-and of its checksum. No code here synchronizes anything: the library actors' tracking orders
-every stage after the one before it on another stream, and a ring buffer's reuse after its last
-reader.
+One thread orchestrates, and it waits on one queue only. Every ask goes out with
+``ask_posting``, whose answer (the reply or its error) is posted on that queue with the batch as
+its key, once the actor has *enqueued* the stage (the device work goes on). A batch is four asks:
+its copy in, its two kernels as one ``Launches``, and the copies back of its output and of its
+checksum. When both copies back are enqueued, a landing thread waits for the checksum's copy
+(the later one on the copy-out stream, so the output has landed too) and posts that on the same
+queue. The orchestrator never polls a future and never waits for one batch while another has a
+stage to send. No code here synchronizes the device: the library actors' tracking orders every
+stage after the one before it on another stream, and a ring buffer's reuse after its last reader.
 
 The inputs are built once, before timing starts (:class:`~.batches.BatchData`). Every batch is
 verified exactly, off the critical path: the kernel actor launches ``CHECKSUM_U32`` over the output
 after ``SCALE_ADD_F32``, adding into the slot's 8-byte running sum (zeroed once, when the slot is
 allocated); those 8 bytes come back with the output, and what the batch added is compared with
-the checksum computed once per distinct input. The first and the last batch are also compared
-byte for byte with the host reference, so a checksum collision cannot hide a wrong result.
+the checksum computed once per distinct input. The first and the last batch also come back into
+buffers of their own, compared byte for byte with the host reference once the timed run is over,
+so a checksum collision cannot hide a wrong result and the comparison costs the run nothing.
 
 A stage that meets a stale handle (a ``Rebuild`` mid-run) reports it; the batch is run again on
 newly allocated buffers.
@@ -28,9 +30,10 @@ retries and verification share one state, and the host-memory seams sit beside t
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +43,7 @@ import pykka
 from ..actors import CopyActor, DeviceActor, GpuRef, KernelActor
 from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Launches, Out
 from ..actors.messages import Allocate, AllocatePinned, GetStats, Rebuild
-from ..actors.pykka_internals import ask_notifying
+from ..actors.pykka_internals import Answer, ask_posting
 from ..driver.kernel_library import CHECKSUM_U32, SCALE_ADD_F32, launch_shape
 from ..driver.protocol import Buffer, Driver
 from ..errors import GpuRefStale, XlogError
@@ -107,8 +110,9 @@ class PipelineResult:
 
 
 # The host-memory seams: host buffers come from ``_host_buffer`` (viewed through ``_host_array``)
-# and copies back go through ``_copy_back``/``_landed``. They are the only code that knows whether
-# host memory is pinned; everything else holds the buffer objects they hand out.
+# and copies back go through ``_copy_back``/``_wait_landed``/``_landed_output``. They are the
+# only code that knows whether host memory is pinned; everything else holds the buffer objects
+# they hand out.
 
 
 def _host_buffer(device: pykka.ActorRef[Any], nbytes: int) -> PinnedBuffer:
@@ -124,17 +128,21 @@ def _host_array(buffer: PinnedBuffer) -> np.ndarray:
 
 
 def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: PinnedBuffer,
-               replies: queue.SimpleQueue[Hashable]) -> Any:
+               replies: queue.SimpleQueue[Answer], key: object) -> None:
     """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` into ``out`` (a buffer from
-    ``_host_buffer``); the future of its reply, a ``CopyDone`` once the copy is enqueued (its
-    answer also posts to ``replies``)."""
-    return ask_notifying(copy_out, CopyToHost(ref, nbytes, out=out), replies, "copy back")
+    ``_host_buffer``); its answer, a ``CopyDone`` once the copy is enqueued, is posted on
+    ``replies`` under ``key``."""
+    ask_posting(copy_out, CopyToHost(ref, nbytes, out=out), replies, key)
 
 
-def _landed(reply: CopyDone, out: PinnedBuffer) -> Buffer | None:
-    """The bytes of a copy back (a view of ``out``) once they are on the host; None if they have
-    not landed yet (never blocks)."""
-    return out.array(np.uint8) if reply.done() else None
+def _wait_landed(reply: CopyDone) -> None:
+    """Block until the copy back behind ``reply`` (a ``CopyDone``) has landed in its buffer."""
+    reply.wait()
+
+
+def _landed_output(out: PinnedBuffer) -> Buffer:
+    """The bytes a copy back left in ``out`` (after ``_wait_landed``)."""
+    return out.array(np.uint8)
 
 
 @dataclass
@@ -149,30 +157,54 @@ class _Slot:
     total: int = 0  # the running checksum the device holds after the slot's last verified batch
 
 
-@dataclass
+@dataclass(eq=False)
 class _Batch:
-    """A batch in flight: its ring slot, its stage and the futures of that stage's replies."""
+    """A batch in flight: its ring slot, its stage and the answers of that stage still to come.
+    Compared by identity: it is the key its answers are posted under."""
 
     index: int
     slot: int
-    stage: int  # 0: copy in sent; 1: kernels sent; 2: copies back sent
-    futures: list[Any]
+    stage: int  # 0: copy in sent; 1: kernels sent; 2: copies back sent; 3: landing
+    waiting: int  # answers of this stage not in yet
+    answers: list[Answer] = field(default_factory=list)
 
 
-_PENDING = object()
-#: How long the orchestrator waits for a reply while a copy back is landing, before it looks at
-#: the landed bytes again (a 16 MiB copy back takes about 0.3 ms on an H200).
-_LANDING_POLL_S = 100e-6
+#: The value the landing thread posts once a batch's copies back are on the host.
+_LANDED = "landed"
+_STAGES = ("copy in", "kernel", "copy out", "copy out")
 
 
-def _outcome(future: Any, timeout: float) -> Any:
-    """The future's value, the ``XlogError`` it failed with, or ``_PENDING``."""
-    try:
-        return future.get(timeout=timeout)
-    except pykka.Timeout:
-        return _PENDING
-    except XlogError as exc:
-        return exc
+class _Landing:
+    """A thread that waits, in order, for each batch's copies back to land, and posts
+    ``Answer(batch, _LANDED, None)`` (or the error the wait raised) on the run's queue. The
+    waits are blocking driver calls that let the GIL go, so the orchestrator and the actors
+    run meanwhile; copies back land in the order they were enqueued on the one copy-out stream,
+    so one thread in FIFO order never waits behind a batch that could have been reported."""
+
+    def __init__(self, replies: queue.SimpleQueue[Answer]) -> None:
+        self._replies = replies
+        self._todo: queue.SimpleQueue[tuple[_Batch, CopyDone] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="demo-landing", daemon=True)
+        self._thread.start()
+
+    def watch(self, batch: _Batch, reply: CopyDone) -> None:
+        """Post ``batch`` once the copy behind ``reply`` has landed."""
+        self._todo.put((batch, reply))
+
+    def close(self) -> None:
+        """Stop once every watched copy is reported."""
+        self._todo.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            batch, reply = item
+            try:
+                _wait_landed(reply)
+            except BaseException as exc:  # noqa: BLE001 - posted: the orchestrator decides what it means
+                self._replies.put(Answer(batch, None, exc))
+            else:
+                self._replies.put(Answer(batch, _LANDED, None))
 
 
 class _Run:
@@ -184,11 +216,15 @@ class _Run:
         self.cfg, self.data, self.driver = cfg, data, driver
         self.n = cfg.batch_bytes // 4
         self.shape = launch_shape(self.n)
-        self.replies: queue.SimpleQueue[Hashable] = queue.SimpleQueue()  # a key per answered ask
+        self.replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
+        self.landing = _Landing(self.replies)
         self.slots: list[_Slot | None] = [None] * cfg.depth
         self.free = deque(range(cfg.depth))
         self.todo = deque(range(cfg.batches))
-        self.inflight: list[_Batch] = []
+        self.inflight: set[_Batch] = set()
+        # The batches compared byte for byte copy their output back here, kept until the end.
+        self.kept: dict[int, PinnedBuffer] = {}
+        self.to_compare: list[int] = []  # checksum verified; compared after the timed run
         self.rebuilt = False
         self.verified = 0
         self.mismatched: list[int] = []
@@ -198,8 +234,8 @@ class _Run:
 
     @property
     def done(self) -> int:
-        """Batches verified or found wrong."""
-        return self.verified + len(self.mismatched)
+        """Batches verified (or waiting for their byte compare) or found wrong."""
+        return self.verified + len(self.to_compare) + len(self.mismatched)
 
     def slot(self, s: int) -> _Slot:
         """Slot ``s``, allocated first if it has no buffers (at the start, after a stale handle)."""
@@ -220,37 +256,45 @@ class _Run:
         return slot
 
     def warm_up(self) -> None:
-        """Allocate the ring and compile and load the three kernels before timing (NVRTC compiles on
-        the first launch)."""
+        """Allocate the ring and the kept buffers, and compile and load the three kernels before
+        timing (NVRTC compiles on the first launch)."""
         for s in range(self.cfg.depth):
             self.slot(s)
+        for index in {0, self.cfg.batches - 1}:
+            self.kept[index] = _host_buffer(self.device, self.cfg.batch_bytes)
         slot = self.slot(0)
-        for future in self._kernels(slot, 1):
-            future.get()
+        self.kernels.ask(self._launches(slot, 1), block=True)
         self.copy_in.ask(Fill(slot.sums, 0), block=True)
 
-    def _kernels(self, slot: _Slot, n: int) -> list[Any]:
+    def _launches(self, slot: _Slot, n: int) -> Launches:
         grid, block = self.shape if n == self.n else launch_shape(n)
-        launches = Launches((
+        return Launches((
             Launch(SCALE_ADD_F32, grid, block, [Out(slot.out), In(slot.inp), ALPHA, BETA, n]),
             Launch(CHECKSUM_U32, grid, block, [InOut(slot.sums), In(slot.out), n]),
         ))
-        return [ask_notifying(self.kernels, launches, self.replies, "kernels")]
+
+    def _send(self, batch: _Batch, stage: int) -> None:
+        """Send ``batch``'s asks of ``stage`` (1: the kernels; 2: the copies back)."""
+        slot = self.slots[batch.slot]
+        assert slot is not None
+        batch.stage, batch.answers = stage, []
+        if stage == 1:
+            batch.waiting = 1
+            ask_posting(self.kernels, self._launches(slot, self.n), self.replies, batch)
+        else:
+            batch.waiting = 2
+            out = self.kept.get(batch.index, slot.host_out)
+            _copy_back(self.copy_out, slot.out, self.cfg.batch_bytes, out, self.replies, batch)
+            _copy_back(self.copy_out, slot.sums, _SUM_BYTES, slot.host_sums, self.replies, batch)
 
     def start(self, index: int, s: int) -> None:
         """Send batch ``index``'s copy in to slot ``s``."""
         slot = self.slot(s)
         if self.cfg.producer_delay_us:
             self._slow_producer(slot.inp)
-        future = ask_notifying(self.copy_in, CopyToDevice(slot.inp, self.data.input(index)), self.replies, "copy in")
-        self.inflight.append(_Batch(index, s, 0, [future]))
-        if self.cfg.rebuild_at == index and not self.rebuilt:
-            self.rebuilt = True
-            _outcome(future, self.cfg.timeout_s)  # the copy is enqueued (or failed) before the rebuild
-            try:
-                self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
-            except XlogError as exc:
-                self.errors.append(f"rebuild at batch {index}: {exc!r}")
+        batch = _Batch(index, s, 0, 1)
+        self.inflight.add(batch)
+        ask_posting(self.copy_in, CopyToDevice(slot.inp, self.data.input(index)), self.replies, batch)
 
     def _slow_producer(self, ref: GpuRef) -> None:
         # A spin on the copy actor's stream before the copy: what tracking must order after.
@@ -259,73 +303,97 @@ class _Run:
         if stream is not None:
             self.driver.sleep(stream, self.cfg.producer_delay_us)
 
-    def advance(self, batch: _Batch) -> bool:
-        """Move ``batch`` on if its stage's replies are in; never blocks. Returns whether it moved."""
-        # A stage's requests all go to one actor, which answers in order: the last reply is the
-        # one to look at first, which keeps the orchestrating thread's share of the GIL small.
-        if _outcome(batch.futures[-1], 0) is _PENDING:
-            return False
-        results = [_outcome(f, 0) for f in batch.futures]
-        if any(r is _PENDING for r in results):
-            return False
-        failed = [r for r in results if isinstance(r, XlogError)]
+    def on_answer(self, answer: Answer) -> None:
+        """Take one answer; once its batch's stage is complete, send the next stage (or verify)."""
+        batch = answer.key
+        assert isinstance(batch, _Batch)
+        if batch not in self.inflight:
+            return  # a batch already retired by an error of this stage's other answer
+        batch.answers.append(answer)
+        batch.waiting -= 1
+        if batch.waiting:
+            return
+        failed = [a.error for a in batch.answers if a.error is not None]
         if failed:
             self._failed(batch, failed[0])
-            return True
-        slot = self.slots[batch.slot]
-        assert slot is not None
-        if batch.stage == 0:
-            batch.futures = self._kernels(slot, self.n)
+        elif self.errors:
+            self._retire(batch)  # the run is stopping: nothing new is sent
+        elif batch.stage == 0:
+            if self.cfg.rebuild_at == batch.index and not self.rebuilt:
+                self._rebuild(batch.index)  # after the copy in was enqueued, before its kernels
+            self._send(batch, 1)
         elif batch.stage == 1:
-            batch.futures = [
-                _copy_back(self.copy_out, slot.out, self.cfg.batch_bytes, slot.host_out, self.replies),
-                _copy_back(self.copy_out, slot.sums, _SUM_BYTES, slot.host_sums, self.replies),
-            ]
+            self._send(batch, 2)
+        elif batch.stage == 2:
+            # Both copies are enqueued on the copy-out stream, the checksum's last: when it has
+            # landed, so has the output.
+            batch.stage, batch.waiting, batch.answers = 3, 1, []
+            self.landing.watch(batch, answer.value)
         else:
-            output = _landed(results[0], slot.host_out)
-            sums = None if output is None else _landed(results[1], slot.host_sums)
-            if output is None or sums is None:
-                return False
-            self._verify(batch.index, slot, output, sums)
+            slot = self.slots[batch.slot]
+            assert slot is not None
+            self._verify(batch.index, slot)
             self._retire(batch)
-            return True
-        batch.stage += 1
-        return True
 
-    def _verify(self, index: int, slot: _Slot, output: Buffer, sums: Buffer) -> None:
+    def _rebuild(self, index: int) -> None:
+        self.rebuilt = True
+        try:
+            self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
+        except XlogError as exc:
+            self.errors.append(f"rebuild at batch {index}: {exc!r}")
+
+    def _verify(self, index: int, slot: _Slot) -> None:
         # The slot's sum is never zeroed between batches (one launch fewer per batch): this batch's
         # checksum is what it added, modulo 2**64.
-        total = int(np.frombuffer(memoryview(sums).cast("B"), dtype=np.uint64)[0])
+        sums = slot.host_sums.array(np.uint64)
+        total = int(sums[0])
         ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
         slot.total = total
-        if ok and index in (0, self.cfg.batches - 1):
-            self.compared += 1
-            ok = self.data.matches(index, output)
-        if ok:
-            self.verified += 1
-        else:
+        if not ok:
             self.mismatched.append(index)
+        elif index in self.kept:
+            self.to_compare.append(index)
+        else:
+            self.verified += 1
 
-    def _failed(self, batch: _Batch, exc: XlogError) -> None:
+    def compare_kept(self) -> None:
+        """Compare the kept batches byte for byte with the host reference (after the timed run)."""
+        for index in self.to_compare:
+            self.compared += 1
+            if self.data.matches(index, _landed_output(self.kept[index])):
+                self.verified += 1
+            else:
+                self.mismatched.append(index)
+        self.to_compare = []
+
+    def _failed(self, batch: _Batch, exc: BaseException) -> None:
         """A stale handle (a rebuild happened) runs the batch again on new buffers; any other
         error ends the run."""
         self._retire(batch)
-        if isinstance(exc, GpuRefStale):
+        slot = self.slots[batch.slot]
+        if isinstance(exc, GpuRefStale) or (batch.stage == 3 and slot is not None and self._stale(slot)):
+            # (A rebuild while a copy back was landing fails the wait with a DriverError.)
             self.stale_retries += 1
             self.slots[batch.slot] = None
             self.todo.appendleft(batch.index)
         else:
-            stage = ("copy in", "kernel", "copy out")[batch.stage]
-            self.errors.append(f"{stage}, batch {batch.index}: {exc!r}")
+            self.errors.append(f"{_STAGES[batch.stage]}, batch {batch.index}: {exc!r}")
+
+    @staticmethod
+    def _stale(slot: _Slot) -> bool:
+        try:
+            slot.out.raw_device_ptr()
+        except GpuRefStale:
+            return True
+        return False
 
     def _retire(self, batch: _Batch) -> None:
-        self.inflight.remove(batch)
+        self.inflight.discard(batch)
         self.free.append(batch.slot)
 
     def step(self, timeout: float) -> None:
-        """Start what the ring has room for, move on every batch whose replies are in; if none
-        moved, wait up to ``timeout`` s for the next reply, whichever batch it is for (or, while
-        a copy back is in flight, a moment, then look at its bytes again)."""
+        """Start what the ring has room for, then take the next answer (waiting up to
+        ``timeout`` s for it) and every answer already in."""
         while self.free and self.todo and not self.errors:
             index, s = self.todo.popleft(), self.free.popleft()
             try:
@@ -333,16 +401,28 @@ class _Run:
             except XlogError as exc:  # allocating the slot's buffers failed: nothing was sent
                 self.free.append(s)
                 self.errors.append(f"copy in, batch {index}: {exc!r}")
-        moved = False
-        for batch in list(self.inflight):
-            moved |= self.advance(batch)
-        if not moved and self.inflight:
-            landing = any(b.stage == 2 for b in self.inflight)
+        if not self.inflight:
+            return
+        try:
+            answer = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self.on_answer(answer)
             try:
-                # Keys are only a wake-up: every batch is looked at again on the next step.
-                self.replies.get(timeout=_LANDING_POLL_S if landing else timeout)
+                answer = self.replies.get_nowait()
             except queue.Empty:
-                pass
+                return
+
+    def finish(self, deadline: float) -> None:
+        """After an error or a timeout: take the answers of what is still in flight (nothing new
+        is sent), so no buffer is dropped while in use; then stop the landing thread."""
+        while self.inflight and time.perf_counter() < deadline:
+            try:
+                self.on_answer(self.replies.get(timeout=max(0.0, deadline - time.perf_counter())))
+            except queue.Empty:
+                break
+        self.landing.close()
 
 
 def run_pipeline(
@@ -423,23 +503,26 @@ def run_pipeline(
 
 
 def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None) -> float:
-    """Step ``run`` until every batch is verified, an error stops it, or it times out; its seconds."""
+    """Step ``run`` until every batch is verified, an error stops it, or it times out; its seconds
+    (the byte compares of the kept batches come after the clock stops)."""
     t0 = time.perf_counter()
     deadline = t0 + cfg.timeout_s
-    next_report = t0 + 0.2
-    while run.done < cfg.batches and not run.errors:
-        run.step(0.05)
-        now = time.perf_counter()
-        if progress is not None and now >= next_report:
-            progress(run.done, cfg.batches)
-            next_report = now + 0.2
-        if now > deadline:
-            run.errors.append(f"timed out after {cfg.timeout_s} s")
-    seconds = time.perf_counter() - t0
-    # An error stops new work; what is in flight still finishes, so no buffer is dropped in use.
-    for batch in list(run.inflight):
-        for future in batch.futures:
-            _outcome(future, max(0.0, deadline - time.perf_counter()))
+    next_report = t0 + 0.2 if progress is not None else deadline
+    try:
+        while run.done < cfg.batches and not run.errors:
+            run.step(max(0.0, min(next_report, deadline) - time.perf_counter()))
+            now = time.perf_counter()
+            if progress is not None and now >= next_report:
+                progress(run.done, cfg.batches)
+                next_report = now + 0.2
+            if now > deadline:
+                run.errors.append(f"timed out after {cfg.timeout_s} s")
+        seconds = time.perf_counter() - t0
+        if not run.errors:
+            run.compare_kept()
+    finally:
+        # An error stops new work; what is in flight still finishes, so no buffer is dropped in use.
+        run.finish(deadline)
     if progress is not None:
         progress(run.done, cfg.batches)
     return seconds
