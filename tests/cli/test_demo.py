@@ -42,17 +42,21 @@ def test_the_inputs_are_built_once_not_per_batch(driver: xa.Driver, monkeypatch:
 
 
 def test_several_batches_are_in_flight_at_once(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The orchestrating thread keeps ``depth`` batches queued instead of one round trip at a time."""
-    seen: list[int] = []
+    """The orchestrating thread keeps ``depth`` batches on the device ring (and more landing)
+    instead of one round trip at a time; a slot is never held by two batches at once."""
+    seen: list[tuple[int, int]] = []
     real = pipeline._Run.step
 
     def step(self: pipeline._Run, timeout: float) -> None:
         real(self, timeout)
-        seen.append(len(self.inflight))
+        holding = [b.slot for b in self.inflight if b.holds_slot]
+        assert len(holding) == len(set(holding)), f"a slot held twice: {holding}"
+        seen.append((len(holding), len(self.inflight)))
 
     monkeypatch.setattr(pipeline._Run, "step", step)
-    assert run_pipeline(driver, PipelineConfig(batches=12, batch_bytes=1 << 16, depth=4)).ok
-    assert max(seen) == 4
+    assert run_pipeline(driver, PipelineConfig(batches=24, batch_bytes=1 << 16, depth=4)).ok
+    assert max(h for h, _ in seen) == 4
+    assert max(n for _, n in seen) <= 8, "at most 2 * depth host sets"
 
 
 def test_every_batch_is_verified_by_its_device_checksum(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:

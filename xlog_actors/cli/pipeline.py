@@ -147,14 +147,25 @@ def _landed_output(out: PinnedBuffer) -> Buffer:
 
 @dataclass
 class _Slot:
-    """One ring entry: the device buffers of a batch in flight and the host buffers it comes back to."""
+    """One device ring entry: the buffers a batch is copied into, computed in and copied back from.
+
+    A slot is taken by the next batch as soon as this batch's copies back are *enqueued*: what
+    the next batch does to the buffers waits on the device for what this one still does (the
+    handles' tracking), never on the host."""
 
     inp: GpuRef
     out: GpuRef
     sums: GpuRef
-    host_out: PinnedBuffer  # from _host_buffer, as host_sums
-    host_sums: PinnedBuffer
     total: int = 0  # the running checksum the device holds after the slot's last verified batch
+
+
+@dataclass(eq=False)
+class _HostSet:
+    """Where one batch's copies back land (pinned, from ``_host_buffer``). A set is held from a
+    batch's copies back until its checksum is read, so there are more sets than slots."""
+
+    out: PinnedBuffer
+    sums: PinnedBuffer
 
 
 @dataclass(eq=False)
@@ -164,8 +175,11 @@ class _Batch:
 
     index: int
     slot: int
+    buffers: _Slot  # the slot's buffers when the batch started (a stale retry replaces the slot's)
+    host: _HostSet
     stage: int  # 0: copy in sent; 1: kernels sent; 2: copies back sent; 3: landing
     waiting: int  # answers of this stage not in yet
+    holds_slot: bool = True  # until its copies back are enqueued
     answers: list[Answer] = field(default_factory=list)
 
 
@@ -220,6 +234,8 @@ class _Run:
         self.landing = _Landing(self.replies)
         self.slots: list[_Slot | None] = [None] * cfg.depth
         self.free = deque(range(cfg.depth))
+        self.hosts: deque[_HostSet] = deque()  # free host sets; 2 * depth at most are made
+        self.host_sets = 0
         self.todo = deque(range(cfg.batches))
         self.inflight: set[_Batch] = set()
         # The batches compared byte for byte copy their output back here, kept until the end.
@@ -245,8 +261,7 @@ class _Run:
             inp: GpuRef = self.device.ask(Allocate(nbytes, tag=_INPUT), block=True)
             out: GpuRef = self.device.ask(Allocate(nbytes, tag=_OUTPUT), block=True)
             sums: GpuRef = self.device.ask(Allocate(_SUM_BYTES, tag=_OUTPUT), block=True)
-            host_out = _host_buffer(self.device, nbytes)
-            slot = self.slots[s] = _Slot(inp, out, sums, host_out, _host_buffer(self.device, _SUM_BYTES))
+            slot = self.slots[s] = _Slot(inp, out, sums)
             self.copy_in.ask(Fill(sums, 0), block=True)  # tracked: the first checksum adds after it
             # Fresh pool memory may still hold an earlier run's batches at the same addresses
             # (a warm pool hands them out again in order): poisoned, a read that comes too early
@@ -256,15 +271,22 @@ class _Run:
         return slot
 
     def warm_up(self) -> None:
-        """Allocate the ring and the kept buffers, and compile and load the three kernels before
-        timing (NVRTC compiles on the first launch)."""
+        """Allocate the ring, the host sets and the kept buffers, and compile and load the three
+        kernels before timing (NVRTC compiles on the first launch)."""
         for s in range(self.cfg.depth):
             self.slot(s)
+        while self.host_sets < 2 * self.cfg.depth:
+            self.hosts.append(self._new_host_set())
         for index in {0, self.cfg.batches - 1}:
             self.kept[index] = _host_buffer(self.device, self.cfg.batch_bytes)
         slot = self.slot(0)
         self.kernels.ask(self._launches(slot, 1), block=True)
         self.copy_in.ask(Fill(slot.sums, 0), block=True)
+
+    def _new_host_set(self) -> _HostSet:
+        host = _HostSet(_host_buffer(self.device, self.cfg.batch_bytes), _host_buffer(self.device, _SUM_BYTES))
+        self.host_sets += 1
+        return host
 
     def _launches(self, slot: _Slot, n: int) -> Launches:
         grid, block = self.shape if n == self.n else launch_shape(n)
@@ -275,24 +297,24 @@ class _Run:
 
     def _send(self, batch: _Batch, stage: int) -> None:
         """Send ``batch``'s asks of ``stage`` (1: the kernels; 2: the copies back)."""
-        slot = self.slots[batch.slot]
-        assert slot is not None
+        slot = batch.buffers
         batch.stage, batch.answers = stage, []
         if stage == 1:
             batch.waiting = 1
             ask_posting(self.kernels, self._launches(slot, self.n), self.replies, batch)
         else:
             batch.waiting = 2
-            out = self.kept.get(batch.index, slot.host_out)
+            out = self.kept.get(batch.index, batch.host.out)
             _copy_back(self.copy_out, slot.out, self.cfg.batch_bytes, out, self.replies, batch)
-            _copy_back(self.copy_out, slot.sums, _SUM_BYTES, slot.host_sums, self.replies, batch)
+            _copy_back(self.copy_out, slot.sums, _SUM_BYTES, batch.host.sums, self.replies, batch)
 
     def start(self, index: int, s: int) -> None:
-        """Send batch ``index``'s copy in to slot ``s``."""
+        """Send batch ``index``'s copy in to slot ``s``, with the next free host set."""
         slot = self.slot(s)
         if self.cfg.producer_delay_us:
             self._slow_producer(slot.inp)
-        batch = _Batch(index, s, 0, 1)
+        host = self.hosts.popleft() if self.hosts else self._new_host_set()
+        batch = _Batch(index, s, slot, host, 0, 1)
         self.inflight.add(batch)
         ask_posting(self.copy_in, CopyToDevice(slot.inp, self.data.input(index)), self.replies, batch)
 
@@ -326,13 +348,12 @@ class _Run:
             self._send(batch, 2)
         elif batch.stage == 2:
             # Both copies are enqueued on the copy-out stream, the checksum's last: when it has
-            # landed, so has the output.
+            # landed, so has the output. The slot goes to the next batch now (see _Slot).
             batch.stage, batch.waiting, batch.answers = 3, 1, []
+            self._release_slot(batch)
             self.landing.watch(batch, answer.value)
         else:
-            slot = self.slots[batch.slot]
-            assert slot is not None
-            self._verify(batch.index, slot)
+            self._verify(batch)
             self._retire(batch)
 
     def _rebuild(self, index: int) -> None:
@@ -342,11 +363,12 @@ class _Run:
         except XlogError as exc:
             self.errors.append(f"rebuild at batch {index}: {exc!r}")
 
-    def _verify(self, index: int, slot: _Slot) -> None:
+    def _verify(self, batch: _Batch) -> None:
         # The slot's sum is never zeroed between batches (one launch fewer per batch): this batch's
-        # checksum is what it added, modulo 2**64.
-        sums = slot.host_sums.array(np.uint64)
-        total = int(sums[0])
+        # checksum is what it added, modulo 2**64. The batches of one slot land in the order they
+        # ran (one copy-out stream, one landing thread), so ``slot.total`` is the previous one's.
+        index, slot = batch.index, batch.buffers
+        total = int(batch.host.sums.array(np.uint64)[0])
         ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
         slot.total = total
         if not ok:
@@ -370,11 +392,11 @@ class _Run:
         """A stale handle (a rebuild happened) runs the batch again on new buffers; any other
         error ends the run."""
         self._retire(batch)
-        slot = self.slots[batch.slot]
-        if isinstance(exc, GpuRefStale) or (batch.stage == 3 and slot is not None and self._stale(slot)):
+        if isinstance(exc, GpuRefStale) or (batch.stage == 3 and self._stale(batch.buffers)):
             # (A rebuild while a copy back was landing fails the wait with a DriverError.)
             self.stale_retries += 1
-            self.slots[batch.slot] = None
+            if self.slots[batch.slot] is batch.buffers:  # not yet replaced by another retry
+                self.slots[batch.slot] = None
             self.todo.appendleft(batch.index)
         else:
             self.errors.append(f"{_STAGES[batch.stage]}, batch {batch.index}: {exc!r}")
@@ -387,14 +409,20 @@ class _Run:
             return True
         return False
 
+    def _release_slot(self, batch: _Batch) -> None:
+        if batch.holds_slot:
+            batch.holds_slot = False
+            self.free.append(batch.slot)
+
     def _retire(self, batch: _Batch) -> None:
         self.inflight.discard(batch)
-        self.free.append(batch.slot)
+        self._release_slot(batch)
+        self.hosts.append(batch.host)
 
     def step(self, timeout: float) -> None:
         """Start what the ring has room for, then take the next answer (waiting up to
         ``timeout`` s for it) and every answer already in."""
-        while self.free and self.todo and not self.errors:
+        while self.free and (self.hosts or self.host_sets < 2 * self.cfg.depth) and self.todo and not self.errors:
             index, s = self.todo.popleft(), self.free.popleft()
             try:
                 self.start(index, s)
