@@ -1,8 +1,8 @@
 """Builds the compiled core (``xlog_actors._core``); everything else is in pyproject.toml.
 
-The extensions need a C compiler (and a C++ one for ``alloc_bridge``) and the Python headers, nothing of CUDA: the core declares the
-few driver entry points it calls and gets their addresses at run time. A build that cannot
-compile stops with a message naming what is missing; there is no pure-Python fallback.
+The extensions need a C compiler (and a C++ one for ``alloc_bridge``) and the Python headers,
+nothing of CUDA: the core declares the few driver entry points it calls and gets their addresses
+at run time. A build that cannot compile stops with a message naming what is missing; there is no pure-Python fallback.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class BuildCore(build_ext):
 setup(
     ext_modules=cythonize(
         [
-            Extension(f"xlog_actors._core.{name}", [f"xlog_actors/_core/{name}.pyx"], define_macros=_MACROS.get(name, []))
+            Extension(
+                f"xlog_actors._core.{name}", [f"xlog_actors/_core/{name}.pyx"], define_macros=_MACROS.get(name, [])
+            )
             for name in _MODULES
         ],
         compiler_directives={"language_level": "3", "embedsignature": True},
