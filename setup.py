@@ -1,8 +1,8 @@
 """Builds the compiled core (``xlog_actors._core``); everything else is in pyproject.toml.
 
-The extensions need a C compiler and the Python headers, nothing of CUDA: the core declares the
-few driver entry points it calls and gets their addresses at run time. A build that cannot
-compile stops with a message naming what is missing; there is no pure-Python fallback.
+The extensions need a C compiler (and a C++ one for ``alloc_bridge``) and the Python headers,
+nothing of CUDA: the core declares the few driver entry points it calls and gets their addresses
+at run time. A build that cannot compile stops with a message naming what is missing; there is no pure-Python fallback.
 """
 
 from __future__ import annotations
@@ -17,7 +17,22 @@ try:
 except ImportError:  # pragma: no cover - the build requirements name Cython
     sys.exit("xlog_actors: building the compiled core needs Cython>=3.0 (pip install Cython)")
 
-_MODULES = ("blocks", "ops", "resource_core", "async_core", "direct_core", "handles", "context_core", "client_core")
+_MODULES = (
+    "blocks",
+    "ops",
+    "resource_core",
+    "async_core",
+    "direct_core",
+    "handles",
+    "context_core",
+    "client_core",
+    # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
+    "alloc_bridge",
+)
+
+#: Per-module C macros. alloc_bridge's ``cdef public`` functions are loaded by name (dlsym), so
+#: in C++ they must have C linkage: Cython's default for them there is ``extern "C++"``.
+_MACROS = {"alloc_bridge": [("CYTHON_EXTERN_C", 'extern "C"')]}
 
 
 class BuildCore(build_ext):
@@ -30,14 +45,20 @@ class BuildCore(build_ext):
             raise SystemExit(
                 "xlog_actors: the compiled core (xlog_actors._core) could not be built: "
                 f"{type(exc).__name__}: {exc}\n"
-                "It needs a C compiler (cc/gcc, found through $CC) and the Python development "
-                "headers (Python.h: e.g. the python3-dev package). No CUDA toolkit is needed."
+                "It needs a C compiler (cc/gcc, found through $CC), a C++ compiler for the allocator "
+                "bridge (c++/g++, through $CXX) and the Python development headers (Python.h: e.g. "
+                "the python3-dev package). No CUDA toolkit is needed."
             ) from None
 
 
 setup(
     ext_modules=cythonize(
-        [Extension(f"xlog_actors._core.{name}", [f"xlog_actors/_core/{name}.pyx"]) for name in _MODULES],
+        [
+            Extension(
+                f"xlog_actors._core.{name}", [f"xlog_actors/_core/{name}.pyx"], define_macros=_MACROS.get(name, [])
+            )
+            for name in _MODULES
+        ],
         compiler_directives={"language_level": "3", "embedsignature": True},
         quiet=True,
     ),

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import xlog_actors
 from xlog_actors import _core
-from xlog_actors._core import async_core, blocks, client_core, context_core, direct_core, handles, ops, resource_core
+from xlog_actors._core import (
+    alloc_bridge,
+    async_core,
+    blocks,
+    client_core,
+    context_core,
+    direct_core,
+    handles,
+    ops,
+    resource_core,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(xlog_actors.__file__).resolve().parent
@@ -28,7 +38,8 @@ def _copy_sources(dest: Path, with_built: bool) -> None:
 
 
 def test_the_core_modules_are_compiled_extensions() -> None:
-    for module in (async_core, blocks, client_core, context_core, direct_core, handles, ops, resource_core):
+    core = (alloc_bridge, async_core, blocks, client_core, context_core, direct_core, handles, ops, resource_core)
+    for module in core:
         assert Path(module.__file__ or "").suffix in (".so", ".pyd"), module.__file__
     assert not list(Path(_core.__file__).parent.glob("*_fallback*.py")), "no pure-Python copy of the core"
 

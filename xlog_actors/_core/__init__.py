@@ -17,7 +17,17 @@ Thread rule: see each module; everything here may be used from any thread.
 from __future__ import annotations
 
 try:
-    from . import async_core, blocks, client_core, context_core, direct_core, handles, ops, resource_core  # noqa: F401
+    from . import (  # noqa: F401
+        alloc_bridge,
+        async_core,
+        blocks,
+        client_core,
+        context_core,
+        direct_core,
+        handles,
+        ops,
+        resource_core,
+    )
 except ImportError as _exc:  # pragma: no cover - exercised by tests/test_packaging.py in a subprocess
     raise ImportError(
         "xlog_actors' compiled core is not built (" + str(_exc) + "). Build it with "

@@ -44,6 +44,8 @@ class Plan:
     scale: tuple[int, int]  # (samples per phase, ops per sample)
     threads: tuple[int, int]  # DeviceClient from 8 threads: (samples, allocate+free pairs per thread per sample)
     workers: tuple[int, int]  # Allocate from 16 worker actors: (samples, asks per worker per sample)
+    train_steps: int  # the torch training loop: steps per round (CUDA only)
+    train_rounds: int  # and timed rounds, per half
     many_count: int = 64
 
 
@@ -87,6 +89,8 @@ _TABLE: dict[str, tuple[Any, Any, Any, Any]] = {
     "scale":            ((50, 10),     (300, 10),      (20, 10),       (100, 10)),
     "threads":          ((20, 100),    (100, 200),     (6, 40),        (20, 100)),
     "workers":          ((10, 20),     (60, 40),       (5, 10),        (15, 25)),
+    "train_steps":      (1_000,        10_000,         1_000,          10_000),
+    "train_rounds":     (3,            5,              3,              5),
 }
 
 

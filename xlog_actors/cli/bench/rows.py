@@ -1,7 +1,8 @@
 """Every bench row, in run order: the groups of rows and their names.
 
 A row is declared once, as data, in the module of its group (see :class:`~.harness.Row`); this
-table is the order they run in. The peers' allocators run last (their module says why).
+table is the order they run in. The peers' allocators run last (their module says why), then the
+training loop, whose halves run in processes of their own.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from .rows_concurrency import CONCURRENCY
 from .rows_copies import COPIES
 from .rows_peers import PEERS
 from .rows_pipeline import PIPELINE
+from .rows_training import TRAINING
 
 __all__ = ["GROUPS", "row_names"]
 
-GROUPS: tuple[Group, ...] = (ASYNC, DIRECT, ACTOR, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS)
+GROUPS: tuple[Group, ...] = (ASYNC, DIRECT, ACTOR, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS, TRAINING)
 
 
 def row_names() -> Iterator[str]:

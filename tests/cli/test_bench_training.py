@@ -1,0 +1,46 @@
+"""The training-loop bench row off the GPU: skipped with its reason on the host driver and
+without torch, its size sequence fixed and in range, its program refusing bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from xlog_actors.cli.bench import SkipRow
+from xlog_actors.cli.bench.plan import make_plan
+from xlog_actors.cli.bench.rows import GROUPS
+from xlog_actors.cli.bench.rows_training import TRAINING, run_half
+from xlog_actors.cli.bench.training_loop import main, step_sizes
+
+NAME = "torch training loop through device"
+
+
+def test_the_row_is_declared_with_its_target_and_runs_last() -> None:
+    assert GROUPS[-1] is TRAINING and TRAINING.names == (NAME,)
+    row = TRAINING.rows[0]
+    assert row.target is not None and row.target.text == ">= 0.95x"
+    assert row.kind == "throughput" and row.host_skip
+    assert make_plan("cuda", quick=False).train_steps == 10_000
+    assert make_plan("cuda", quick=True).train_steps < 10_000
+
+
+def test_the_sizes_are_fixed_and_span_4_kib_to_64_mib() -> None:
+    sizes = step_sizes()
+    assert sizes == step_sizes()
+    assert min(sizes) >= 4 << 10 and max(sizes) <= 64 << 20
+    assert min(sizes) < 64 << 10 and max(sizes) > 16 << 20  # both ends are drawn
+    assert all(n % 512 == 0 for n in sizes)
+
+
+def test_the_program_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bogus", "10", "1"]) == 2
+    assert main(["device", "0", "1"]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_without_torch_the_row_is_skipped_with_the_reason() -> None:
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here: the row runs (on a GPU) instead")
+    with pytest.raises(SkipRow, match="torch is not installed"):
+        run_half("device", 10, 1)

@@ -1,0 +1,100 @@
+"""PyTorch allocates through a device: ``use_device(device)`` installs a
+``torch.cuda.memory.CUDAPluggableAllocator`` over the compiled core's allocator bridge
+(:mod:`xlog_actors._core.alloc_bridge`), whose C functions call a :class:`DeviceAllocator`
+registered for the device's CUDA ordinal. Every tensor's memory is then a block of the device,
+counted under the tag (``"torch"`` by default) in its budget, statistics, report and history,
+and given back when torch frees it.
+
+PyTorch's rules, which this module cannot change:
+
+* the allocator can be set only before the process's first CUDA allocation through torch, and
+  never swapped back: there is no ``restore``. One pluggable allocator serves every device of
+  the process; ``use_device`` for another device registers that device with it.
+* a refusal reaches torch as a C++ ``std::runtime_error`` thrown by the bridge, which torch
+  raises as ``RuntimeError`` carrying our message (the error, the budget, the report).
+  ``torch.OutOfMemoryError`` (a ``RuntimeError`` subclass) is raised by torch only for its own
+  C++ error type, which a library outside libtorch cannot throw. The error object itself stays
+  reachable: :meth:`TorchRoute.last_error`.
+* torch's caching allocator statistics (``torch.cuda.memory_allocated`` ...) are not offered
+  by a pluggable allocator: the device's ``GetStats``/``GetReport`` are the figures.
+
+Thread rule: ``use_device`` from any thread but a device actor's; the bridge's functions run in
+whatever thread torch allocates or frees in (autograd's included), taking the GIL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._core import alloc_bridge
+from ..errors import InvalidRequest
+from .allocator import DeviceAllocator, as_client, driver_kind
+
+__all__ = ["TorchRoute", "use_device"]
+
+_installed = False
+
+
+class TorchRoute:
+    """The route of one device's torch allocations: its allocator and last refusal.
+
+    Thread rule: any thread.
+    """
+
+    def __init__(self, allocator: DeviceAllocator) -> None:
+        """Args:
+            allocator: the allocator registered with the bridge.
+        Thread rule: any thread.
+        """
+        self.allocator = allocator
+
+    def last_error(self) -> BaseException | None:
+        """The last refusal or failure of the bridge for this device (the exception, with its
+        report), or None. Thread rule: any thread."""
+        return alloc_bridge.last_error(self.allocator.device_id)
+
+    def __repr__(self) -> str:
+        return f"TorchRoute({self.allocator!r})"
+
+
+def use_device(ref_or_client: Any, tag: str = "torch") -> TorchRoute:
+    """Route PyTorch's CUDA allocations on the device's ordinal through the device.
+
+    Args:
+        ref_or_client: a ``DeviceActor``'s ref or its ``DeviceClient``, on the CUDA driver.
+        tag: the tag torch's blocks are counted under.
+    Returns:
+        the route (its allocator, its last error).
+    Raises:
+        ImportError: torch is not installed.
+        InvalidRequest: the device is not on the CUDA driver; its ordinal already routes to
+            another allocator; or torch already allocated on CUDA in this process (the
+            allocator can no longer be set). Nothing is changed then.
+    Thread rule: any thread but the device actor's own.
+    """
+    import torch
+
+    global _installed
+    client = as_client(ref_or_client)
+    kind = driver_kind(client)
+    if kind != "cuda":
+        raise InvalidRequest(f"device {client.device_id}: torch can allocate only on the CUDA driver, not on {kind}")
+    allocator = DeviceAllocator(client, tag)
+    try:
+        alloc_bridge.register(client.device_id, allocator)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if not _installed:
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+            alloc_bridge.library_path(), alloc_bridge.ALLOC_SYMBOL, alloc_bridge.FREE_SYMBOL
+        )
+        try:
+            torch.cuda.memory.change_current_allocator(pluggable)
+        except RuntimeError as exc:
+            alloc_bridge.unregister(client.device_id, allocator)
+            raise InvalidRequest(
+                "torch already allocated CUDA memory in this process: its allocator can only be set before "
+                f"the first CUDA allocation ({exc})"
+            ) from exc
+        _installed = True
+    return TorchRoute(allocator)
