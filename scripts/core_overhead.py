@@ -42,6 +42,7 @@ class Device(Stamped):
     def __init__(self) -> None:
         self.stamp = object()
         self.ordinal, self.token, self.epoch, self.poisoned, self.pool = 0, object(), 1, None, 0xF00
+        self.epoch_token = object()
         self.pool_live: set[int] = set()
         self.direct_live: set[int] = set()
 
@@ -52,11 +53,12 @@ class Device(Stamped):
 class Stream:
     def __init__(self, dev: Device, handle: int, sid: int) -> None:
         self._dev, self._epoch, self._closed, self._handle, self._id = dev, dev.epoch, None, handle, sid
+        self._live = dev.epoch_token
 
 
 class Event:
     def __init__(self, dev: Device, handle: int) -> None:
-        self._dev, self._epoch, self._h = dev, dev.epoch, handle
+        self._dev, self._epoch, self._h, self._live = dev, dev.epoch, handle, dev.epoch_token
 
 
 class Driver:

@@ -681,6 +681,38 @@ def test_rebuild_context_in_a_subprocess() -> None:
 
 
 @pytest.mark.gpu
+def test_the_liveness_token_the_compiled_core_checks_follows_close_and_rebuild() -> None:
+    """``_live is device.epoch_token`` exactly while a stream or event may be used on the
+    compiled fast path: it stops holding at close, at collection (by ``_invalidate``'s path too)
+    and for every object of an older epoch after a rebuild. In a child, since it rebuilds."""
+    proc = _run_child(
+        """
+        from xlog_actors.driver.cuda import CudaDriver
+
+        drv = CudaDriver()
+        dev = drv._device(0)
+        s, closed = drv.create_stream(0), drv.create_stream(0)
+        ev = drv.create_event(0)
+        rec = s.record_event()
+        assert s._live is dev.epoch_token and ev._live is dev.epoch_token and rec._live is dev.epoch_token
+        closed.close()
+        assert closed._live is None and closed._closed == "closed"
+        old = dev.epoch_token
+        drv.rebuild_context(0)
+        assert dev.epoch_token is not old
+        assert s._live is None and s._closed is not None, "a rebuild retires the stream"
+        assert ev._live is not dev.epoch_token and rec._live is not dev.epoch_token
+        s2, ev2 = drv.create_stream(0), drv.create_event(0)
+        assert s2._live is dev.epoch_token and ev2._live is dev.epoch_token
+        s2.close()
+        drv.close()
+        print("LIVE-OK")
+        """
+    )
+    assert proc.returncode == 0 and "LIVE-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
 def test_a_rebuild_leaves_the_other_users_of_the_primary_context_alone() -> None:
     """Another library's allocation, stream and module in the same primary context (what
     PyTorch or CuPy hold there) go on working across our rebuild, while everything of ours is

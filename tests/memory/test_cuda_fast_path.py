@@ -78,6 +78,7 @@ class FakeDevice(Stamped):
         self.ordinal = 0
         self.token: object = object()
         self.epoch = 1
+        self.epoch_token: object = object()
         self.poisoned: str | None = None
         self.pool = 0xF00
         self.pool_live: set[int] = set()
@@ -94,11 +95,12 @@ class FakeDevice(Stamped):
 class FakeStream:
     def __init__(self, dev: FakeDevice, handle: int, sid: int) -> None:
         self._dev, self._epoch, self._closed, self._handle, self._id = dev, dev.epoch, None, handle, sid
+        self._live: object | None = dev.epoch_token
 
 
 class FakeEvent:
     def __init__(self, dev: FakeDevice, handle: int) -> None:
-        self._dev, self._epoch, self._h = dev, dev.epoch, handle
+        self._dev, self._epoch, self._h, self._live = dev, dev.epoch, handle, dev.epoch_token
 
 
 class FakeCudaDriver:
@@ -172,10 +174,12 @@ def test_a_live_stream_in_a_current_context_takes_the_c_path(rig: Any) -> None:
     "why", ["closed", "rebuilt", "poisoned", "other thread", "device lost its context", "device changing"]
 )
 def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, why: str) -> None:
-    if why == "closed":
+    if why == "closed":  # as CudaStream.close: liveness first
+        rig.s0._live = None
         rig.s0._closed = "closed"
-    elif why == "rebuilt":
+    elif why == "rebuilt":  # as CudaDevice._teardown
         rig.dev.epoch += 1
+        rig.dev.epoch_token = object()
     elif why == "poisoned":
         rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"
     elif why == "other thread":

@@ -33,13 +33,13 @@ cdef class CudaOps(DriverOps):
     cdef object _event_type
     cdef object _cuda_result
     cdef object _stamp
-    cdef object _epoch
+    cdef object _live_token
     cdef object _token
     cdef bint _live
     cdef object _pool_obj
     cdef CUmemoryPool _pool
-    cdef object _pool_live
-    cdef object _direct_live
+    cdef set _pool_live
+    cdef set _direct_live
     cdef AllocFromPoolAsync_t _alloc_from_pool
     cdef FreeAsync_t _free_async
     cdef EventRecord_t _event_record

@@ -7,7 +7,8 @@
   ``cuGetProcAddress`` (``CudaDriver.entry_points()``), so the build needs no ``cuda.h`` and
   no matching cuda-bindings. Its fast path runs when the stream (or device) is live, the
   context healthy and already current in this thread: the checks of
-  ``CudaStream._enter``. The device's side of them (epoch, token, poisoned flag, pool, live
+  ``CudaStream._enter``, with the stream's (and event's) device, epoch and liveness read as one
+  identity, ``_live is device.epoch_token``. The device's side of them (epoch, token, poisoned flag, pool, live
   sets) is cached and re-read only when the device's ``stamp`` moved (see ``CudaDevice``), so a
   call reads the stamp, the thread's context token and three attributes of the stream. Anything else (a closed stream, a
   rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
@@ -113,7 +114,7 @@ cdef class CudaOps(DriverOps):
             if stamp is None:
                 return False  # an assignment is under way: the Python driver decides
             token = dev.token
-            self._epoch = dev.epoch
+            self._live_token = dev.epoch_token
             self._token = token
             self._live = token is not None and dev.poisoned is None
             pool = dev.pool
@@ -126,9 +127,9 @@ cdef class CudaOps(DriverOps):
         return self._live and getattr(self._tls, "token", None) is self._token
 
     cdef bint _stream_ok(self, object s):
-        """``s`` is a live stream of this device's current epoch (call after ``_current``)."""
-        return (type(s) is self._stream_type and s._dev is self._dev and s._closed is None
-                and s._epoch == self._epoch)
+        """``s`` is a live stream of this device's current epoch (call after ``_current``): its
+        ``_live`` is the device's ``epoch_token`` exactly while that holds (see ``CudaStream``)."""
+        return type(s) is self._stream_type and s._live is self._live_token
 
     cdef object alloc_async(self, object nbytes, object stream):
         cdef CUdeviceptr ptr = 0
@@ -157,7 +158,7 @@ cdef class CudaOps(DriverOps):
     cdef record(self, object event, object stream):
         cdef CUresult err
         if (not self._current() or not self._stream_ok(stream) or type(event) is not self._event_type
-                or event._dev is not self._dev or event._epoch != self._epoch):
+                or event._live is not self._live_token):
             DriverOps.record(self, event, stream)
             return
         err = self._event_record(PyLong_AsVoidPtr(event._h), PyLong_AsVoidPtr(stream._handle))
@@ -167,7 +168,7 @@ cdef class CudaOps(DriverOps):
     cdef wait(self, object stream, object event):
         cdef CUresult err
         if (not self._current() or not self._stream_ok(stream) or type(event) is not self._event_type
-                or event._dev is not self._dev or event._epoch != self._epoch):
+                or event._live is not self._live_token):
             DriverOps.wait(self, stream, event)
             return
         err = self._stream_wait_event(PyLong_AsVoidPtr(stream._handle), PyLong_AsVoidPtr(event._h), 0)

@@ -67,7 +67,7 @@ _UNAVAILABLE_CODES: Final[frozenset[str]] = frozenset(
 )
 
 #: The attributes of a :class:`CudaDevice` the compiled core caches (see ``CudaDevice.stamp``).
-STAMPED_ATTRIBUTES = frozenset({"epoch", "token", "poisoned", "pool", "pool_live", "direct_live"})
+STAMPED_ATTRIBUTES = frozenset({"epoch", "epoch_token", "token", "poisoned", "pool", "pool_live", "direct_live"})
 
 #: Which context incarnation is current in this thread (``tls.token``: a device's ``token``),
 #: shared by every CudaDriver: CUDA has one current context per thread, whoever set it.
@@ -121,6 +121,9 @@ class CudaDevice(Stamped):
         self.ctx: Any = None
         self.token: object | None = None
         self.epoch = 0
+        # A new object with every epoch: the streams and events of this epoch hold it in ``_live``
+        # while usable, so the compiled core checks device, epoch and liveness by one identity.
+        self.epoch_token: object = object()
         self.incarnation = 0
         self.closed = False
         self.poisoned: str | None = None
@@ -384,6 +387,7 @@ class CudaDevice(Stamped):
         streams = list(self.streams)
         retired = [stream for stream in streams if stream._invalidate(reason)]
         self.epoch += 1
+        self.epoch_token = object()
         self.token = None
         self.streams = weakref.WeakSet()
         self.functions = {}

@@ -284,11 +284,14 @@ class CudaDriver(CudaPeer, CudaMemory):
         dev.enter()
         if dev.graveyard:
             dev.bury()
+        # The token before the epoch: a rebuild in between leaves an old token with the new epoch,
+        # which only sends the event down the slow path (a teardown moves the epoch first).
+        live = dev.epoch_token
         epoch = dev.epoch
         err, event = cu.cuEventCreate(EVENT_FLAGS)
         if err != SUCCESS:
             dev.fail(err, "cuEventCreate")
-        return CudaEvent(dev, event, epoch)
+        return CudaEvent(dev, event, epoch, live)
 
     def sleep(self, stream: CudaStream, microseconds: int) -> None:
         """Enqueue the sleep kernel (:data:`~.nvrtc.SLEEP_KERNEL`): about ``microseconds`` of

@@ -59,13 +59,16 @@ class CudaEvent:
     ``create_stream``/``create_event``/``record_event`` (finalizers never call CUDA).
     """
 
-    __slots__ = ("__weakref__", "_cu", "_dev", "_epoch", "_h", "_incarnation")
+    __slots__ = ("__weakref__", "_cu", "_dev", "_epoch", "_h", "_incarnation", "_live")
 
-    def __init__(self, dev: CudaDevice, event: Any, epoch: int) -> None:
+    def __init__(self, dev: CudaDevice, event: Any, epoch: int, live: object | None) -> None:
         self._dev = dev
         self._cu = event
         self._h = int(event)  # the handle as an int, for the compiled core's direct calls
         self._epoch = epoch
+        # The device's ``epoch_token`` of ``epoch`` (None if made for a dead stream): the
+        # compiled core's one-identity check of device and epoch.
+        self._live = live
         self._incarnation = dev.incarnation
 
     @property
@@ -167,6 +170,7 @@ class CudaStream:
         "_handle",
         "_id",
         "_keep",
+        "_live",
         "_lock",
         "_spare",
     )
@@ -178,6 +182,10 @@ class CudaStream:
         self._id = next(_stream_ids)
         self._epoch = epoch
         self._closed: str | None = None  # why, once closed, invalidated or collected
+        # The device's ``epoch_token`` while the stream is usable, None from the moment it is
+        # closed, invalidated or collected (set before ``_closed``): the compiled core checks
+        # device, epoch and liveness by this one identity.
+        self._live: object | None = dev.epoch_token if epoch == dev.epoch else None
         # Held across "is this stream live?" and the CUDA call that uses its handle, and by
         # whoever retires the stream (a rebuild, close): so no thread can slip work onto a
         # stream, or onto memory, that a rebuild is about to free. Taken before ``_lock``,
@@ -291,7 +299,7 @@ class CudaStream:
             err, event = cu.cuEventCreate(EVENT_FLAGS)
             if err != SUCCESS:
                 dev.fail(err, "cuEventCreate")
-            wrapped = CudaEvent(dev, event, self._epoch)
+            wrapped = CudaEvent(dev, event, self._epoch, self._live)
             (err,) = cu.cuEventRecord(event, self._cu)
         if err != SUCCESS:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
@@ -363,6 +371,7 @@ class CudaStream:
         with self._gate, self._lock:
             if self._closed is not None:
                 return
+            self._live = None
             self._closed = "closed"
         dev = self._dev
         with dev.lock:
@@ -397,6 +406,7 @@ class CudaStream:
             try:
                 if self._closed is not None:
                     return
+                self._live = None
                 self._closed = "collected"
             finally:
                 self._lock.release()
@@ -446,6 +456,7 @@ class CudaStream:
         then the caller's to destroy), False when it was already closed or collected."""
         with self._gate, self._lock:
             if self._closed is None:
+                self._live = None
                 self._closed = reason
                 return True
             return False
