@@ -26,7 +26,7 @@ It borrows, from the installed pykka:
   are put back at the head, so pykka's ``_actor_loop_teardown`` answers them as it answers the
   rest of the inbox (``ActorDeadError``).
 
-* for :func:`ask_notifying`, what ``ActorRef.ask`` does: a future of ``pykka.ThreadingFuture``'s
+* for :func:`ask_notifying` and :func:`ask_into`, what ``ActorRef.ask`` does: a future of ``pykka.ThreadingFuture``'s
   kind (a subclass here, whose ``set``/``set_exception`` also post a key on a queue) put in an
   ``Envelope(message, reply_to=future)`` (``pykka._envelope.Envelope``) on ``ref.actor_inbox``,
   after an ``is_alive()`` check; and that every reply, an actor's own or the teardown's
@@ -54,7 +54,7 @@ from pykka._envelope import Envelope
 
 from . import ranges
 
-__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "ask_notifying", "is_actor_ref_of"]
+__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "ResilientActor", "ask_into", "ask_notifying", "is_actor_ref_of"]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
 PYKKA_MAJOR = 4
@@ -303,6 +303,22 @@ def ask_notifying(
     Thread rule: any thread.
     """
     future = _NotifyingFuture(replies, key)
+    ask_into(ref, message, future)
+    return future
+
+
+def ask_into(ref: pykka.ActorRef[Any], message: Any, future: pykka.ThreadingFuture[Any]) -> None:
+    """``ref.ask(message, block=False)`` answered into ``future``, a ``pykka.ThreadingFuture``
+    (a subclass whose ``set``/``set_exception`` act on the reply: an isolated device's child
+    sends it to its parent from there, with no thread of its own in between).
+
+    Args:
+        ref: the actor to ask.
+        message: the message.
+        future: where the reply (or the error) is set; a dead actor's ``ActorDeadError`` is set
+            at once.
+    Thread rule: any thread.
+    """
     try:
         if not ref.is_alive():
             raise pykka.ActorDeadError(f"{ref} not found")
@@ -310,4 +326,3 @@ def ask_notifying(
         future.set_exception()
     else:
         ref.actor_inbox.put(Envelope(message, reply_to=future))
-    return future
