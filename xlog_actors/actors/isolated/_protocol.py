@@ -124,7 +124,8 @@ def decode_error(encoded: tuple[Any, ...]) -> BaseException:
     cls, args, attributes = encoded
     if cls is None:
         return DriverError(f"in the device process: {args}", code=attributes)
-    error: BaseException = cls.__new__(cls)
+    # BaseException's own allocator: a subclass of MemoryError (OutOfMemory) refuses its base's.
+    error: BaseException = BaseException.__new__(cls)
     error.args = args
     error.__dict__.update(attributes)
     return error
@@ -136,7 +137,7 @@ class Channel:
     Thread rule: ``send`` from any thread; ``recv`` and ``poll`` from one thread.
     """
 
-    __slots__ = ("_conn", "_lock")
+    __slots__ = ("_closed", "_conn", "_lock")
 
     def __init__(self, conn: Connection) -> None:
         """Args:
@@ -144,6 +145,7 @@ class Channel:
         """
         self._conn = conn
         self._lock = threading.Lock()
+        self._closed = False
 
     def send(self, frame: tuple[Any, ...]) -> None:
         """Send one frame.
@@ -171,7 +173,12 @@ class Channel:
         return self._conn.poll(timeout)
 
     def close(self) -> None:
-        """Close this end. Idempotent. Thread rule: any thread."""
+        """Close this end. Idempotent. Thread rule: any thread (the reader and ``stop()`` may
+        both close it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._conn.close()
 
 

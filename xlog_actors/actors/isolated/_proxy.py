@@ -51,7 +51,7 @@ from typing import Any
 import pykka
 
 from ...driver.open import DRIVER_KINDS, env_driver_kind
-from ...errors import CorruptionDetected, DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
+from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
 from ...memory.stack import check_description, default_description
 from .. import messages as m
 from ..device_state import DeviceState
@@ -85,7 +85,7 @@ class ChildTimeline:
     """Diagnostics: asked of an isolated device, the ``time.monotonic()`` marks of its serving
     child's start (what the restart bench breaks down).
 
-    Reply: a dict: ``spawned`` (the process started), ``booted`` (interpreter up, imports done),
+    Reply: a dict: ``pid`` (the child's process id), ``spawned`` (the process started), ``booted`` (interpreter up, imports done),
     ``configured`` (the parent handed it the device), ``driver_open``, ``ready``; and, when it
     replaced a child, ``previous_poisoned`` (the sticky error met in the previous child, or
     None) and ``previous_exit_seen`` (the parent saw that child's pipe end).
@@ -124,6 +124,12 @@ class _Process:
         self.process.start()
         child_end.close()  # the child's death must end the parent's reads
         self.channel = Channel(parent_end)
+
+    def discard(self) -> None:
+        """End a reserve that was never configured: it holds no driver, so it is killed."""
+        self.process.kill()
+        self.process.join()
+        self.channel.close()
 
     def end(self, timeout: float) -> int | None:
         """Ask the process to stop, wait ``timeout`` s, then kill it; its exit code."""
@@ -231,22 +237,28 @@ class _Child:
                 frame = channel.recv()
             except (EOFError, OSError):
                 break
-            kind = frame[0]
-            if kind == "reply":
-                self._resolve(frame[1], frame[2], frame[3])
-            elif kind == "generation":
-                _, generation, status = frame
-                if status == "running":
-                    self.context_for(generation)
-                    tell(_Notify(m.GenerationChanged(self.ordinal, self.base + generation, status)))
-                elif status == "stopped":
-                    tell(_ChildStopped(self))
-            elif kind == "poisoned":
-                self.poisoned = decode_error(frame[1])
-                self.poisoned_at = time.monotonic()
+            try:
+                self._serve_frame(frame, tell)
+            except Exception as exc:  # noqa: BLE001 - this thread must go on reading
+                logger.error("isolated device %d: a frame from the child failed: %r", self.ordinal, exc, exc_info=exc)
         self._died()
         if not self.stopping:
             on_exit(self)
+
+    def _serve_frame(self, frame: tuple[Any, ...], tell: Callable[[Any], None]) -> None:
+        kind = frame[0]
+        if kind == "reply":
+            self._resolve(frame[1], frame[2], frame[3])
+        elif kind == "generation":
+            _, generation, status = frame
+            if status == "running":
+                self.context_for(generation)
+                tell(_Notify(m.GenerationChanged(self.ordinal, self.base + generation, status)))
+            elif status == "stopped":
+                tell(_ChildStopped(self))
+        elif kind == "poisoned":
+            self.poisoned_at = time.monotonic()
+            self.poisoned = decode_error(frame[1])
 
     def _resolve(self, rid: int, ok: bool, value: Any) -> None:
         with self.lock:
@@ -261,7 +273,10 @@ class _Child:
             except Exception as exc:  # noqa: BLE001 - the asker's answer
                 error = exc
         else:
-            error = decode_error(value)
+            try:
+                error = decode_error(value)
+            except Exception as exc:  # noqa: BLE001 - the asker is answered whatever came
+                error = DriverError(f"isolated device {self.ordinal}: an error from the child could not be read: {exc!r}")
             if isinstance(message, m.Free) and not isinstance(error, CorruptionDetected):
                 message.ref._unmark_released()  # the child kept the block: the handle stays usable
         if future is None:
@@ -383,7 +398,7 @@ class IsolatedDevice(ResilientActor):
             if child.reader is not None:
                 child.reader.join(_STOP_TIMEOUT_S)
             if self._spare is not None:
-                self._spare.end(_STOP_TIMEOUT_S)
+                self._spare.discard()
                 self._spare = None
         finally:
             self._unregister()
@@ -495,7 +510,7 @@ class IsolatedDevice(ResilientActor):
             raise
         child = _Child(proc, self.actor_urn, self._ordinal, self._kind or "auto", generation, self._restarts)
         child.timeline.update(
-            spawned=proc.spawned, booted=booted, configured=configured, driver_open=frame[1], ready=frame[2]
+            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured, driver_open=frame[1], ready=frame[2]
         )
         me = self.actor_ref
 
@@ -571,7 +586,7 @@ class IsolatedDevice(ResilientActor):
             child.stopping = True
             child.proc.end(_STOP_TIMEOUT_S)
         if self._spare is not None:
-            self._spare.end(_STOP_TIMEOUT_S)
+            self._spare.discard()
             self._spare = None
         self._notify(m.GenerationChanged(self._ordinal, child.state.generation, "stopped"))
 
