@@ -163,7 +163,7 @@ class DeviceActor(ResilientActor):
         }
 
     @classmethod
-    def start(cls, *args: Any, isolate: bool = False, **kwargs: Any) -> pykka.ActorRef[Any]:  # type: ignore[override]
+    def start(cls, *args: Any, isolate: bool = False, **kwargs: Any) -> pykka.ActorRef[Any]:
         """Start the device actor of an ordinal and return its ``ActorRef``; arguments as
         :meth:`__init__`.
 
@@ -180,7 +180,7 @@ class DeviceActor(ResilientActor):
         if type(isolate) is not bool:
             raise InvalidRequest(f"isolate must be a bool, got {isolate!r}")
         if isolate:
-            from .isolated._proxy import start_isolated  # noqa: PLC0415 - the child imports this module
+            from .isolated._proxy import start_isolated  # here: the isolated child imports this module
 
             return start_isolated(*args, **kwargs)
         return super().start(*args, **kwargs)

@@ -104,7 +104,7 @@ class _Reply(pykka.ThreadingFuture[Any]):
 
     def set_exception(self, exc_info: Any = None) -> None:
         exc = (exc_info if exc_info is not None else sys.exc_info())[1]
-        self._send(False, encode_error(exc))
+        self._send(False, encode_error(exc if exc is not None else RuntimeError("no error given")))
 
     def _send(self, ok: bool, value: Any) -> None:
         try:
@@ -205,7 +205,7 @@ class _Server:
         else:
             kernels = KernelActor.start(self.device)
             copy = CopyActor.start(self.device)
-            ref = self.device.ask(Allocate(256))
+            ref: GpuRef = self.device.ask(Allocate(256))  # type: ignore[assignment]
             kernels.ask(Launch(_WRITE_TO_16, 1, 1, [16]))
             copy.ask(CopyToHost(ref, nbytes=4))  # the sticky error surfaces at the sync
         deadline = time.monotonic() + 30.0

@@ -85,10 +85,10 @@ class ChildTimeline:
     """Diagnostics: asked of an isolated device, the ``time.monotonic()`` marks of its serving
     child's start (what the restart bench breaks down).
 
-    Reply: a dict: ``pid`` (the child's process id), ``spawned`` (the process started), ``booted`` (interpreter up, imports done),
-    ``configured`` (the parent handed it the device), ``driver_open``, ``ready``; and, when it
-    replaced a child, ``previous_poisoned`` (the sticky error met in the previous child, or
-    None) and ``previous_exit_seen`` (the parent saw that child's pipe end).
+    Reply: a dict: ``pid`` (the child's process id), ``spawned`` (the process started),
+    ``booted`` (interpreter up, imports done), ``configured`` (the parent handed it the
+    device), ``driver_open``, ``ready``; and, when it replaced a child, ``previous_poisoned``
+    (when the parent heard of the sticky error met in the previous child, or None) and ``previous_exit_seen`` (the parent saw that child's pipe end).
     """
 
 
@@ -239,7 +239,7 @@ class _Child:
                 break
             try:
                 self._serve_frame(frame, tell)
-            except Exception as exc:  # noqa: BLE001 - this thread must go on reading
+            except Exception as exc:  # this thread must go on reading frames
                 logger.error("isolated device %d: a frame from the child failed: %r", self.ordinal, exc, exc_info=exc)
         self._died()
         if not self.stopping:
@@ -276,7 +276,7 @@ class _Child:
             try:
                 error = decode_error(value)
             except Exception as exc:  # noqa: BLE001 - the asker is answered whatever came
-                error = DriverError(f"isolated device {self.ordinal}: an error from the child could not be read: {exc!r}")
+                error = DriverError(f"isolated device {self.ordinal}: the child's error could not be read: {exc!r}")
             if isinstance(message, m.Free) and not isinstance(error, CorruptionDetected):
                 message.ref._unmark_released()  # the child kept the block: the handle stays usable
         if future is None:
@@ -288,9 +288,9 @@ class _Child:
 
     def _decode(self, message: Any, value: Any) -> Any:
         if isinstance(value, RemoteBlock):
-            return GpuRef._new(value.block, self.context_for(value.generation))
+            return GpuRef._new(value.block, self.context_for(value.generation))  # type: ignore[arg-type]
         if isinstance(message, m.AllocateMany):
-            return [GpuRef._new(r.block, self.context_for(r.generation)) for r in value]
+            return [GpuRef._new(r.block, self.context_for(r.generation)) for r in value]  # type: ignore[arg-type]
         if isinstance(message, m.Rebuild):
             return self.context_for(value).generation
         if isinstance(message, m.GetStats):
@@ -311,23 +311,20 @@ class _Child:
         self.timeline["exit_seen"] = seen
         poisoned = self.poisoned is not None or code == EXIT_POISONED
         where = f"device {self.ordinal}, generation {self.state.generation}, process {self.proc.process.pid}"
+        error_type: type[XlogError] = DeviceUnavailable
         if self.stopping:
-            make: Callable[[], XlogError] = lambda: DeviceUnavailable(f"{where}: the device was stopped")
+            text = f"{where}: the device was stopped"
         elif poisoned:
             self.state.poison()
             self.next_generation = self.state.generation + 1
-            make = lambda: GpuRefStale(  # noqa: E731 - one fresh error per asker
-                "context poisoned", f"{where} exited with code {code} after {self.poisoned!r}"
-            )
+            error_type, text = GpuRefStale, f"{where} exited with code {code} after {self.poisoned!r}"
         else:
             self.next_generation = self.state.bump_generation()
-            make = lambda: DeviceUnavailable(  # noqa: E731 - one fresh error per asker
-                f"{where} ended (exit code {code}) with the request in flight; a new process is started"
-            )
+            text = f"{where} ended (exit code {code}) with the request in flight; a new process is started"
         self.proc.channel.close()
         for future, _message in pending.values():
-            if future is not None:
-                error = make()
+            if future is not None:  # one fresh error per asker: each raise adds its own traceback
+                error = GpuRefStale("context poisoned", text) if error_type is GpuRefStale else DeviceUnavailable(text)
                 future.set_exception((type(error), error, None))
 
 
@@ -510,7 +507,8 @@ class IsolatedDevice(ResilientActor):
             raise
         child = _Child(proc, self.actor_urn, self._ordinal, self._kind or "auto", generation, self._restarts)
         child.timeline.update(
-            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured, driver_open=frame[1], ready=frame[2]
+            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured,
+            driver_open=frame[1], ready=frame[2],
         )
         me = self.actor_ref
 

@@ -45,9 +45,9 @@ class RemoteDriverFace:
 class RemoteContext:
     """One generation of one child process, as the parent's handles see it.
 
-    Fields: ``owner`` (the proxy's actor URN), ``generation`` (the parent's), ``child_generation`` (the child's own, sent back with
-    frees), ``state_ref`` and ``token`` (what ``make_handle`` takes), ``ordinal``, ``driver`` (a
-    :class:`RemoteDriverFace`), ``open``.
+    Fields: ``owner`` (the proxy's actor URN), ``generation`` (the parent's),
+    ``child_generation`` (the child's own, sent back with frees), ``state_ref`` and ``token``
+    (what ``make_handle`` takes), ``ordinal``, ``driver`` (a :class:`RemoteDriverFace`), ``open``.
 
     Thread rule: see the module docstring.
     """

@@ -86,7 +86,7 @@ def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
         f.device.ask(Allocate(SIZE))
         t1 = time.monotonic()
         ours.append((t1 - t0) * 1e9)
-        line = f.device.ask(ChildTimeline())
+        line: dict[str, Any] = f.device.ask(ChildTimeline())  # type: ignore[assignment]
         start = max(line["configured"], line["spawned"])
         phases["detect"].append(line["previous_poisoned"] - t0)
         phases["exit seen"].append(line["previous_exit_seen"] - line["previous_poisoned"])
