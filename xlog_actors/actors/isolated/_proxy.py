@@ -88,7 +88,8 @@ class ChildTimeline:
     Reply: a dict: ``pid`` (the child's process id), ``spawned`` (the process started),
     ``booted`` (interpreter up, imports done), ``configured`` (the parent handed it the
     device), ``driver_open``, ``ready``; and, when it replaced a child, ``previous_poisoned``
-    (when the parent heard of the sticky error met in the previous child, or None) and ``previous_exit_seen`` (the parent saw that child's pipe end).
+    (when the parent heard of the sticky error met in the previous child, or None) and
+    ``previous_exit_seen`` (the parent saw that child's pipe end).
     """
 
 
