@@ -162,6 +162,29 @@ class DeviceActor(ResilientActor):
             m.GetMemorySnapshot: self._on_memory_snapshot,
         }
 
+    @classmethod
+    def start(cls, *args: Any, isolate: bool = False, **kwargs: Any) -> pykka.ActorRef[Any]:
+        """Start the device actor of an ordinal and return its ``ActorRef``; arguments as
+        :meth:`__init__`.
+
+        With ``isolate=True`` the device lives in a child process of its own (spawned), behind a
+        proxy actor in this process whose ``ActorRef`` is returned and stays valid across
+        restarts of the child (``xlog_actors.actors.isolated``); ``driver`` is then a kind
+        (``"auto"``, ``"cuda"``, ``"host"``) or None (the child follows ``XLOG_ACTORS_DRIVER``).
+
+        Raises:
+            InvalidRequest, DeviceUnavailable: as :meth:`__init__` (or, isolated, as
+                ``start_isolated``); nothing is left running.
+        Thread rule: any thread.
+        """
+        if type(isolate) is not bool:
+            raise InvalidRequest(f"isolate must be a bool, got {isolate!r}")
+        if isolate:
+            from .isolated._proxy import start_isolated  # here: the isolated child imports this module
+
+            return start_isolated(*args, **kwargs)
+        return super().start(*args, **kwargs)
+
     def __repr__(self) -> str:
         return f"DeviceActor(device={self._ordinal}, driver={self._driver.kind}, status={self._lifecycle.status.value})"
 

@@ -10,7 +10,7 @@ __all__ = ["DeviceState"]
 class DeviceState:
     """What a ``GpuRef`` validates against.
 
-    ``generation`` starts at 0 and is bumped on every context rebuild; ``accepting_ops`` turns
+    ``generation`` starts at 0 (or where it is told to) and is bumped on every context rebuild; ``accepting_ops`` turns
     false for good on ``begin_shutdown``; ``poisoned`` turns true for good when a sticky error
     poisoned the context. ``token`` is replaced on every one of those changes, so a handle can
     validate with one identity comparison on its fast path.
@@ -20,14 +20,16 @@ class DeviceState:
 
     __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "token")
 
-    def __init__(self, device_id: int) -> None:
-        """A state at generation 0, accepting operations, not poisoned.
+    def __init__(self, device_id: int, generation: int = 0) -> None:
+        """A state at ``generation``, accepting operations, not poisoned.
 
         Args:
             device_id: the device's ordinal.
+            generation: the first generation (an isolated device's new process goes on from
+                the generation of the one it replaces).
         """
         self._device_id = device_id
-        self._generation = 0
+        self._generation = generation
         self._accepting = True
         self._poisoned = False
         self.token: object = object()

@@ -26,7 +26,8 @@ It borrows, from the installed pykka:
   are put back at the head, so pykka's ``_actor_loop_teardown`` answers them as it answers the
   rest of the inbox (``ActorDeadError``).
 
-* for :func:`ask_posting`, what ``ActorRef.ask`` does: an ``Envelope(message, reply_to=...)``
+* for :func:`ask_into` (and :func:`ask_posting` on it), what ``ActorRef.ask`` does: an
+  ``Envelope(message, reply_to=...)``
   (``pykka._envelope.Envelope``) put on ``ref.actor_inbox`` after an ``is_alive()`` check; and
   that every reply, an actor's own or the teardown's ``ActorDeadError``, goes through the reply
   object's ``set(value)`` or ``set_exception(exc_info=None)`` and nothing else (so the reply
@@ -47,14 +48,16 @@ import queue
 import sys
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import pykka
 from pykka._envelope import Envelope
 
 from . import ranges
 
-__all__ = ["BATCH_LIMIT", "PYKKA_MAJOR", "Answer", "ResilientActor", "ask_posting", "is_actor_ref_of"]
+__all__ = [
+    "BATCH_LIMIT", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_posting", "is_actor_ref_of",
+]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
 PYKKA_MAJOR = 4
@@ -280,6 +283,18 @@ class Answer(NamedTuple):
     error: BaseException | None
 
 
+class Reply(Protocol):
+    """What an actor answers an ask through (``Envelope.reply_to``): exactly one of ``set`` or
+    ``set_exception`` is called, once, on the thread that answers. A ``pykka.Future`` is one; so
+    is anything with these two methods (see :func:`ask_into`)."""
+
+    def set(self, value: Any | None = None) -> None:
+        """The reply."""
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        """The error the actor raised (``sys.exc_info()`` when ``exc_info`` is None)."""
+
+
 class _PostingReply:
     """The reply slot of one :func:`ask_posting`: the actor's ``set``/``set_exception`` post an
     :class:`Answer` on the asker's queue. No lock and no condition, unlike a pykka future: the
@@ -299,6 +314,28 @@ class _PostingReply:
         self._replies.put(Answer(self._key, None, error))
 
 
+def ask_into(ref: pykka.ActorRef[Any], message: Any, reply: Reply) -> None:
+    """``ref.ask(message, block=False)`` answered into ``reply``, with no future: the actor calls
+    ``reply.set(value)`` or ``reply.set_exception(...)`` on its own thread (an isolated device's
+    child sends the reply to its parent from there; :func:`ask_posting` posts it on a queue).
+
+    Args:
+        ref: the actor to ask.
+        message: the message.
+        reply: what the answer goes to, exactly once. A dead actor's ``ActorDeadError`` goes to
+            ``set_exception`` before this returns; an actor that stops with the message still
+            queued answers it the same way.
+    Thread rule: any thread.
+    """
+    if not ref.is_alive():
+        try:
+            raise pykka.ActorDeadError(f"{ref} not found")
+        except pykka.ActorDeadError:
+            reply.set_exception()
+        return
+    ref.actor_inbox.put(Envelope(message, reply_to=cast("pykka.Future[Any]", reply)))
+
+
 def ask_posting(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQueue[Answer], key: Hashable) -> None:
     """Ask ``ref`` ``message`` without a future: the reply, or the error it raised, is posted on
     ``replies`` as ``Answer(key, value, error)``. One thread can then wait for whichever of many
@@ -312,8 +349,4 @@ def ask_posting(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQue
     Thread rule: any thread. A dead actor's answer (``ActorDeadError``) is posted before this
     returns; an actor that stops with the message still queued answers it the same way.
     """
-    reply = _PostingReply(replies, key)
-    if not ref.is_alive():
-        replies.put(Answer(key, None, pykka.ActorDeadError(f"{ref} not found")))
-        return
-    ref.actor_inbox.put(Envelope(message, reply_to=cast("pykka.Future[Any]", reply)))
+    ask_into(ref, message, _PostingReply(replies, key))

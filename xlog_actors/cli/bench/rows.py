@@ -14,13 +14,16 @@ from .rows_actors import ACTOR
 from .rows_allocators import ASYNC, DIRECT, SCALING, TRACKING
 from .rows_concurrency import CONCURRENCY
 from .rows_copies import COPIES
+from .rows_isolated import ISOLATED
 from .rows_peers import PEERS
 from .rows_pipeline import PIPELINE
 from .rows_training import TRAINING
 
 __all__ = ["GROUPS", "row_names"]
 
-GROUPS: tuple[Group, ...] = (ASYNC, DIRECT, ACTOR, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS, TRAINING)
+GROUPS: tuple[Group, ...] = (
+    ASYNC, DIRECT, ACTOR, ISOLATED, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS, TRAINING
+)
 
 
 def row_names() -> Iterator[str]:

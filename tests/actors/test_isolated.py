@@ -1,0 +1,281 @@
+"""An isolated device (``DeviceActor.start(..., isolate=True)``) on the host driver: the device
+lives in a spawned child process; the parent's proxy answers every asker, restarts the child
+after a sticky error, a crash, ``os._exit`` or ``SIGKILL``, bumps the generation, and stops for
+good past the restart intensity. Every test checks that no child process outlives it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.actors.isolated import ChildFault, ChildTimeline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _children() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process() -> Iterator[None]:
+    yield
+    pykka.ActorRegistry.stop_all()
+    assert _children() == [], "a device process outlived its actor"
+
+
+class Listener(pykka.ThreadingActor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: queue.Queue[xa.GenerationChanged] = queue.Queue()
+
+    def on_receive(self, message: Any) -> None:
+        self.events.put(message)
+
+
+def start(max_restarts: int = 3) -> tuple[pykka.ActorRef[Any], queue.Queue[xa.GenerationChanged]]:
+    device = xa.DeviceActor.start(0, "host", supervisor=xa.Supervisor(max_restarts=max_restarts), isolate=True)
+    listener = Listener.start()
+    device.ask(xa.Subscribe(listener))
+    return device, listener.proxy().events.get()
+
+
+def pid(device: pykka.ActorRef[Any]) -> int:
+    value: int = device.ask(ChildTimeline())["pid"]
+    return value
+
+
+def stale_reason(ref: xa.GpuRef) -> str:
+    with pytest.raises(xa.GpuRefStale) as info:
+        ref.access()
+    return info.value.reason
+
+
+def test_messages_cross_to_the_child_and_dropped_handles_are_freed_there() -> None:
+    device, _ = start()
+    ref = device.ask(xa.Allocate(1000, tag=xa.AllocTag("a")))
+    assert isinstance(ref, xa.GpuRef) and ref.nbytes == 1000 and ref.tag == "a" and ref.generation == 0
+    assert ref.access().nbytes == 1000
+    many = device.ask(xa.AllocateMany([256, 512]))
+    stats = device.ask(xa.GetStats())
+    assert (stats.generation, stats.bytes_outstanding, stats.live_blocks, stats.status) == (0, 1768, 3, "running")
+    assert device.ask(xa.Free(ref)) is None and ref.released and stale_reason(ref) == "released"
+    assert device.ask(xa.Free(ref)) is None  # idempotent
+    del many  # their frees ride along before the next message
+    assert device.ask(xa.GetStats()).bytes_outstanding == 0
+    assert not hasattr(ref, "__cuda_array_interface__")  # the address is the child's, not ours
+
+
+def test_bad_messages_are_refused_and_change_nothing() -> None:
+    device, _ = start()
+    other = xa.HostDriver()
+    try:
+        local = xa.DeviceActor.start(0, other)
+        foreign = local.ask(xa.Allocate(64))
+        with pytest.raises(xa.InvalidRequest, match="another device actor"):
+            device.ask(xa.Free(foreign))
+        assert foreign.access().nbytes == 64
+        with pytest.raises(xa.InvalidRequest, match="does not serve GetClient"):
+            device.ask(xa.GetClient())
+        with pytest.raises(xa.InvalidRequest):
+            device.ask(xa.Allocate(0))
+        with pytest.raises(xa.InvalidRequest, match="ChildFault.kind"):
+            device.ask(ChildFault("nope"))  # type: ignore[arg-type]
+        with pytest.raises(xa.OutOfMemory) as info:
+            device.ask(xa.Allocate(1 << 40))
+        assert info.value.requested == 1 << 40  # keyword-only fields cross the pipe
+        assert device.ask(xa.GetStats()).bytes_outstanding == 0
+        local.stop()
+    finally:
+        pykka.ActorRegistry.stop_all()
+        other.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"driver": xa.HostDriver}, "driver must be a kind"),
+        ({"driver": "gpu"}, "driver must be a kind"),
+        ({"supervisor": xa.Supervisor(on_poisoned=xa.exit_process)}, "without on_poisoned"),
+        ({"resource": lambda d, o, p: None}, "picklable"),
+        ({"resource": "async+nope"}, "nope"),
+        ({"ordinal": 5}, "ordinal"),
+        ({"ordinal": -1}, "ordinal"),
+    ],
+)
+def test_a_bad_configuration_raises_in_the_caller_and_leaves_nothing_running(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    args = {"ordinal": 0, "driver": "host", **kwargs}
+    with pytest.raises(xa.InvalidRequest, match=match):
+        xa.DeviceActor.start(args.pop("ordinal"), isolate=True, **args)
+    assert _children() == []
+    assert pykka.ActorRegistry.get_all() == []
+
+
+def test_one_isolated_actor_per_ordinal() -> None:
+    device, _ = start()
+    with pytest.raises(xa.InvalidRequest, match="already has an isolated DeviceActor"):
+        xa.DeviceActor.start(0, "host", isolate=True)
+    device.stop()
+    xa.DeviceActor.start(0, "host", isolate=True).stop()  # stopping gave the ordinal back
+
+
+def test_a_sticky_error_restarts_the_child_with_generation_plus_one() -> None:
+    device, events = start()
+    old = device.ask(xa.Allocate(4096))
+    first = pid(device)
+    with pytest.raises(xa.GpuRefStale) as info:
+        device.ask(ChildFault("sticky"))
+    assert info.value.reason == "context poisoned" and "CUDA_ERROR_ILLEGAL_ADDRESS" in str(info.value)
+    assert stale_reason(old) == "context poisoned"
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 1, "running")
+    fresh = device.ask(xa.Allocate(64))
+    assert fresh.generation == 1 and fresh.access().nbytes == 64
+    stats = device.ask(xa.GetStats())
+    assert (stats.generation, stats.restarts, stats.status, stats.bytes_outstanding) == (1, 1, "running", 64)
+    assert pid(device) != first
+    del old  # its free goes nowhere: its process is gone
+    assert device.ask(xa.GetStats()).bytes_outstanding == 64
+
+
+def test_an_illegal_address_kernel_in_the_child_restarts_it() -> None:
+    device, events = start()
+    with pytest.raises(xa.GpuRefStale, match="context poisoned"):
+        device.ask(ChildFault("illegal_address"))
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 1, "running")
+    assert device.ask(xa.Allocate(64)).generation == 1
+
+
+@pytest.mark.parametrize("how", ["exit", "kill", "sigkill from outside"])
+def test_a_crashed_or_killed_child_is_replaced(how: str) -> None:
+    device, events = start()
+    old = device.ask(xa.Allocate(4096))
+    if how == "sigkill from outside":
+        os.kill(pid(device), signal.SIGKILL)
+    else:
+        with pytest.raises(xa.DeviceUnavailable, match="exit code"):
+            device.ask(ChildFault(how))  # type: ignore[arg-type]
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 1, "running")
+    assert stale_reason(old) == "context rebuilt"
+    assert device.ask(xa.Allocate(64)).generation == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "reason"),
+    [("sticky", xa.GpuRefStale, "context poisoned"), ("kill", xa.DeviceUnavailable, None)],
+)
+def test_every_waiting_asker_gets_a_typed_error(kind: str, error: type[Exception], reason: str | None) -> None:
+    device, events = start()
+    device.tell(ChildFault(kind, hold=6))  # type: ignore[arg-type]
+    futures = [device.ask(xa.Allocate(64), block=False) for _ in range(3)]
+    futures += [device.ask(xa.GetStats(), block=False), device.ask(xa.Rebuild("x"), block=False)]
+    futures.append(device.ask(xa.AllocateMany([64, 64]), block=False))  # the sixth: the fault strikes
+    for future in futures:
+        with pytest.raises(error) as info:
+            future.get(timeout=30)
+        assert reason is None or getattr(info.value, "reason", None) == reason
+    assert events.get(timeout=30).generation == 1
+    assert device.ask(xa.Allocate(64)).generation == 1
+
+
+def test_rebuild_in_the_child_bumps_the_parents_generation() -> None:
+    device, events = start()
+    old = device.ask(xa.Allocate(64))
+    assert device.ask(xa.Rebuild("test")) == 1
+    assert stale_reason(old) == "context rebuilt"
+    assert events.get(timeout=10) == xa.GenerationChanged(0, 1, "running")
+    assert device.ask(xa.Allocate(64)).generation == 1
+    assert device.ask(xa.GetStats()).generation == 1
+
+
+def test_past_the_restart_intensity_the_device_stops_for_good() -> None:
+    device, events = start(max_restarts=1)
+    device.ask(xa.Allocate(64))
+    with pytest.raises(xa.DeviceUnavailable):
+        device.ask(ChildFault("exit"))
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 1, "running")
+    ref = device.ask(xa.Allocate(64))
+    with pytest.raises(xa.DeviceUnavailable):
+        device.ask(ChildFault("exit"))
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 2, "stopped")
+    assert stale_reason(ref) == "device shutting down"
+    with pytest.raises(xa.DeviceUnavailable, match="stopped for good"):
+        device.ask(xa.Allocate(64))
+    assert device.ask(xa.GetStats()).status == "stopped"
+    assert device.is_alive()
+    assert _children() == []  # the reserve is stopped too
+
+
+def test_stop_ends_the_child_and_its_reserve_without_a_zombie() -> None:
+    device, _ = start()
+    ref = device.ask(xa.Allocate(64))
+    child = pid(device)
+    assert len(_children()) == 2  # the serving child and the booted reserve
+    device.stop()
+    assert _children() == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # reaped: no zombie left behind either
+    assert stale_reason(ref) == "device shutting down"
+
+
+def test_sigkill_mid_allocation_twenty_times_answers_every_caller() -> None:
+    device, events = start(max_restarts=100)
+    answers: list[object] = []
+    done = threading.Event()
+
+    def asker() -> None:
+        while not done.is_set():
+            try:
+                answers.append(device.ask(xa.Allocate(4096), timeout=20))
+            except (xa.DeviceUnavailable, xa.GpuRefStale) as exc:
+                answers.append(exc)
+
+    threads = [threading.Thread(target=asker) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    try:
+        for generation in range(1, 21):
+            os.kill(pid(device), signal.SIGKILL)
+            assert events.get(timeout=20) == xa.GenerationChanged(0, generation, "running")
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "an asker hangs"
+    assert time.monotonic() - started < 20
+    handles = [a for a in answers if isinstance(a, xa.GpuRef)]
+    assert handles and len(handles) < len(answers)  # served, and some were in flight at a kill
+    assert all(isinstance(a, (xa.GpuRef, xa.DeviceUnavailable)) for a in answers)
+    handles.clear()
+    answers.clear()  # the last child's handles are dropped: their frees go to it
+    stats = device.ask(xa.GetStats())
+    assert (stats.generation, stats.restarts, stats.status) == (20, 20, "running")
+    assert stats.bytes_outstanding == 0  # nothing of the last child is held in the parent
+
+
+@pytest.mark.gpu
+def test_an_illegal_address_in_the_gpu_child_comes_back_with_generation_plus_one() -> None:
+    device = xa.DeviceActor.start(0, "cuda", isolate=True)
+    listener = Listener.start()
+    device.ask(xa.Subscribe(listener))
+    events = listener.proxy().events.get()
+    old = device.ask(xa.Allocate(1 << 20))
+    with pytest.raises(xa.GpuRefStale) as info:
+        device.ask(ChildFault("illegal_address"))
+    assert info.value.reason == "context poisoned" and "ILLEGAL_ADDRESS" in str(info.value)
+    assert stale_reason(old) == "context poisoned"
+    assert events.get(timeout=60) == xa.GenerationChanged(0, 1, "running")
+    fresh = device.ask(xa.Allocate(1 << 20))
+    assert fresh.generation == 1 and device.ask(xa.GetStats()).driver == "cuda"

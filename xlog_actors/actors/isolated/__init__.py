@@ -1,0 +1,17 @@
+"""A device in its own process: ``DeviceActor.start(ordinal, ..., isolate=True)``.
+
+The parent keeps a proxy actor (:class:`IsolatedDevice`) whose ``ActorRef`` outlives the child
+processes behind it; each child runs a normal ``DeviceActor`` on its own driver. A sticky error,
+a crash, ``os._exit`` or ``SIGKILL`` ends only the child: the parent starts a new one, bumps the
+generation, tells subscribers ``GenerationChanged`` and answers every waiting asker with a typed
+error. Modules: ``_protocol`` (the frames and the ``ChildFault`` test hook), ``_child`` (the child
+process), ``_remote`` (the context of parent-side handles), ``_proxy`` (the proxy actor).
+"""
+
+from __future__ import annotations
+
+from ._protocol import ChildFault
+from ._proxy import READY_TIMEOUT_S, ChildTimeline, IsolatedDevice, start_isolated
+from ._remote import RemoteContext
+
+__all__ = ["READY_TIMEOUT_S", "ChildFault", "ChildTimeline", "IsolatedDevice", "RemoteContext", "start_isolated"]

@@ -1,0 +1,259 @@
+"""The child process of an isolated device: its own driver and a normal ``DeviceActor``, served
+over the pipe of :mod:`._protocol`.
+
+The child boots (imports) before it knows its device, so the parent can keep one booted child in
+reserve and hand it the device the moment the serving child dies: ``serve`` says ``booted``,
+waits for ``config``, opens the driver, starts the device actor with a supervisor whose
+escalation hook reports the poisoning to the parent and exits with ``EXIT_POISONED``, and then
+serves frames until ``stop`` or the end of the pipe (the parent is gone).
+
+Handles: every ``GpuRef`` the device answers with stays in :class:`_Handles` (keyed by address)
+until the parent drops or frees it, so the memory lives while the parent holds the handle. A
+handle of an older generation of the child's own context (an in-process rebuild) is dropped when
+the child's device tells its subscribers of the rebuild; its memory went with that context.
+
+Thread rules: frames are read on the child's main thread; replies are sent by the device
+actor's thread, through a future whose ``set`` sends them (no extra thread hop); generation
+frames by a listener actor. :class:`~._protocol.Channel` keeps concurrent frames whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pykka
+
+from ...driver.open import open_driver
+from ...driver.protocol import Driver
+from ...errors import InvalidRequest
+from ...kernels import Kernel
+from ..copy_actor import CopyActor
+from ..device_actor import DeviceActor
+from ..gpu_ref import GpuRef
+from ..kernel_actor import KernelActor
+from ..library_messages import CopyToHost, Launch
+from ..messages import Allocate, Free, GenerationChanged, GetStats, Subscribe
+from ..pykka_internals import ask_into
+from ..supervisor import Supervisor, exit_process
+from ._protocol import FAULT_KINDS, Channel, ChildFault, FreeBlock, RemoteBlock, encode_error
+
+__all__ = ["serve"]
+
+logger = logging.getLogger(__name__)
+
+#: The kernel of ``ChildFault("illegal_address")``: one store to address 16.
+_WRITE_TO_16 = Kernel(
+    name="xlog_write_to_16",
+    params=("u64",),
+    host=lambda mem, grid, block, ptr: mem.array(ptr, 4, np.uint8).fill(1),
+    source='extern "C" __global__ void xlog_write_to_16(unsigned long long p) { *(volatile int*)p = 1; }',
+)
+
+
+class _Handles:
+    """The child's live handles that the parent holds, by address. Thread rule: any thread
+    (single dict operations under the GIL)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, GpuRef] = {}
+
+    def keep(self, ref: GpuRef) -> RemoteBlock:
+        block = ref.block
+        self._refs[block.ptr] = ref
+        return RemoteBlock(block, ref.generation)
+
+    def take(self, ptr: int, generation: int) -> GpuRef | None:
+        ref = self._refs.get(ptr)
+        if ref is None or ref.generation != generation:
+            return None
+        # Only this entry: once popped, another thread may already have stored a new handle at
+        # the same address (stream-ordered reuse).
+        if self._refs.pop(ptr, None) is not ref:
+            return None
+        return ref
+
+    def drop_older(self, generation: int) -> None:
+        for ptr, ref in list(self._refs.items()):
+            if ref.generation < generation and self._refs.get(ptr) is ref:
+                del self._refs[ptr]
+
+
+class _Reply:
+    """The reply slot of one asked frame (a ``pykka_internals.Reply``): its ``set`` sends the
+    reply to the parent, on the thread that answers (the device actor's). No future: nobody in
+    the child waits on it."""
+
+    __slots__ = ("_channel", "_handles", "_rid")
+
+    def __init__(self, channel: Channel, handles: _Handles, rid: int) -> None:
+        self._channel = channel
+        self._handles = handles
+        self._rid = rid
+
+    def set(self, value: Any | None = None) -> None:
+        if isinstance(value, GpuRef):
+            value = self._handles.keep(value)
+        elif isinstance(value, list) and value and isinstance(value[0], GpuRef):
+            value = [self._handles.keep(ref) for ref in value]
+        self._send(True, value)
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        exc = (exc_info if exc_info is not None else sys.exc_info())[1]
+        self._send(False, encode_error(exc if exc is not None else RuntimeError("no error given")))
+
+    def _send(self, ok: bool, value: Any) -> None:
+        try:
+            self._channel.send(("reply", self._rid, ok, value))
+        except (OSError, ValueError):
+            pass  # the parent is gone: the main loop ends at the end of the pipe
+
+
+class _Listener(pykka.ThreadingActor):
+    """Subscribed to the child's device: tells the parent of every status change."""
+
+    def __init__(self, channel: Channel, handles: _Handles) -> None:
+        super().__init__()
+        self._channel = channel
+        self._handles = handles
+
+    def on_receive(self, message: Any) -> None:
+        if isinstance(message, GenerationChanged):
+            self._handles.drop_older(message.generation)
+            try:
+                self._channel.send(("generation", message.generation, message.status))
+            except (OSError, ValueError):
+                pass  # the parent is gone
+
+
+class _Server:
+    """Serves the frames of one configured child."""
+
+    def __init__(self, channel: Channel, driver: Driver, ordinal: int, device: pykka.ActorRef[Any]) -> None:
+        self.channel = channel
+        self.driver = driver
+        self.ordinal = ordinal
+        self.device = device
+        self.handles = _Handles()
+        self.held: list[Any] = []
+        self.fault: ChildFault | None = None
+
+    def loop(self) -> None:
+        listener = _Listener.start(self.channel, self.handles)
+        self.device.ask(Subscribe(listener))
+        while True:
+            try:
+                frame = self.channel.recv()
+            except (EOFError, OSError):
+                return  # the parent is gone
+            kind = frame[0]
+            if kind == "ask":
+                self.ask(frame[1], frame[2])
+            elif kind == "free":
+                for ptr in frame[2]:
+                    self.handles.take(ptr, frame[1])  # the last reference: the device frees it
+            elif kind == "stop":
+                return
+
+    def ask(self, rid: int, message: Any) -> None:
+        if self.fault is not None:
+            self.held.append(message)  # never served: in flight when the fault strikes
+            if len(self.held) >= self.fault.hold:
+                self.strike(self.fault)
+            return
+        reply = _Reply(self.channel, self.handles, rid)
+        if isinstance(message, ChildFault):
+            try:
+                self.arm(message)
+            except InvalidRequest as exc:
+                reply.set_exception((type(exc), exc, None))
+            return
+        if isinstance(message, FreeBlock):
+            ref = self.handles.take(message.ptr, message.generation)
+            if ref is None:
+                reply.set(None)  # freed already, or of an older generation: nothing to free
+                return
+            message = Free(ref)
+        ask_into(self.device, message, reply)
+
+    def arm(self, fault: ChildFault) -> None:
+        if fault.kind not in FAULT_KINDS:
+            raise InvalidRequest(f"ChildFault.kind must be one of {FAULT_KINDS}, got {fault.kind!r}")
+        if type(fault.hold) is not int or fault.hold < 0:
+            raise InvalidRequest(f"ChildFault.hold must be a non-negative int, got {fault.hold!r}")
+        if fault.kind == "sticky" and self.driver.kind != "host":
+            raise InvalidRequest(f"ChildFault('sticky') needs the host driver; this child runs {self.driver.kind}")
+        if fault.hold == 0:
+            self.strike(fault)
+        else:
+            self.fault = fault
+
+    def strike(self, fault: ChildFault) -> None:
+        """Make the child fail; returns only if the fault did not end it in 30 s."""
+        logger.warning("device %d: test hook %r ends this child process", self.ordinal, fault)
+        if fault.kind == "exit":
+            os._exit(3)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "sticky":
+            self.driver.inject_fault(self.ordinal, "sticky")  # type: ignore[attr-defined]
+            self.device.ask(Allocate(256))  # meets it: the supervisor poisons, the hook exits
+        else:
+            kernels = KernelActor.start(self.device)
+            copy = CopyActor.start(self.device)
+            ref: GpuRef = self.device.ask(Allocate(256))  # type: ignore[assignment]
+            kernels.ask(Launch(_WRITE_TO_16, 1, 1, [16]))
+            copy.ask(CopyToHost(ref, nbytes=4))  # the sticky error surfaces at the sync
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:  # the poisoning hook ends the process meanwhile
+            self.device.ask(GetStats())
+            time.sleep(0.01)
+
+
+def serve(conn: Connection) -> None:
+    """Boot, take the configuration, serve the device until ``stop`` or the parent is gone.
+
+    Args:
+        conn: the child's end of the pipe.
+    Thread rule: the child's main thread.
+    """
+    channel = Channel(conn)
+    channel.send(("booted", time.monotonic()))
+    try:
+        frame = channel.recv()
+    except (EOFError, OSError):
+        return
+    if frame[0] != "config":
+        return  # "stop": the parent stopped before it needed this spare
+    _, ordinal, kind, resource, max_restarts, within_s = frame
+
+    def report_poisoned(device_id: int, error: BaseException) -> None:
+        try:
+            channel.send(("poisoned", encode_error(error)))
+        finally:
+            exit_process(device_id, error)
+
+    driver: Driver | None = None
+    try:
+        driver = open_driver(kind)
+        t_driver = time.monotonic()
+        supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
+        device = DeviceActor.start(ordinal, driver, resource, supervisor)
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        channel.send(("failed", encode_error(exc)))
+        if driver is not None:
+            driver.close()
+        return
+    channel.send(("ready", t_driver, time.monotonic()))
+    try:
+        _Server(channel, driver, ordinal, device).loop()
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+        channel.close()

@@ -1,0 +1,197 @@
+"""The wire between an isolated device's proxy (the parent) and its child process.
+
+A frame is a tuple whose first item names its kind, sent as one pickle over a
+``multiprocessing`` ``Connection`` (length-prefixed by the connection itself):
+
+=====================================  ============  ============================================
+frame                                  direction     meaning
+=====================================  ============  ============================================
+``("booted", t)``                      child→parent  the interpreter is up and imported (``t``:
+                                                     ``time.monotonic()``, one clock per machine)
+``("config", ordinal, kind, resource,  parent→child  open the driver, start the device actor
+max_restarts, within_s)``
+``("ready", t_driver, t_ready)``       child→parent  the device serves (driver opened at
+                                                     ``t_driver``, actor ready at ``t_ready``)
+``("failed", error)``                  child→parent  the configuration failed; the child exits
+``("ask", rid, message)``              parent→child  serve ``message``; answer with ``rid``
+``("reply", rid, ok, value)``          child→parent  the answer to ``rid``: a value, or an
+                                                     encoded error when ``ok`` is False
+``("free", generation, ptrs)``         parent→child  the parent dropped these handles of the
+                                                     child's ``generation``
+``("generation", generation, status)`` child→parent  the child's device changed status
+``("poisoned", error)``                child→parent  sent just before the child exits with
+                                                     ``EXIT_POISONED``
+``("stop",)``                          parent→child  stop the actors, close the driver, exit
+=====================================  ============  ============================================
+
+Request ids make the parent's asks pipelined: many are in flight at once, and replies are matched
+to their askers by id, in whatever order the child answers them.
+
+Errors cross as :func:`encode_error` tuples (class, args, attributes) rather than as pickled
+exceptions: the runtime's errors take keyword-only arguments (``OutOfMemory(requested=...)``),
+which ``pickle`` cannot rebuild.
+
+Thread rule: :class:`Channel.send` may be called from any thread (a lock keeps frames whole);
+:meth:`Channel.recv` from one thread per end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+from ...errors import DriverError
+from ...memory.block import DeviceBlock
+
+__all__ = ["Channel", "ChildFault", "FreeBlock", "RemoteBlock", "child_entry", "decode_error", "encode_error"]
+
+#: What a :class:`ChildFault` can do to the child.
+FaultKind = Literal["sticky", "illegal_address", "exit", "kill"]
+FAULT_KINDS: tuple[str, ...] = ("sticky", "illegal_address", "exit", "kill")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildFault:
+    """**Test hook**: asked of an isolated device, it makes the child process fail, so tests
+    and benchmarks can drive the restart path. Not for production use.
+
+    Fields: ``kind``: ``"sticky"`` (the host driver's ``inject_fault(ordinal, "sticky")``, met
+    at once by an allocation: the device is poisoned and the child exits with
+    ``EXIT_POISONED``; ``InvalidRequest`` on another driver), ``"illegal_address"`` (a kernel
+    that writes address 16, launched through a ``KernelActor`` in the child: a real sticky
+    error on a GPU, the host driver's checked-memory equivalent elsewhere), ``"exit"``
+    (``os._exit(3)``), ``"kill"`` (the child sends itself ``SIGKILL``); ``hold``: how many of the
+    asks that follow the child takes without serving before it fails (so they are in flight
+    when it does); 0 fails at once.
+    Reply: none in practice (the child ends); its asker gets the typed error of the death.
+    Errors: ``InvalidRequest`` (an unknown kind, a bad hold, ``"sticky"`` off the host driver).
+    """
+
+    kind: FaultKind
+    hold: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteBlock:
+    """A ``GpuRef`` of the child as it crosses to the parent: its block and the child's
+    generation it was made in. Thread rule: immutable; any thread."""
+
+    block: DeviceBlock
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBlock:
+    """The payload of a ``Free`` asked in the parent: the child frees its handle at ``ptr`` of
+    its ``generation`` (nothing when that handle is gone). Thread rule: immutable; any thread."""
+
+    ptr: int
+    generation: int
+
+
+def encode_error(exc: BaseException) -> tuple[Any, ...]:
+    """``exc`` as a picklable tuple for :func:`decode_error`.
+
+    Args:
+        exc: the error.
+    Returns:
+        ``(class, args, attributes)``, or ``(None, text, code)`` when the class or its
+        attributes cannot cross (then it is rebuilt as a ``DriverError``).
+    Thread rule: any thread.
+    """
+    attributes = {k: v for k, v in vars(exc).items() if not k.startswith("__")}
+    encoded = (type(exc), exc.args, attributes)
+    try:
+        pickle.dumps(encoded)
+    except Exception:  # noqa: BLE001 - an error whose parts cannot cross: keep its text and code
+        return (None, f"{type(exc).__name__}: {exc}", getattr(exc, "code", None))
+    return encoded
+
+
+def decode_error(encoded: tuple[Any, ...]) -> BaseException:
+    """The error :func:`encode_error` encoded, rebuilt without calling its ``__init__``.
+
+    Args:
+        encoded: the tuple.
+    Returns:
+        the error.
+    Thread rule: any thread.
+    """
+    cls, args, attributes = encoded
+    if cls is None:
+        return DriverError(f"in the device process: {args}", code=attributes)
+    # BaseException's own allocator: a subclass of MemoryError (OutOfMemory) refuses its base's.
+    error: BaseException = BaseException.__new__(cls)
+    error.args = args
+    error.__dict__.update(attributes)
+    return error
+
+
+class Channel:
+    """One end of the pipe, with a lock so that frames sent from several threads stay whole.
+
+    Thread rule: ``send`` from any thread; ``recv`` and ``poll`` from one thread.
+    """
+
+    __slots__ = ("_closed", "_conn", "_lock")
+
+    def __init__(self, conn: Connection) -> None:
+        """Args:
+            conn: the connection (duplex).
+        """
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, frame: tuple[Any, ...]) -> None:
+        """Send one frame.
+
+        Raises:
+            OSError, ValueError: the pipe is closed or broken (the other side is gone).
+        Thread rule: any thread.
+        """
+        with self._lock:
+            self._conn.send(frame)
+
+    def recv(self) -> tuple[Any, ...]:
+        """The next frame.
+
+        Raises:
+            EOFError, OSError: the other side is gone.
+        Thread rule: one thread per end.
+        """
+        frame: tuple[Any, ...] = self._conn.recv()
+        return frame
+
+    def poll(self, timeout: float) -> bool:
+        """Whether a frame (or the end of the pipe) can be read within ``timeout`` seconds.
+        Thread rule: the receiving thread."""
+        return self._conn.poll(timeout)
+
+    def close(self) -> None:
+        """Close this end. Idempotent. Thread rule: any thread (the reader and ``stop()`` may
+        both close it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._conn.close()
+
+
+def child_entry(conn: Connection, module: str) -> None:
+    """The spawned child's entry point: ``serve(conn)`` of ``module``.
+
+    The child's module is named, not imported, by the parent: it imports ``DeviceActor``, whose
+    ``start(isolate=True)`` imports the proxy, so an import would close a circle; in the child,
+    spawn imports it by name anyway.
+
+    Args:
+        conn: the child's end of the pipe.
+        module: the module that serves the device.
+    Thread rule: the child's main thread.
+    """
+    importlib.import_module(module).serve(conn)

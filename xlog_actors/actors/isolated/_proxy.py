@@ -1,0 +1,669 @@
+"""``IsolatedDevice``: the parent's proxy actor of a device that lives in its own process.
+
+``DeviceActor.start(ordinal, ..., isolate=True)`` starts one. Its ``ActorRef`` stays valid across
+child restarts. It forwards ``Allocate``, ``AllocateMany``, ``Free``, ``GetStats`` and ``Rebuild``
+to the child (and the ``ChildFault`` test hook); ``Subscribe``/``Unsubscribe`` live in the
+parent.
+
+Invariants:
+
+* **Pipelined asks.** The proxy's thread only pickles and sends an ask, registered under a request
+  id with its asker's future; a reader thread per child resolves the futures as replies arrive.
+  Many asks are in flight at once.
+* **The parent holds the generation.** Each child process has its own ``DeviceState`` in the
+  parent, starting where the previous child's generation ended, plus one: a child's own rebuild
+  bumps it, its death bumps it (``"context rebuilt"``) or poisons it (``"context poisoned"``,
+  when the child reported a sticky error or exited with ``EXIT_POISONED``). Handles validate
+  against it on every ``access()``.
+* **Every asker is answered.** When a child dies, every ask sent to it and not answered gets a
+  typed error (``GpuRefStale("context poisoned")`` after a sticky error, ``DeviceUnavailable``
+  otherwise), at once, from the reader thread. Asks that arrive afterwards are served by the next
+  child.
+* **Restarts** go through the ``Supervisor``'s restart intensity (per ordinal); past it the device
+  stops for good as an in-process one does. A booted child is kept in reserve so that a restart
+  does not wait for an interpreter to start and import.
+* Frees of dropped parent handles go to the child they came from, batched, and never to a newer
+  one (see :mod:`._remote`).
+
+Thread rules: handlers run on the proxy's thread; each child's reader thread resolves futures,
+marks the child's state and tells the proxy what happened. A child's ``pending`` table and its
+current context change under its lock.
+
+Past 400 lines: the child record and the proxy share the restart protocol (the reader thread
+marks a death, the proxy restarts), and each needs the other's half in view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import pickle
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pykka
+
+from ...driver.open import DRIVER_KINDS, env_driver_kind
+from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
+from ...memory.stack import check_description, default_description
+from .. import messages as m
+from ..device_state import DeviceState
+from ..gpu_ref import GpuRef
+from ..pykka_internals import ResilientActor
+from ..supervisor import EXIT_POISONED, Supervisor, stop_device
+from ._protocol import Channel, ChildFault, FreeBlock, RemoteBlock, child_entry, decode_error
+from ._remote import RemoteContext, RemoteDriverFace
+
+__all__ = ["READY_TIMEOUT_S", "ChildTimeline", "IsolatedDevice", "start_isolated"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a child may take from its configuration to serving (a first CUDA initialisation
+#: takes seconds); past it the child is killed and the start or restart fails.
+READY_TIMEOUT_S = 60.0
+#: How long ``stop()`` waits for a child to end by itself before it kills it.
+_STOP_TIMEOUT_S = 10.0
+_CHILD_MODULE = "xlog_actors.actors.isolated._child"
+_SPAWN = multiprocessing.get_context("spawn")
+
+_FORWARDED = (m.Allocate, m.AllocateMany, m.Free, m.GetStats, m.Rebuild, ChildFault)
+_SERVED = "Allocate, AllocateMany, Free, GetStats, Rebuild, Subscribe or Unsubscribe"
+
+_registry_lock = threading.Lock()
+_registry: dict[tuple[str, int], str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class ChildTimeline:
+    """Diagnostics: asked of an isolated device, the ``time.monotonic()`` marks of its serving
+    child's start (what the restart bench breaks down).
+
+    Reply: a dict: ``pid`` (the child's process id), ``spawned`` (the process started),
+    ``booted`` (interpreter up, imports done), ``configured`` (the parent handed it the
+    device), ``driver_open``, ``ready``; and, when it replaced a child, ``previous_poisoned``
+    (when the parent heard of the sticky error met in the previous child, or None) and
+    ``previous_exit_seen`` (the parent saw that child's pipe end).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class _ChildExited:
+    child: _Child
+
+
+@dataclass(frozen=True, slots=True)
+class _ChildStopped:
+    child: _Child
+
+
+@dataclass(frozen=True, slots=True)
+class _Notify:
+    message: m.GenerationChanged
+
+
+@dataclass(frozen=True, slots=True)
+class _Flush:
+    pass
+
+
+class _Process:
+    """A spawned child process and the parent's end of its pipe."""
+
+    def __init__(self, ordinal: int) -> None:
+        parent_end, child_end = _SPAWN.Pipe()
+        self.process = _SPAWN.Process(
+            target=child_entry, args=(child_end, _CHILD_MODULE), name=f"xlog-device-{ordinal}", daemon=True
+        )
+        self.spawned = time.monotonic()
+        self.process.start()
+        child_end.close()  # the child's death must end the parent's reads
+        self.channel = Channel(parent_end)
+
+    def discard(self) -> None:
+        """End a reserve that was never configured: it holds no driver, so it is killed."""
+        self.process.kill()
+        self.process.join()
+        self.channel.close()
+
+    def end(self, timeout: float) -> int | None:
+        """Ask the process to stop, wait ``timeout`` s, then kill it; its exit code."""
+        try:
+            self.channel.send(("stop",))
+        except (OSError, ValueError):
+            pass  # already gone
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.channel.close()
+        return self.process.exitcode
+
+
+class _Child:
+    """One serving child process, its requests in flight and its generations, in the parent."""
+
+    def __init__(self, proc: _Process, owner: str, ordinal: int, kind: str, generation: int, restarts: int) -> None:
+        self.proc = proc
+        self.owner = owner
+        self.ordinal = ordinal
+        self.base = generation
+        self.restarts = restarts
+        self.lock = threading.Lock()
+        self.pending: dict[int, tuple[pykka.Future[Any] | None, Any]] = {}
+        self.ids = itertools.count(1)
+        self.alive = True
+        self.stopping = False
+        self.poisoned: BaseException | None = None
+        self.poisoned_at: float | None = None
+        self.next_generation = generation + 1
+        self.timeline: dict[str, Any] = {}
+        self.state = DeviceState(ordinal, generation)
+        self.frees: deque[tuple[int, int]] = deque()
+        self.face = RemoteDriverFace(kind)
+        self.wake: Callable[[], None] = lambda: None
+        self.ctx = self._context(0, self.state.token)
+        self.reader: threading.Thread | None = None
+
+    def _context(self, child_generation: int, token: object) -> RemoteContext:
+        return RemoteContext(
+            self.owner, self.state, self.base + child_generation, token, child_generation, self.frees,
+            self.wake, self.face,
+        )
+
+    def start_reader(self, on_exit: Callable[[_Child], None], tell: Callable[[Any], None]) -> None:
+        self.reader = threading.Thread(
+            target=self._read, args=(on_exit, tell), name=f"xlog-device-{self.ordinal}-reader", daemon=True
+        )
+        self.reader.start()
+
+    # -- the proxy's side ---------------------------------------------------------------------
+    def send_ask(self, payload: Any, future: pykka.Future[Any] | None, message: Any) -> bool:
+        """Send one ask; False when the child is known dead (nothing was sent)."""
+        with self.lock:
+            if not self.alive:
+                return False
+            rid = next(self.ids)
+            self.pending[rid] = (future, message)
+        try:
+            self.proc.channel.send(("ask", rid, payload))
+        except (OSError, ValueError):
+            pass  # the child died: the reader answers this ask with the death's error
+        return True
+
+    def flush_frees(self) -> None:
+        """Send the frees of dropped handles of the current generation."""
+        frees = self.frees
+        if not frees:
+            return
+        current = self.ctx.child_generation
+        ptrs = []
+        while frees:
+            generation, ptr = frees.popleft()
+            if generation == current:
+                ptrs.append(ptr)  # older ones went with their context
+        if ptrs:
+            try:
+                self.proc.channel.send(("free", current, ptrs))
+            except (OSError, ValueError):
+                pass  # the child is gone, and its memory with it
+
+    # -- the reader's side ----------------------------------------------------------------------
+    def context_for(self, child_generation: int) -> RemoteContext:
+        """The context of the child's ``child_generation``, advancing to it when it is newer."""
+        with self.lock:
+            ctx = self.ctx
+            if child_generation == ctx.child_generation:
+                return ctx
+            if child_generation > ctx.child_generation and self.alive:
+                ctx.open = False
+                while self.state.generation < self.base + child_generation:
+                    self.state.bump_generation()
+                self.ctx = self._context(child_generation, self.state.token)
+                return self.ctx
+        stale = self._context(child_generation, object())  # replaced already: stale from birth
+        stale.open = False
+        return stale
+
+    def _read(self, on_exit: Callable[[_Child], None], tell: Callable[[Any], None]) -> None:
+        channel = self.proc.channel
+        while True:
+            try:
+                frame = channel.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._serve_frame(frame, tell)
+            except Exception as exc:  # this thread must go on reading frames
+                logger.error("isolated device %d: a frame from the child failed: %r", self.ordinal, exc, exc_info=exc)
+        self._died()
+        if not self.stopping:
+            on_exit(self)
+
+    def _serve_frame(self, frame: tuple[Any, ...], tell: Callable[[Any], None]) -> None:
+        kind = frame[0]
+        if kind == "reply":
+            self._resolve(frame[1], frame[2], frame[3])
+        elif kind == "generation":
+            _, generation, status = frame
+            if status == "running":
+                self.context_for(generation)
+                tell(_Notify(m.GenerationChanged(self.ordinal, self.base + generation, status)))
+            elif status == "stopped":
+                tell(_ChildStopped(self))
+        elif kind == "poisoned":
+            self.poisoned_at = time.monotonic()
+            self.poisoned = decode_error(frame[1])
+
+    def _resolve(self, rid: int, ok: bool, value: Any) -> None:
+        with self.lock:
+            entry = self.pending.pop(rid, None)
+        if entry is None:
+            return
+        future, message = entry
+        error: BaseException | None = None
+        if ok:
+            try:
+                value = self._decode(message, value)
+            except Exception as exc:  # noqa: BLE001 - the asker's answer
+                error = exc
+        else:
+            try:
+                error = decode_error(value)
+            except Exception as exc:  # noqa: BLE001 - the asker is answered whatever came
+                error = DriverError(f"isolated device {self.ordinal}: the child's error could not be read: {exc!r}")
+            if isinstance(message, m.Free) and not isinstance(error, CorruptionDetected):
+                message.ref._unmark_released()  # the child kept the block: the handle stays usable
+        if future is None:
+            return  # told: the value (a handle, say) is dropped, and freed
+        if error is None:
+            future.set(value)
+        else:
+            future.set_exception((type(error), error, None))
+
+    def _decode(self, message: Any, value: Any) -> Any:
+        if isinstance(value, RemoteBlock):
+            return GpuRef._new(value.block, self.context_for(value.generation))  # type: ignore[arg-type]
+        if isinstance(message, m.AllocateMany):
+            return [GpuRef._new(r.block, self.context_for(r.generation)) for r in value]  # type: ignore[arg-type]
+        if isinstance(message, m.Rebuild):
+            return self.context_for(value).generation
+        if isinstance(message, m.GetStats):
+            return dataclasses.replace(
+                value, generation=self.base + value.generation, restarts=self.restarts + value.restarts
+            )
+        return value
+
+    def _died(self) -> None:
+        self.proc.process.join(5.0)  # its pipe ended: the exit follows at once
+        code = self.proc.process.exitcode
+        seen = time.monotonic()
+        with self.lock:
+            self.alive = False
+            pending, self.pending = self.pending, {}
+            self.ctx.open = False
+            self.frees.clear()
+        self.timeline["exit_seen"] = seen
+        poisoned = self.poisoned is not None or code == EXIT_POISONED
+        where = f"device {self.ordinal}, generation {self.state.generation}, process {self.proc.process.pid}"
+        error_type: type[XlogError] = DeviceUnavailable
+        if self.stopping:
+            text = f"{where}: the device was stopped"
+        elif poisoned:
+            self.state.poison()
+            self.next_generation = self.state.generation + 1
+            error_type, text = GpuRefStale, f"{where} exited with code {code} after {self.poisoned!r}"
+        else:
+            self.next_generation = self.state.bump_generation()
+            text = f"{where} ended (exit code {code}) with the request in flight; a new process is started"
+        self.proc.channel.close()
+        for future, _message in pending.values():
+            if future is not None:  # one fresh error per asker: each raise adds its own traceback
+                error = GpuRefStale("context poisoned", text) if error_type is GpuRefStale else DeviceUnavailable(text)
+                future.set_exception((type(error), error, None))
+
+
+class IsolatedDevice(ResilientActor):
+    """The parent's proxy of a device served by its own child process; see the module docstring.
+
+    Made by ``DeviceActor.start(ordinal, ..., isolate=True)``, which returns its ``ActorRef``.
+
+    Thread rule: as any pykka actor; ask or tell it from any thread.
+    """
+
+    def __init__(
+        self, ordinal: int, kind: str | None, resource: str | Callable[..., Any] | None, supervisor: Supervisor
+    ) -> None:
+        """Start the first child and wait until it serves.
+
+        Args:
+            ordinal: the device ordinal in the child's driver.
+            kind: the child's driver kind, or None for ``XLOG_ACTORS_DRIVER`` (else ``"auto"``).
+            resource: a stack description, a picklable factory, or None (the child's default).
+            supervisor: the restart intensity (its ``max_restarts``/``within_s`` also bound the
+                child's in-process rebuilds).
+        Raises:
+            InvalidRequest, DeviceUnavailable: as the child met them (a bad ordinal, no driver);
+                nothing is left running.
+        Thread rule: the caller's thread (``start`` runs it there).
+        """
+        super().__init__()
+        self._ordinal = ordinal
+        self._kind = kind
+        self._resource = resource
+        self._supervisor = supervisor
+        self._subscribers: list[pykka.ActorRef[Any]] = []
+        self._restarts = 0
+        self._stopped: DeviceUnavailable | None = None
+        self._last_generation = 0
+        self._spare: _Process | None = None
+        self._key = (kind or "auto", ordinal)
+        with _registry_lock:
+            if self._key in _registry:
+                raise InvalidRequest(
+                    f"device {ordinal} of the {self._key[0]} driver already has an isolated DeviceActor "
+                    f"({_registry[self._key]}); one actor owns each ordinal"
+                )
+            _registry[self._key] = self.actor_urn
+        try:
+            self._child: _Child = self._launch(0, _Process(ordinal))
+        except BaseException:
+            self._unregister()
+            raise
+
+    def __repr__(self) -> str:
+        return f"IsolatedDevice(device={self._ordinal}, driver={self._kind or 'auto'})"
+
+    # -- pykka hooks ------------------------------------------------------------------------------
+    def on_start(self) -> None:
+        """Boot the reserve child. Thread rule: the proxy's thread (pykka calls it)."""
+        self._spare = _Process(self._ordinal)
+
+    def on_stop(self) -> None:
+        """Stop the child (killed if it does not end in 10 s) and the reserve; every handle is
+        ``"device shutting down"``. Thread rule: the proxy's thread (pykka calls it)."""
+        try:
+            child = self._child
+            child.stopping = True
+            child.state.begin_shutdown()
+            child.proc.end(_STOP_TIMEOUT_S)
+            if child.reader is not None:
+                child.reader.join(_STOP_TIMEOUT_S)
+            if self._spare is not None:
+                self._spare.discard()
+                self._spare = None
+        finally:
+            self._unregister()
+
+    def on_receive(self, message: Any) -> Any:
+        """Serve the messages answered in the parent. Thread rule: the proxy's thread.
+
+        Raises:
+            InvalidRequest: a message an isolated device does not serve, or a malformed one.
+        """
+        if isinstance(message, (m.Subscribe, m.Unsubscribe)):
+            m.check_actor_ref(message)
+            if isinstance(message, m.Subscribe) and message.actor_ref not in self._subscribers:
+                self._subscribers.append(message.actor_ref)
+            elif isinstance(message, m.Unsubscribe) and message.actor_ref in self._subscribers:
+                self._subscribers.remove(message.actor_ref)
+            return None
+        if isinstance(message, _ChildExited):
+            self._restart(message.child)
+        elif isinstance(message, _ChildStopped):
+            if message.child is self._child:
+                self._stop_for_good(f"the device in process {message.child.proc.process.pid} stopped for good")
+        elif isinstance(message, _Notify):
+            self._notify(message.message)
+        elif isinstance(message, _Flush):
+            self._child.flush_frees()
+        elif isinstance(message, ChildTimeline):
+            return dict(self._child.timeline)
+        else:
+            raise InvalidRequest(
+                f"an isolated DeviceActor {self._ordinal} does not serve {type(message).__name__} messages; "
+                f"expected {_SERVED}"
+            )
+        return None
+
+    def _handle_envelope(self, envelope: Any, receive: Callable[[Any], Any] | None = None) -> None:
+        # Forwarded asks are not answered here: the child's reply, read by the reader thread,
+        # sets the asker's future, so this thread goes on to the next ask at once.
+        if type(envelope.message) not in _FORWARDED:
+            super()._handle_envelope(envelope, receive)
+            return
+        try:
+            self._forward(envelope.message, envelope.reply_to)
+        except Exception as error:  # noqa: BLE001 - the asker's answer, or on_told_failure's
+            self._answer_failure(envelope, error, sys.exc_info())
+
+    # -- forwarding -------------------------------------------------------------------------------
+    def _forward(self, message: Any, future: pykka.Future[Any] | None) -> None:
+        for _ in range(2):  # a child found dead here is replaced, and the ask goes to the new one
+            child = self._serving()
+            if child is None:
+                if isinstance(message, m.GetStats):
+                    self._answer(future, self._stopped_stats())
+                    return
+                assert self._stopped is not None
+                raise DeviceUnavailable(str(self._stopped))
+            child.flush_frees()
+            payload: Any = message
+            if isinstance(message, m.Free):
+                payload = self._free_payload(message, child)
+                if payload is None:
+                    self._answer(future, None)
+                    return
+            if child.send_ask(payload, future, message):
+                return
+            self._restart(child)
+        raise DeviceUnavailable(f"isolated device {self._ordinal}: no child process could take the request")
+
+    @staticmethod
+    def _answer(future: pykka.Future[Any] | None, value: Any) -> None:
+        if future is not None:
+            future.set(value)
+
+    def _free_payload(self, message: m.Free, child: _Child) -> FreeBlock | None:
+        ref = message.ref
+        if not isinstance(ref, GpuRef):
+            raise InvalidRequest(f"Free.ref must be a GpuRef, got {type(ref).__name__}")
+        m.check_origin(message)
+        ctx = ref.context
+        if not isinstance(ctx, RemoteContext) or ctx.owner != self.actor_urn:
+            raise InvalidRequest(
+                f"Free: {ref!r} belongs to another device actor, not to isolated device {self._ordinal}"
+            )
+        if not ctx.is_current() or ctx is not child.ctx:
+            ref._mark_released()  # an older generation or child: its memory went with it
+            return None
+        if not ref._mark_released():
+            return None
+        return FreeBlock(ref.block.ptr, ctx.child_generation)
+
+    # -- children ---------------------------------------------------------------------------------
+    def _serving(self) -> _Child | None:
+        """The serving child, replacing a dead one first; None once stopped for good."""
+        if self._stopped is None and not self._child.alive:
+            self._restart(self._child)
+        return None if self._stopped is not None else self._child
+
+    def _launch(self, generation: int, proc: _Process) -> _Child:
+        """Hand ``proc`` the device and wait until it serves."""
+        configured = time.monotonic()
+        supervisor = self._supervisor
+        try:
+            proc.channel.send(
+                ("config", self._ordinal, self._kind, self._resource, supervisor.max_restarts, supervisor.within_s)
+            )
+            booted, frame = self._await_ready(proc)
+        except BaseException:
+            proc.end(0.0)
+            raise
+        child = _Child(proc, self.actor_urn, self._ordinal, self._kind or "auto", generation, self._restarts)
+        child.timeline.update(
+            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured,
+            driver_open=frame[1], ready=frame[2],
+        )
+        me = self.actor_ref
+
+        def tell(message: Any) -> None:
+            try:
+                me.tell(message)
+            except pykka.ActorDeadError:
+                pass  # the proxy stopped meanwhile
+
+        child.wake = lambda: tell(_Flush())
+        child.ctx = child._context(0, child.state.token)
+        child.start_reader(lambda c: tell(_ChildExited(c)), tell)
+        self._last_generation = generation
+        return child
+
+    def _await_ready(self, proc: _Process) -> tuple[float | None, tuple[Any, ...]]:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        booted: float | None = None
+        where = f"isolated device {self._ordinal}: process {proc.process.pid}"
+        while True:
+            if not proc.channel.poll(max(0.0, deadline - time.monotonic())):
+                raise DeviceUnavailable(f"{where} did not serve within {READY_TIMEOUT_S} s")
+            try:
+                frame = proc.channel.recv()
+            except (EOFError, OSError):
+                proc.process.join(5.0)
+                raise DeviceUnavailable(
+                    f"{where} exited with code {proc.process.exitcode} before it served"
+                ) from None
+            if frame[0] == "booted":
+                booted = frame[1]
+            elif frame[0] == "ready":
+                return booted, frame
+            elif frame[0] == "failed":
+                raise decode_error(frame[1])
+
+    def _restart(self, dead: _Child) -> None:
+        """Replace ``dead`` if it is still the serving child (once per death)."""
+        if dead is not self._child or self._stopped is not None:
+            return
+        if dead.reader is not None:
+            dead.reader.join(_STOP_TIMEOUT_S)  # its death is marked and its askers answered
+        generation = dead.next_generation
+        while True:
+            if not self._supervisor.allow_restart(self._ordinal):
+                self._stop_for_good(f"restart intensity exceeded; the last process ended: {dead.poisoned!r}")
+                return
+            self._restarts += 1
+            proc, self._spare = self._spare or _Process(self._ordinal), None
+            try:
+                child = self._launch(generation, proc)
+            except Exception as exc:  # noqa: BLE001 - counted; the next attempt follows
+                logger.error("isolated device %d: a new process failed: %r", self._ordinal, exc)
+                continue
+            break
+        child.timeline.update(previous_poisoned=dead.poisoned_at, previous_exit_seen=dead.timeline.get("exit_seen"))
+        self._child = child
+        logger.warning(
+            "isolated device %d: process %s ended; process %s serves generation %d",
+            self._ordinal, dead.proc.process.pid, child.proc.process.pid, generation,
+        )
+        self._notify(m.GenerationChanged(self._ordinal, generation, "running"))
+        self._spare = _Process(self._ordinal)
+
+    def _stop_for_good(self, reason: str) -> None:
+        if self._stopped is not None:
+            return
+        logger.error("isolated device %d: stopped for good: %s", self._ordinal, reason)
+        self._stopped = DeviceUnavailable(f"isolated device {self._ordinal} was stopped for good: {reason}")
+        child = self._child
+        child.state.begin_shutdown()
+        if child.alive:
+            child.stopping = True
+            child.proc.end(_STOP_TIMEOUT_S)
+        if self._spare is not None:
+            self._spare.discard()
+            self._spare = None
+        self._notify(m.GenerationChanged(self._ordinal, child.state.generation, "stopped"))
+
+    def _stopped_stats(self) -> m.DeviceStats:
+        return m.DeviceStats(
+            device_id=self._ordinal, generation=self._child.state.generation, bytes_outstanding=0, live_blocks=0,
+            restarts=self._restarts, status="stopped", driver=self._kind or "auto", stack="",
+        )
+
+    def _notify(self, message: m.GenerationChanged) -> None:
+        alive = []
+        for subscriber in self._subscribers:
+            try:
+                subscriber.tell(message)
+                alive.append(subscriber)
+            except pykka.ActorDeadError:
+                pass  # a stopped subscriber unsubscribes itself this way
+        self._subscribers = alive
+
+    def _unregister(self) -> None:
+        with _registry_lock:
+            if _registry.get(self._key) == self.actor_urn:
+                del _registry[self._key]
+
+
+def start_isolated(
+    ordinal: object = 0, driver: object = None, resource: object = None, supervisor: object = None
+) -> pykka.ActorRef[Any]:
+    """``DeviceActor.start(..., isolate=True)``: check the configuration, start the proxy and
+    its first child, and return the proxy's ``ActorRef`` once the child serves.
+
+    Args:
+        ordinal: the device ordinal (an int >= 0; the child checks it against its driver).
+        driver: a kind, ``"auto"``, ``"cuda"`` or ``"host"``, or None (the child follows
+            ``XLOG_ACTORS_DRIVER`` as ``open_driver`` does). A driver object cannot cross to a
+            child process.
+        resource: a stack description, a picklable factory, or None.
+        supervisor: a ``Supervisor`` without an ``on_poisoned`` hook of its own (a poisoned
+            child always ends and is replaced), or None for the defaults.
+    Returns:
+        the proxy's ``ActorRef``.
+    Raises:
+        InvalidRequest: a bad argument, or the ordinal already has an isolated device of that
+            driver kind; nothing is left running.
+        DeviceUnavailable: the child could not open its driver or device.
+    Thread rule: any thread.
+    """
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or ordinal < 0:
+        raise InvalidRequest(f"ordinal must be a non-negative int, got {ordinal!r}")
+    if driver is not None and driver not in DRIVER_KINDS:
+        raise InvalidRequest(
+            f"with isolate=True, driver must be a kind, one of {DRIVER_KINDS}, or None (the child opens "
+            f"its own driver), got {driver!r}"
+        )
+    if driver is None:
+        env_driver_kind()  # a bad XLOG_ACTORS_DRIVER is refused here, before a child starts
+    if resource is None:
+        resource = default_description()
+    if isinstance(resource, str):
+        check_description(resource)
+        resource = resource.strip()
+    elif callable(resource):
+        try:
+            pickle.dumps(resource)
+        except Exception as exc:  # noqa: BLE001 - reported as the bad argument it is
+            raise InvalidRequest(
+                f"with isolate=True, a resource factory must be picklable (a module-level function): {exc}"
+            ) from None
+    else:
+        raise InvalidRequest(f"resource must be a stack description or a factory, got {resource!r}")
+    if supervisor is None:
+        supervisor = Supervisor()
+    if not isinstance(supervisor, Supervisor):
+        raise InvalidRequest(f"supervisor must be a Supervisor, got {type(supervisor).__name__}")
+    if supervisor.on_poisoned is not stop_device:
+        raise InvalidRequest(
+            "with isolate=True a poisoned device's process always ends and is replaced: give a Supervisor "
+            "without on_poisoned"
+        )
+    ref: pykka.ActorRef[Any] = IsolatedDevice.start(ordinal, driver, resource, supervisor)
+    return ref

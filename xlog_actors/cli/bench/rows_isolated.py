@@ -1,0 +1,119 @@
+"""The isolated device rows (#18): ``Allocate`` asked of a device in its own process, beside a
+bare pykka ask; and the time from a sticky error in the child to the first ``Allocate`` served
+by its replacement, with where that time goes."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pykka
+
+from ...actors import Allocate, DeviceActor, Rebuild, Supervisor
+from ...actors.isolated import ChildFault, ChildTimeline
+from ...errors import GpuRefStale
+from .harness import Context, Group, Op, Row, given
+from .plan import SIZE, Plan
+from .result import Target
+from .rows_actors import Echo
+
+__all__ = ["ISOLATED"]
+
+
+@dataclass
+class _Isolated:
+    device: pykka.ActorRef[Any]
+    local: pykka.ActorRef[Any]
+    echo: pykka.ActorRef[Any]
+    restarts: int
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _isolated(ctx: Context) -> Iterator[_Isolated]:
+    restarts = 3 if ctx.plan.min_samples <= 5 else 10
+    device = DeviceActor.start(0, ctx.driver.kind, supervisor=Supervisor(max_restarts=restarts + 2), isolate=True)
+    local = DeviceActor.start(0, ctx.driver)
+    echo = Echo.start()
+    try:
+        yield _Isolated(device, local, echo, restarts)
+    finally:
+        echo.stop()
+        local.stop()
+        device.stop()
+
+
+def _allocate(f: _Isolated) -> Op:
+    msg = Allocate(SIZE)
+    ask = f.device.ask
+    held: list[Any] = [None]
+
+    def ours(n: int) -> None:
+        for _ in range(n):
+            held[0] = None  # its free rides along with the next ask
+            held[0] = ask(msg)
+
+    return ours
+
+
+def _bare_ask(f: _Isolated) -> Op:
+    msg = Allocate(SIZE)
+    ask = f.echo.ask
+
+    def bare(n: int) -> None:
+        for _ in range(n):
+            ask(msg)
+
+    return bare
+
+
+def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
+    """Sticky error to first Allocate on the new generation, ``f.restarts`` times (a booted
+    reserve waiting each time, as in service); the reference is an in-process ``Rebuild``."""
+    ours: list[float] = []
+    ref: list[float] = []
+    phases: dict[str, list[float]] = {"detect": [], "exit seen": [], "spawn+import": [], "driver open": [],
+                                      "actor start": [], "first allocate": []}
+    for _ in range(f.restarts):
+        time.sleep(1.0)  # the reserve child boots (spawn + import) before the next fault
+        t0 = time.monotonic()
+        with contextlib.suppress(GpuRefStale):
+            f.device.ask(ChildFault("sticky"))
+        f.device.ask(Allocate(SIZE))
+        t1 = time.monotonic()
+        ours.append((t1 - t0) * 1e9)
+        line: dict[str, Any] = f.device.ask(ChildTimeline())  # type: ignore[assignment]
+        start = max(line["configured"], line["spawned"])
+        phases["detect"].append(line["previous_poisoned"] - t0)
+        phases["exit seen"].append(line["previous_exit_seen"] - line["previous_poisoned"])
+        phases["spawn+import"].append(max(0.0, line["booted"] - line["spawned"]) if line["booted"] > start else 0.0)
+        phases["driver open"].append(line["driver_open"] - max(line["configured"], line["booted"]))
+        phases["actor start"].append(line["ready"] - line["driver_open"])
+        phases["first allocate"].append(t1 - line["ready"])
+        r0 = time.perf_counter_ns()
+        f.local.ask(Rebuild("bench"))
+        ref.append(float(time.perf_counter_ns() - r0))
+    f.phases = phases
+    return ours, ref
+
+
+def _breakdown(f: _Isolated, plan: Plan) -> str:
+    parts = ", ".join(f"{name} {statistics.median(v) * 1e3:.1f} ms" for name, v in f.phases.items() if v)
+    return (f"median of {f.restarts} runs; a booted reserve child takes over (spawn+import paid before the "
+            f"fault, 0 here when it was ready). Breakdown: {parts}")
+
+
+ISOLATED = Group("isolated device", (
+    Row("isolated Allocate", "isolated device.ask(Allocate(4 KiB)) from the parent: a round trip through the child "
+        "process; dropping the GpuRef sends its free", given,
+        _allocate, _bare_ask, lambda p: p.ask, reference="bare pykka ask round trip to a trivial actor",
+        target=Target("ratio", "<=", 1.5)),
+    Row("sticky error to first Allocate", "ChildFault('sticky') in the child, to the first Allocate served by its "
+        "replacement (generation + 1)", given, None, None, lambda p: (1, 1), measure=_restarts,
+        reference="in-process Rebuild round trip (context only)", target=Target("median", "<=", 2e6),
+        note=_breakdown),
+), base=_isolated)
