@@ -22,6 +22,10 @@ SCENARIOS = Path(__file__).resolve().parent / "alloc_scenarios.py"
 def _run(library: str, name: str, *args: str) -> None:
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed (an optional extra)")
+    if os.environ.get("XLOG_ACTORS_SANITIZER") == "1":
+        # A fresh process that initialises torch or CuPy takes minutes under the tool; the plain
+        # GPU run covers these scenarios.
+        pytest.skip(f"{library} in a fresh process under compute-sanitizer: run in the plain GPU run")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(SCENARIOS), name, *args], check=False, capture_output=True,
@@ -71,6 +75,8 @@ def test_a_rebuild_under_live_cupy_arrays_is_reported_and_cupy_goes_on() -> None
 def test_both_halves_of_the_training_loop_row_run(half: str) -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (an optional extra)")
+    if os.environ.get("XLOG_ACTORS_SANITIZER") == "1":
+        pytest.skip("torch in a fresh process under compute-sanitizer: run in the plain GPU run")
     doc = run_half(half, 200, 2, timeout_s=300)
     assert len(doc["ns_per_step"]) == 2 and all(x > 0 for x in doc["ns_per_step"])
     assert doc["what"]
