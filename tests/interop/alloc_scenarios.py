@@ -63,6 +63,8 @@ def torch_model(half: str, path: str) -> None:
         assert route.allocator.ref(keep.data_ptr()).tag == "torch"
         del keep
         gc.collect()
+        # cuBLAS keeps its workspaces (allocated through the device too) until told to let go.
+        torch._C._cuda_clearCublasWorkspaces()
         route.allocator.flush()
         torch.cuda.synchronize()
         assert _tag_bytes(device, "torch") == 0, device.ask(xa.GetStats()).report

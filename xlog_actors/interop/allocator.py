@@ -23,7 +23,9 @@ runtime cannot keep one alive across it (the host driver unmaps its whole arena;
 frees every pool block it made). A tensor or array alive across a rebuild then points at freed
 memory. The allocator notices at its next allocation: it logs a warning naming the blocks and bytes
 lost, moves them to :attr:`lost_blocks`, and a later free of such a pointer is accepted and does
-nothing (the first free of an address after the rebuild is taken to be the lost block's).
+nothing. The library must never hold one address twice (PyTorch aborts on the second free of
+it), so a new block the device hands out at a lost block's address is held back, counted under
+the tag, until the library frees the lost one; then it is freed with the next queued frees.
 
 Invariants: every pointer handed out and not yet freed is a key of the live table, with the
 ``GpuRef`` that owns its memory; a free of a pointer that is neither live nor lost raises
@@ -123,6 +125,9 @@ class DeviceAllocator:
         self._tag = AllocTag(tag)
         self._live: dict[int, GpuRef] = {}
         self._lost: dict[int, int] = {}  # ptr -> bytes, of blocks a rebuild freed under them
+        # New blocks the device handed out at the address of a lost block, held back until the
+        # library frees the lost one: the library must never see one address twice at once.
+        self._quarantine: dict[int, GpuRef] = {}
         self._pending: collections.deque[tuple[int, int]] = collections.deque()
         self._busy = threading.local()
         self._closed = False
@@ -191,8 +196,15 @@ class DeviceAllocator:
         busy.on = True
         try:
             self._drain()
-            ref = self._client.allocate(nbytes, StreamId.DEFAULT, self._tag)
-            ctx = ref.context
+            while True:  # at most len(self._lost) + 1 rounds: each lost address is held once
+                ref = self._client.allocate(nbytes, StreamId.DEFAULT, self._tag)
+                ctx = ref.context
+                ptr: int = ref.block.ptr
+                if self._live:
+                    self._forget_rebuilt(ctx.generation)
+                if ptr not in self._lost:
+                    break
+                self._quarantine[ptr] = ref
             if ctx.driver.kind == "cuda":
                 ours = ctx.runtime.stream_pool.resolve(StreamId.DEFAULT)
                 try:
@@ -200,9 +212,6 @@ class DeviceAllocator:
                 except BaseException:
                     self._client.free(ref)
                     raise
-            ptr: int = ref.block.ptr
-            if self._live:
-                self._forget_rebuilt(ctx.generation)
             self._live[ptr] = ref
             return ptr
         finally:
@@ -224,7 +233,13 @@ class DeviceAllocator:
         Thread rule: any thread but the device actor's own.
         """
         if self._lost and self._lost.pop(ptr, None) is not None:
-            return  # a rebuild freed it already (and the address may be live again: not this free's)
+            # A rebuild freed it already. A block held back at its address is the library's to
+            # have again: it is freed with the next queued frees.
+            held = self._quarantine.pop(ptr, None)
+            if held is not None:
+                self._live[ptr] = held
+                self._pending.append((ptr, 0))
+            return
         ref = self._live.get(ptr)
         if ref is None:
             raise InvalidRequest(f"device {self.device_id}: free of {ptr:#x}, which is no live {self._tag} block")
