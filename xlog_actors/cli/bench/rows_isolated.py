@@ -116,7 +116,8 @@ ISOLATED = Group("isolated device", (
         _allocate, _bare_ask, lambda p: p.ask, reference="bare pykka ask round trip to a trivial actor",
         target=Target("ratio", "<=", 1.5)),
     Row("sticky error to first Allocate", "a sticky error in the child (an illegal-address kernel on CUDA, the "
-        "emulated one on the host), to the first Allocate served by its replacement (generation + 1)", given, None, None, lambda p: (1, 1), measure=_restarts,
+        "emulated one on the host), to the first Allocate served by its replacement (generation + 1)", given, None,
+        None, lambda p: (1, 1), measure=_restarts,
         reference="in-process Rebuild round trip (context only)", target=Target("median", "<=", 2e6),
         note=_breakdown),
 ), base=_isolated)
