@@ -821,3 +821,48 @@ def test_real_sticky_error_poisons_in_a_subprocess() -> None:
         """
     )
     assert proc.returncode == 0 and "POISONED CUDA_ERROR_" in proc.stdout, proc.stdout + proc.stderr
+
+
+# -- the GIL-keeping calls ---------------------------------------------------------------------
+def test_is_pinned_answers_only_for_ranges_inside_one_live_pinned_allocation() -> None:
+    """The driver keeps the GIL across a host copy only when its memory is page-locked: the
+    check must refuse any range that leaves the allocation (a pageable copy may block)."""
+    from xlog_actors.driver.cuda.host_memory import CudaHostMemory
+
+    mem = CudaHostMemory.__new__(CudaHostMemory)
+    mem._pinned_table().update({0x10000: (0, 4096), 0x40000: (0, 256)})
+    assert mem._is_pinned(0x10000, 4096) and mem._is_pinned(0x10800, 16) and mem._is_pinned(0x40000, 256)
+    for address, nbytes in ((0x10000, 4097), (0xFFFF, 2), (0x10FFF, 2), (0x20000, 1), (0x40001, 256)):
+        assert not mem._is_pinned(address, nbytes), (hex(address), nbytes)
+
+
+@pytest.mark.gpu
+def test_host_copies_through_the_gil_keeping_calls_move_the_right_bytes(cuda: CudaDriver, stream: CudaStream) -> None:
+    """Pinned host memory goes through ``HeldCalls`` (pageable through cuda.bindings): both
+    directions, a device-to-device copy, an event recorded and queried, all on the real driver."""
+    n = 1 << 20
+    src_p, dst_p = cuda.alloc_pinned(0, n), cuda.alloc_pinned(0, n)
+    try:
+        src = np.frombuffer(cuda.pinned_view(src_p, n), np.uint8)
+        dst = np.frombuffer(cuda.pinned_view(dst_p, n), np.uint8)
+        src[:] = np.frombuffer(_pattern(n, 3), np.uint8)
+        assert cuda._is_pinned(src.ctypes.data, n) and not cuda._is_pinned(np.zeros(n, np.uint8).ctypes.data, n)
+        a, b = cuda.alloc_async(n, stream), cuda.alloc_async(n, stream)
+        cuda.copy_to_device(a, src, stream)
+        cuda.copy_device_to_device(b, a, n, stream)
+        cuda.copy_to_host_into(b, dst, stream)
+        event = stream.record_event()
+        stream.synchronize()
+        assert event.query() is True
+        assert bytes(dst) == bytes(src)
+        pageable = np.zeros(n, np.uint8)
+        cuda.copy_to_host_into(a, pageable, stream)
+        stream.synchronize()
+        assert bytes(pageable) == bytes(src)
+        cuda.free_async(a, stream)
+        cuda.free_async(b, stream)
+        stream.synchronize()
+    finally:
+        gc.collect()
+        cuda.free_pinned(0, src_p)
+        cuda.free_pinned(0, dst_p)

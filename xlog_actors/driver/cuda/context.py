@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn
 from ...errors import ContextLost, ContextPoisoned, DeviceUnavailable, DriverError, OutOfMemory
 from ..kernel import Kernel
 from .call import STICKY_CODES, SUCCESS, cu, error_for, result_name
+from .held import HeldCalls
 from .nvrtc import compile_cubin
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class CudaDevice(Stamped):
         self.lock = threading.RLock()
         self.ctx: Any = None
         self.token: object | None = None
+        self.held: HeldCalls | None = None  # the driver's GIL-keeping calls, set by the driver
         self.epoch = 0
         # A new object with every epoch: the streams and events of this epoch hold it in ``_live``
         # while usable, so the compiled core checks device, epoch and liveness by one identity.

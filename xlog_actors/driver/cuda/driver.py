@@ -51,6 +51,7 @@ from ..checks import check_launch, check_microseconds
 from ..kernel import PARAM_DTYPES, Kernel
 from ..protocol import Driver
 from .call import (
+    CORE_ENTRY_POINTS,
     EVENT_FLAGS,
     IMPORT_ERROR,
     STREAM_FLAGS,
@@ -62,6 +63,7 @@ from .call import (
     result_name,
 )
 from .context import CudaDevice, tls
+from .held import HELD_ENTRY_POINTS, HeldCalls
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
 from .peer import CudaPeer
@@ -157,10 +159,13 @@ class CudaDriver(CudaPeer, CudaMemory):
         for dev in devices:
             dev.owner = self
         try:
-            entry_points = resolve_entry_points()
+            entry_points = resolve_entry_points(CORE_ENTRY_POINTS + HELD_ENTRY_POINTS)
         except XlogError as exc:
             raise DeviceUnavailable(f"{exc}; update the NVIDIA driver") from None
         self._entry_points = entry_points
+        held = HeldCalls(entry_points)
+        for dev in devices:
+            dev.held = held
         self._devices = devices
         self._closed = False
         self._close_lock = threading.Lock()
@@ -333,7 +338,12 @@ class CudaDriver(CudaPeer, CudaMemory):
         params = int(pointers.ctypes.data) if len(pointers) else 0
         with s._gate:
             dev = s._enter()  # a rebuild since the lookup retired the stream (and the module)
-            (err,) = cu.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], 0, s._cu, params, 0)
+            held = dev.held
+            if held is not None:  # it only enqueues: the GIL is kept (see .held)
+                code = held.launch(int(fn), g[0], g[1], g[2], b[0], b[1], b[2], 0, s._handle, params, None)
+                err = cu.CUresult(code) if code else SUCCESS
+            else:
+                (err,) = cu.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], 0, s._cu, params, 0)
         del slots  # referenced until here: cuLaunchKernel copied the argument values
         if err != SUCCESS:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")

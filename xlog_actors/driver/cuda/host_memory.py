@@ -47,6 +47,14 @@ class CudaHostMemory(CudaGates):
             table = self.__dict__.setdefault("_pinned_live", {})
         return table
 
+    def _is_pinned(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``address`` lie inside one live pinned allocation of this driver
+        (a scan: a program holds a handful of them)."""
+        for base, (_ordinal, size) in list(self._pinned_table().items()):
+            if base <= address and address + nbytes <= base + size:
+                return True
+        return False
+
     def alloc_pinned(self, ordinal: int, nbytes: int) -> int:
         """Allocate ``nbytes`` of portable page-locked host memory (``cuMemHostAlloc``) with
         device ``ordinal``'s context.

@@ -238,16 +238,29 @@ class CudaMemory(CudaHostMemory):
         """Enqueue a copy between device ``ptr`` and the byte view ``host`` on ``s`` (resolved and
         checked), and keep ``keep`` referenced by the stream until the copy ran."""
         nbytes = len(host)
+        address = _address(host)
+        # Page-locked host memory makes the copy a pure enqueue: the GIL is kept (see .held).
+        # From pageable memory CUDA stages the bytes before it returns: the GIL must go.
+        pinned = self._is_pinned(address, nbytes)
         with s._gate:
             dev = s._enter()
             if nbytes == 0:
                 return
+            held = dev.held if pinned else None
             if to_device:
-                (err,) = cu.cuMemcpyHtoDAsync(ptr, _address(host), nbytes, s._cu)
+                if held is not None:
+                    code = held.memcpy_htod(ptr, address, nbytes, s._handle)
+                    err = cu.CUresult(code) if code else SUCCESS
+                else:
+                    (err,) = cu.cuMemcpyHtoDAsync(ptr, address, nbytes, s._cu)
                 if err != SUCCESS:
                     dev.fail(err, f"cuMemcpyHtoDAsync({nbytes} bytes to {ptr:#x}, stream {s._id})")
             else:
-                (err,) = cu.cuMemcpyDtoHAsync(_address(host), ptr, nbytes, s._cu)
+                if held is not None:
+                    code = held.memcpy_dtoh(address, ptr, nbytes, s._handle)
+                    err = cu.CUresult(code) if code else SUCCESS
+                else:
+                    (err,) = cu.cuMemcpyDtoHAsync(address, ptr, nbytes, s._cu)
                 if err != SUCCESS:
                     dev.fail(err, f"cuMemcpyDtoHAsync({nbytes} bytes from {ptr:#x}, stream {s._id})")
             s._keep_until_done(keep)
@@ -268,7 +281,12 @@ class CudaMemory(CudaHostMemory):
         )
         with s._gate:
             dev = s._enter()
-            (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s._cu)
+            held = dev.held
+            if held is not None:  # device to device only enqueues: the GIL is kept (see .held)
+                code = held.memcpy_dtod(dst, src, nbytes, s._handle)
+                err = cu.CUresult(code) if code else SUCCESS
+            else:
+                (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s._cu)
         if err != SUCCESS:
             dev.fail(err, f"cuMemcpyDtoDAsync({nbytes} bytes {src:#x} -> {dst:#x}, stream {s._id})")
 

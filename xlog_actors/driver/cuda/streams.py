@@ -116,7 +116,14 @@ class CudaEvent:
         Thread rule: any thread; an allocator's hot path, so it takes no lock.
         """
         dev = self._enter()
-        (err,) = cu.cuEventQuery(self._cu)
+        held = dev.held
+        if held is not None:  # a flag read: the GIL is kept (see .held)
+            code = held.event_query(self._h)
+            if code == 0:
+                return True
+            err = cu.CUresult(code)
+        else:
+            (err,) = cu.cuEventQuery(self._cu)
         if err == SUCCESS:
             return True
         if err == NOT_READY:
@@ -426,7 +433,12 @@ class CudaStream:
             err, event = cu.cuEventCreate(EVENT_FLAGS)
             if err != SUCCESS:
                 dev.fail(err, "cuEventCreate")
-        (err,) = cu.cuEventRecord(event, self._cu)
+        held = dev.held
+        if held is not None:  # it only enqueues: the GIL is kept (see .held)
+            code = held.event_record(int(event), self._handle)
+            err = cu.CUresult(code) if code else SUCCESS
+        else:
+            (err,) = cu.cuEventRecord(event, self._cu)
         if err != SUCCESS:
             # Without a marker we cannot know when the copy ran: wait for it instead.
             cu.cuEventDestroy(event)
@@ -440,9 +452,11 @@ class CudaStream:
 
     def _prune_locked(self) -> None:
         keep = self._keep
+        held = self._dev.held
         while keep:
             event = keep[0][0]
-            if cu.cuEventQuery(event)[0] != SUCCESS:
+            done = held.event_query(int(event)) == 0 if held is not None else cu.cuEventQuery(event)[0] == SUCCESS
+            if not done:
                 break  # not yet (or a sticky error: keep everything, nothing runs any more)
             keep.popleft()
             if len(self._spare) < _SPARE_EVENTS:

@@ -1,0 +1,72 @@
+"""Driver calls that keep the GIL: ``ctypes`` prototypes of the ``PYFUNCTYPE`` kind over the
+entry points ``cuGetProcAddress`` resolved (:func:`.call.resolve_entry_points`).
+
+Why: cuda.bindings lets the GIL go around every driver call. With several threads busy (the
+library actors of a pipeline, their orchestrator), each let-go hands the GIL to another thread
+and the caller then waits to get it back: measured on an H200, the demo's threads spent about
+1 ms of CPU per 16 MiB batch against 0.6 ms of wall time, most of it in these hand-offs (see
+``docs/performance.md``). The calls here only enqueue work or read a flag and return in about
+a microsecond, so holding the GIL across them is cheaper than the hand-off. The compiled core
+keeps the GIL across its own driver calls for the same reason.
+
+Only for calls that cannot block: never a synchronize, and a host copy only when its host memory
+is page-locked (from pageable memory CUDA stages the bytes before it returns, which for a large
+copy takes milliseconds). Return values are raw ``CUresult`` ints (0 is success).
+
+Thread rule: any thread; the prototypes hold no state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Final
+
+__all__ = ["HELD_ENTRY_POINTS", "HeldCalls"]
+
+#: The entry points :class:`HeldCalls` calls (resolved at CUDA 12.0's ABI: the _v2 copies).
+HELD_ENTRY_POINTS: Final = (
+    "cuMemcpyHtoDAsync",
+    "cuMemcpyDtoHAsync",
+    "cuMemcpyDtoDAsync",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuLaunchKernel",
+)
+
+_INT = ctypes.c_int
+_U64 = ctypes.c_uint64
+_PTR = ctypes.c_void_p
+_SIZE = ctypes.c_size_t
+_UINT = ctypes.c_uint
+
+
+class HeldCalls:
+    """The GIL-keeping driver calls of one driver (see the module docstring). Handles are ints.
+
+    Thread rule: any thread.
+    """
+
+    __slots__ = ("event_query", "event_record", "launch", "memcpy_dtod", "memcpy_dtoh", "memcpy_htod")
+
+    def __init__(self, entry_points: dict[str, int]) -> None:
+        """Args:
+            entry_points: name -> address, holding every name of :data:`HELD_ENTRY_POINTS`.
+        Raises:
+            KeyError: one is missing.
+        Thread rule: any thread.
+        """
+        f = ctypes.PYFUNCTYPE
+        #: (dst device ptr, src host address, bytes, stream) -> CUresult
+        self.memcpy_htod = f(_INT, _U64, _PTR, _SIZE, _PTR)(entry_points["cuMemcpyHtoDAsync"])
+        #: (dst host address, src device ptr, bytes, stream) -> CUresult
+        self.memcpy_dtoh = f(_INT, _PTR, _U64, _SIZE, _PTR)(entry_points["cuMemcpyDtoHAsync"])
+        #: (dst device ptr, src device ptr, bytes, stream) -> CUresult
+        self.memcpy_dtod = f(_INT, _U64, _U64, _SIZE, _PTR)(entry_points["cuMemcpyDtoDAsync"])
+        #: (event, stream) -> CUresult
+        self.event_record = f(_INT, _PTR, _PTR)(entry_points["cuEventRecord"])
+        #: (event) -> CUresult (CUDA_ERROR_NOT_READY while pending)
+        self.event_query = f(_INT, _PTR)(entry_points["cuEventQuery"])
+        #: (function, grid x y z, block x y z, shared bytes, stream, void** params, extra) -> CUresult
+        self.launch = f(_INT, _PTR, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _PTR, _PTR, _PTR)(
+            entry_points["cuLaunchKernel"]
+        )
