@@ -415,6 +415,10 @@ class CudaDevice(Stamped):
             True when active, or when the query itself fails (then nothing is known to be lost).
         Thread rule: any thread.
         """
+        held = self.held
+        if held is not None:  # a state read, once per actor message: the GIL is kept (see .held)
+            code, is_active = held.primary_active(int(self.cudev))
+            return code != 0 or is_active
         err, _flags, active = cu.cuDevicePrimaryCtxGetState(self.cudev)
         return err != SUCCESS or bool(active)
 

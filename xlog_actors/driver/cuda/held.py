@@ -30,7 +30,10 @@ HELD_ENTRY_POINTS: Final = (
     "cuMemcpyDtoDAsync",
     "cuEventRecord",
     "cuEventQuery",
+    "cuEventCreate",
     "cuLaunchKernel",
+    "cuStreamWaitEvent",
+    "cuDevicePrimaryCtxGetState",
 )
 
 _INT = ctypes.c_int
@@ -46,7 +49,17 @@ class HeldCalls:
     Thread rule: any thread.
     """
 
-    __slots__ = ("event_query", "event_record", "launch", "memcpy_dtod", "memcpy_dtoh", "memcpy_htod")
+    __slots__ = (
+        "_primary_state",
+        "event_create",
+        "event_query",
+        "event_record",
+        "launch",
+        "memcpy_dtod",
+        "memcpy_dtoh",
+        "memcpy_htod",
+        "stream_wait",
+    )
 
     def __init__(self, entry_points: dict[str, int]) -> None:
         """Args:
@@ -66,7 +79,26 @@ class HeldCalls:
         self.event_record = f(_INT, _PTR, _PTR)(entry_points["cuEventRecord"])
         #: (event) -> CUresult (CUDA_ERROR_NOT_READY while pending)
         self.event_query = f(_INT, _PTR)(entry_points["cuEventQuery"])
+        #: (CUevent* out, flags) -> CUresult
+        self.event_create = f(_INT, ctypes.POINTER(_PTR), _UINT)(entry_points["cuEventCreate"])
+        #: (stream, event, flags) -> CUresult
+        self.stream_wait = f(_INT, _PTR, _PTR, _UINT)(entry_points["cuStreamWaitEvent"])
+        self._primary_state = f(_INT, _INT, ctypes.POINTER(_UINT), ctypes.POINTER(_INT))(
+            entry_points["cuDevicePrimaryCtxGetState"]
+        )
         #: (function, grid x y z, block x y z, shared bytes, stream, void** params, extra) -> CUresult
         self.launch = f(_INT, _PTR, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _PTR, _PTR, _PTR)(
             entry_points["cuLaunchKernel"]
         )
+
+    def new_event(self, flags: int) -> tuple[int, int]:
+        """``cuEventCreate``: ``(CUresult, event handle)`` (the handle is 0 on failure)."""
+        out = _PTR()
+        code = self.event_create(ctypes.byref(out), flags)
+        return code, out.value or 0
+
+    def primary_active(self, cudev: int) -> tuple[int, bool]:
+        """``cuDevicePrimaryCtxGetState`` on device handle ``cudev``: ``(CUresult, active)``."""
+        flags, active = _UINT(), _INT()
+        code = self._primary_state(cudev, ctypes.byref(flags), ctypes.byref(active))
+        return code, bool(active.value)

@@ -303,11 +303,21 @@ class CudaStream:
             self._enter().bury()  # outside the gate: it takes the device lock
         with self._gate:
             dev = self._enter()
-            err, event = cu.cuEventCreate(EVENT_FLAGS)
-            if err != SUCCESS:
-                dev.fail(err, "cuEventCreate")
-            wrapped = CudaEvent(dev, event, self._epoch, self._live)
-            (err,) = cu.cuEventRecord(event, self._cu)
+            held = dev.held
+            if held is not None:  # neither call blocks: the GIL is kept (see .held)
+                code, handle = held.new_event(EVENT_FLAGS)
+                if code:
+                    dev.fail(cu.CUresult(code), "cuEventCreate")
+                event = cu.CUevent(handle)
+                wrapped = CudaEvent(dev, event, self._epoch, self._live)
+                code = held.event_record(handle, self._handle)
+                err = cu.CUresult(code) if code else SUCCESS
+            else:
+                err, event = cu.cuEventCreate(EVENT_FLAGS)
+                if err != SUCCESS:
+                    dev.fail(err, "cuEventCreate")
+                wrapped = CudaEvent(dev, event, self._epoch, self._live)
+                (err,) = cu.cuEventRecord(event, self._cu)
         if err != SUCCESS:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
         return wrapped
@@ -333,7 +343,12 @@ class CudaStream:
         try:
             dev = self._enter()
             event._enter()
-            (err,) = cu.cuEventRecord(event._cu, self._cu)
+            held = dev.held
+            if held is not None:  # it only enqueues: the GIL is kept (see .held)
+                code = held.event_record(event._h, self._handle)
+                err = cu.CUresult(code) if code else SUCCESS
+            else:
+                (err,) = cu.cuEventRecord(event._cu, self._cu)
         finally:
             gate.release()
         if err != SUCCESS:
@@ -360,7 +375,12 @@ class CudaStream:
             dev = self._enter()
             if event._epoch != event._dev.epoch:
                 event._enter()  # raises: the event's context is gone
-            (err,) = cu.cuStreamWaitEvent(self._cu, event._cu, 0)
+            held = dev.held
+            if held is not None:  # it only enqueues: the GIL is kept (see .held)
+                code = held.stream_wait(self._handle, event._h, 0)
+                err = cu.CUresult(code) if code else SUCCESS
+            else:
+                (err,) = cu.cuStreamWaitEvent(self._cu, event._cu, 0)
         finally:
             gate.release()
         if err != SUCCESS:
