@@ -269,14 +269,14 @@ COPIES = Group("copies", (
     Row("CopyActor H2D pinned", lambda f, p: f"copy.ask(CopyToDevice(ref, {size_text(p.h2d_bytes)} pinned)) + "
         "ask(CopyToHost(ref, nbytes=1)) to synchronize", _h2d, _copy_actor_h2d, lambda f: f.raw,
         lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
-        target=Target("ratio", ">=", 0.95), check=_check_h2d),
+        target=Target("ratio", ">=", 0.98), check=_check_h2d),
     Row("driver copy_to_device H2D pinned", lambda f, p: f"driver.copy_to_device({size_text(p.h2d_bytes)} pinned) "
         "+ stream.synchronize(), no actor", _h2d, lambda f: _driver_h2d(f.base.driver, f.base.stream, f.dptr, f.arr),
         lambda f: f.raw, lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
         note="informational: separates the driver's share (its snapshot of the source) from the actor's"),
     Row("CopyActor D2D", lambda f, p: f"{p.d2d_per_sync} x copy.ask(CopyDeviceToDevice({size_text(p.d2d_bytes)}))"
         " + ask(CopyToHost(dst, nbytes=1)); per copy", _d2d, lambda f: _copy_actor_d2d(f.ask, f), lambda f: f.raw,
-        **_d2d_rate(target=Target("ratio", ">=", 0.95), check=_check_d2d,
+        **_d2d_rate(target=Target("ratio", ">=", 0.98), check=_check_d2d,
                     note=lambda f, p: "bandwidth counts the bytes copied once (read + write traffic is twice "
                     f"that); {p.d2d_per_sync} copies per synchronize on both sides")),
     Row("CopyActor D2D, tracking off", "as CopyActor D2D, on a CopyActor started with track=False (no "
