@@ -46,6 +46,7 @@ from .device_state import DeviceState
 from .gpu_ref import GpuRef
 from .lifecycle import DeviceLifecycle, DeviceStatus
 from .pykka_internals import ResilientActor
+from .subscribers import tell_subscribers
 from .supervisor import Directive, SupervisedFailure, Supervisor
 
 __all__ = ["DeviceActor"]
@@ -379,14 +380,7 @@ class DeviceActor(ResilientActor):
         self._notify(m.GenerationChanged(self._ordinal, self._lifecycle.state.generation, DeviceStatus.STOPPED.value))
 
     def _notify(self, message: m.GenerationChanged) -> None:
-        alive = []
-        for subscriber in self._subscribers:
-            try:
-                subscriber.tell(message)
-                alive.append(subscriber)
-            except pykka.ActorDeadError:
-                pass  # a stopped subscriber unsubscribes itself this way
-        self._subscribers = alive
+        self._subscribers = tell_subscribers(self._subscribers, message)
 
     def _unregister(self) -> None:
         with _registry_lock:

@@ -20,7 +20,7 @@ from ..memory.resource import DeviceMemoryResource
 from ..memory.stack import check_description, default_description
 from ..memory.stream_pool import StreamPool
 from ..runtime.device_runtime import check_device_ordinal
-from .supervisor import Supervisor
+from .supervisor import Supervisor, checked_supervisor
 
 __all__ = ["DeviceConfig", "ResourceFactory", "ResourceSpec"]
 
@@ -89,8 +89,4 @@ class DeviceConfig:
             checked_resource = resource
         else:
             raise InvalidRequest(f"resource must be a stack description or a factory, got {resource!r}")
-        if supervisor is None:
-            supervisor = Supervisor()
-        if not isinstance(supervisor, Supervisor):
-            raise InvalidRequest(f"supervisor must be a Supervisor, got {type(supervisor).__name__}")
-        return cls(checked_ordinal, checked_driver, checked_resource, supervisor)
+        return cls(checked_ordinal, checked_driver, checked_resource, checked_supervisor(supervisor))

@@ -194,3 +194,21 @@ class Supervisor:
                 return False
             window.append(now)
             return True
+
+
+def checked_supervisor(supervisor: object) -> Supervisor:
+    """The supervisor a device starts with: ``supervisor`` itself, or a default one for None.
+
+    Args:
+        supervisor: what the caller gave.
+    Returns:
+        A ``Supervisor``.
+    Raises:
+        InvalidRequest: ``supervisor`` is neither None nor a ``Supervisor``.
+    Thread rule: any thread.
+    """
+    if supervisor is None:
+        return Supervisor()
+    if not isinstance(supervisor, Supervisor):
+        raise InvalidRequest(f"supervisor must be a Supervisor, got {type(supervisor).__name__}")
+    return supervisor

@@ -57,7 +57,8 @@ from .. import messages as m
 from ..device_state import DeviceState
 from ..gpu_ref import GpuRef
 from ..pykka_internals import ResilientActor
-from ..supervisor import EXIT_POISONED, Supervisor, stop_device
+from ..subscribers import tell_subscribers
+from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
 from ._protocol import Channel, ChildFault, FreeBlock, RemoteBlock, child_entry, decode_error
 from ._remote import RemoteContext, RemoteDriverFace
 
@@ -596,14 +597,7 @@ class IsolatedDevice(ResilientActor):
         )
 
     def _notify(self, message: m.GenerationChanged) -> None:
-        alive = []
-        for subscriber in self._subscribers:
-            try:
-                subscriber.tell(message)
-                alive.append(subscriber)
-            except pykka.ActorDeadError:
-                pass  # a stopped subscriber unsubscribes itself this way
-        self._subscribers = alive
+        self._subscribers = tell_subscribers(self._subscribers, message)
 
     def _unregister(self) -> None:
         with _registry_lock:
@@ -656,10 +650,7 @@ def start_isolated(
             ) from None
     else:
         raise InvalidRequest(f"resource must be a stack description or a factory, got {resource!r}")
-    if supervisor is None:
-        supervisor = Supervisor()
-    if not isinstance(supervisor, Supervisor):
-        raise InvalidRequest(f"supervisor must be a Supervisor, got {type(supervisor).__name__}")
+    supervisor = checked_supervisor(supervisor)
     if supervisor.on_poisoned is not stop_device:
         raise InvalidRequest(
             "with isolate=True a poisoned device's process always ends and is replaced: give a Supervisor "
