@@ -157,6 +157,7 @@ class _Slot:
     out: GpuRef
     sums: GpuRef
     total: int = 0  # the running checksum the device holds after the slot's last verified batch
+    launches: Launches | None = None  # the batch's two kernels on these buffers, built once
 
 
 @dataclass(eq=False)
@@ -166,6 +167,10 @@ class _HostSet:
 
     out: PinnedBuffer
     sums: PinnedBuffer
+    total: Any = None  # ``sums`` as one uint64, the view made once
+
+    def __post_init__(self) -> None:
+        self.total = self.sums.array(np.uint64, 1)
 
 
 @dataclass(eq=False)
@@ -301,7 +306,9 @@ class _Run:
         batch.stage, batch.answers = stage, []
         if stage == 1:
             batch.waiting = 1
-            ask_posting(self.kernels, self._launches(slot, self.n), self.replies, batch)
+            if slot.launches is None:  # the same message serves every batch of the slot
+                slot.launches = self._launches(slot, self.n)
+            ask_posting(self.kernels, slot.launches, self.replies, batch)
         else:
             batch.waiting = 2
             out = self.kept.get(batch.index, batch.host.out)
@@ -368,7 +375,7 @@ class _Run:
         # checksum is what it added, modulo 2**64. The batches of one slot land in the order they
         # ran (one copy-out stream, one landing thread), so ``slot.total`` is the previous one's.
         index, slot = batch.index, batch.buffers
-        total = int(batch.host.sums.array(np.uint64)[0])
+        total = int(batch.host.total[0])
         ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
         slot.total = total
         if not ok:
