@@ -11,6 +11,9 @@ What it is made of, and why (each part's module says more):
 * :mod:`.peer`: copies between two devices (``cuMemcpyPeerAsync``).
 * :mod:`.nvrtc`: kernel sources compiled into cubins, and the sleep kernel.
 * :mod:`.gates`: the device table and the one preamble of stream work.
+* :mod:`.held`: the enqueue-only calls (pinned host copies, device copies, launches, event
+  create/record/query, stream waits, the context check) made through prototypes that keep the
+  GIL; every other call goes through cuda.bindings, which lets it go.
 
 **Kernels.** ``launch`` compiles ``kernel.source`` (:func:`~.nvrtc.compile_cubin`), loads it into
 the context once per (context, kernel) with ``cuModuleLoadData``; arguments are packed by

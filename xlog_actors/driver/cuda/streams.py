@@ -14,6 +14,8 @@
   ``synchronize``), so no DMA ever touches freed host memory and the list stays short without a
   synchronize. A stream closed with copies in flight hands them to its device, which drops them as
   their events fire.
+* **The GIL.** Recording, querying and waiting on events, and the copies' markers, go through
+  :mod:`.held` (the GIL kept: they only enqueue or read a flag); a synchronize lets it go.
 * **Garbage collection.** Finalizers never call CUDA (they may run on any thread, inside any
   lock): a collected stream or event hands its handles to its device's graveyard, which the next
   ``create_stream``/``create_event``/``record_event`` empties.
