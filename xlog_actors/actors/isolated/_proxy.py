@@ -40,6 +40,7 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import queue
 import sys
 import threading
 import time
@@ -330,6 +331,42 @@ class _Child:
                 future.set_exception((type(error), error, None))
 
 
+class _DirectInbox(queue.Queue):  # type: ignore[type-arg]
+    """The proxy's inbox, which lets an asker send an ``Allocate`` to the child itself.
+
+    An ask goes straight to the pipe from the asker's thread, skipping the proxy's thread, only
+    while nothing is queued and the proxy is idle; the check and the send run under the queue's
+    own lock, which the proxy's ``get`` also takes, so an ask sent directly can never overtake a
+    message queued or being served before it (the inbox stays FIFO). Anything else, or when the
+    send is not possible (no serving child, the device stopped), is queued as usual.
+
+    ``busy`` is set when the proxy takes a message (``_get``, under the lock) and cleared when it
+    has served it (:meth:`idle`). Thread rule: any thread.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = False
+        self.direct: Callable[[Any], bool] | None = None  # set once the proxy serves
+
+    def _get(self) -> Any:
+        self.busy = True
+        return super()._get()
+
+    def idle(self) -> None:
+        """The proxy has served the message it took. Thread rule: the proxy's thread."""
+        with self.mutex:
+            self.busy = False
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        direct = self.direct
+        if direct is not None and type(getattr(item, "message", None)) is m.Allocate:
+            with self.mutex:
+                if not self.queue and not self.busy and direct(item):
+                    return
+        super().put(item, block, timeout)
+
+
 class IsolatedDevice(ResilientActor):
     """The parent's proxy of a device served by its own child process; see the module docstring.
 
@@ -382,13 +419,48 @@ class IsolatedDevice(ResilientActor):
         return f"IsolatedDevice(device={self._ordinal}, driver={self._kind or 'auto'})"
 
     # -- pykka hooks ------------------------------------------------------------------------------
+    @staticmethod
+    def _create_actor_inbox() -> _DirectInbox:
+        return _DirectInbox()
+
     def on_start(self) -> None:
-        """Boot the reserve child. Thread rule: the proxy's thread (pykka calls it)."""
+        """Boot the reserve child, and let askers send allocations to the child directly (see
+        ``_DirectInbox``). Thread rule: the proxy's thread (pykka calls it)."""
         self._spare = _Process(self._ordinal)
+        self._inbox().direct = self._send_direct
+
+    def _inbox(self) -> _DirectInbox:
+        inbox = self.actor_inbox
+        assert isinstance(inbox, _DirectInbox)
+        return inbox
+
+    def _send_direct(self, envelope: Any) -> bool:
+        """Send ``envelope``'s ``Allocate`` to the serving child from the asker's thread; False
+        when the proxy must take it (no serving child, stopped). Called by ``_DirectInbox.put``
+        under the inbox lock while the proxy is idle, so nothing the proxy does runs meanwhile."""
+        if self._stopped is not None:
+            return False
+        child = self._child
+        if not child.alive or child.stopping:
+            return False
+        try:
+            child.flush_frees()
+            return child.send_ask(envelope.message, envelope.reply_to, envelope.message)
+        except Exception:  # noqa: BLE001 - the proxy's own path raises it to the asker
+            return False
+
+    def _serve_envelope(self, envelope: Any) -> None:
+        box = [envelope]  # this frame must not hold the envelope while it is served
+        del envelope
+        try:
+            super()._serve_envelope(box.pop())
+        finally:
+            self._inbox().idle()
 
     def on_stop(self) -> None:
         """Stop the child (killed if it does not end in 10 s) and the reserve; every handle is
         ``"device shutting down"``. Thread rule: the proxy's thread (pykka calls it)."""
+        self._inbox().direct = None
         try:
             child = self._child
             child.stopping = True
