@@ -32,15 +32,14 @@ import pykka
 
 from ...driver.open import open_driver
 from ...driver.protocol import Driver
-from ...errors import InvalidRequest, XlogError
+from ...errors import InvalidRequest
 from ...kernels import Kernel
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
-from ..device_client import DeviceClient
 from ..gpu_ref import GpuRef
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
-from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
+from ..messages import Allocate, Free, GenerationChanged, GetStats, Subscribe
 from ..pykka_internals import ask_into
 from ..supervisor import Supervisor, exit_process
 from ._protocol import FAULT_KINDS, Channel, ChildFault, FreeBlock, RemoteBlock, encode_error
@@ -144,10 +143,6 @@ class _Server:
         self.handles = _Handles()
         self.held: list[Any] = []
         self.fault: ChildFault | None = None
-        # Allocate frames are served here, on the thread that read them, through the device's
-        # client: no hop to the device actor's thread (which the client still takes itself when
-        # the device has no running context, and which supervises the client's failures).
-        self.client: DeviceClient = device.ask(GetClient())  # type: ignore[assignment]
 
     def loop(self) -> None:
         listener = _Listener.start(self.channel, self.handles)
@@ -178,14 +173,6 @@ class _Server:
                 self.arm(message)
             except InvalidRequest as exc:
                 reply.set_exception((type(exc), exc, None))
-            return
-        if type(message) is Allocate:
-            try:
-                ref = self.client.allocate(message.nbytes, message.stream, message.tag)
-            except XlogError as exc:  # typed: the parent raises it to the asker
-                reply.set_exception((type(exc), exc, exc.__traceback__))
-            else:
-                reply.set(ref)
             return
         if isinstance(message, FreeBlock):
             ref = self.handles.take(message.ptr, message.generation)
