@@ -281,3 +281,36 @@ def test_an_illegal_address_in_the_gpu_child_comes_back_with_generation_plus_one
     assert events.get(timeout=60) == xa.GenerationChanged(0, 1, "running")
     fresh = device.ask(xa.Allocate(1 << 20))
     assert fresh.generation == 1 and device.ask(xa.GetStats()).driver == "cuda"
+
+
+def test_an_allocation_sent_straight_to_the_child_never_overtakes_a_queued_message() -> None:
+    """Allocations skip the proxy's thread only while nothing is queued before them: a free told
+    just before an allocation that fits the budget only once that free ran is always served
+    first (a 4 KiB budget holds one block), from several threads at once too."""
+    device = xa.DeviceActor.start(0, "host", resource="async+budget:4KiB", isolate=True)
+    try:
+        ref = device.ask(xa.Allocate(4096))
+        for _ in range(40):
+            device.tell(xa.Free(ref))
+            ref = device.ask(xa.Allocate(4096))  # BudgetExceeded if it overtook the free
+        device.tell(xa.Free(ref))
+        errors: list[BaseException] = []
+
+        def churn() -> None:
+            try:
+                for _ in range(20):
+                    device.ask(xa.GetStats())  # queued work ahead of the next allocation
+                    held = device.ask(xa.Allocate(256))
+                    device.ask(xa.Free(held))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=churn) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors, errors[:3]
+        assert device.ask(xa.GetStats()).bytes_outstanding == 0
+    finally:
+        device.stop()

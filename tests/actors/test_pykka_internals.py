@@ -376,3 +376,40 @@ def test_ask_posting_a_message_queued_behind_a_stop_is_answered_actor_dead() -> 
     answers = {a.key: a for a in (replies.get(timeout=5), replies.get(timeout=5))}
     assert answers["busy"].value == "waited"
     assert isinstance(answers["late"].error, pykka.ActorDeadError)
+
+
+def test_an_actor_may_build_its_own_inbox_and_every_message_comes_through_its_put_and_get() -> None:
+    """What the isolated device's proxy relies on (see the module docstring): the static
+    ``_create_actor_inbox`` hook, and every ask, tell and stop going through ``put``, every
+    message taken through ``_get`` under the queue's lock."""
+    seen: list[str] = []
+
+    class Inbox(queue.Queue):  # type: ignore[type-arg]
+        def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+            seen.append(f"put {type(item.message).__name__}")
+            super().put(item, block, timeout)
+
+        def _get(self) -> Any:
+            assert self.mutex.locked(), "_get runs under the queue's lock"
+            item = super()._get()
+            seen.append(f"get {type(item.message).__name__}")
+            return item
+
+    class Own(pykka.ThreadingActor):
+        @staticmethod
+        def _create_actor_inbox() -> Inbox:
+            return Inbox()
+
+        def on_receive(self, message: Any) -> Any:
+            return message
+
+    ref = Own.start()
+    assert isinstance(ref.actor_inbox, Inbox)
+    assert ref.ask(7) == 7
+    ref.tell("x")
+    ref.stop()
+    puts = [s for s in seen if s.startswith("put")]
+    gets = [s for s in seen if s.startswith("get")]
+    assert seen[:2] == ["put int", "get int"], seen
+    assert puts[1:] == ["put str", puts[2]] and puts[2] != "put str", "the stop comes through put as well"
+    assert [g[4:] for g in gets] == [p[4:] for p in puts], "every message is taken through _get, in order"
