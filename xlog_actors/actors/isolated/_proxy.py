@@ -335,13 +335,18 @@ class _DirectInbox(queue.Queue):  # type: ignore[type-arg]
     """The proxy's inbox, which lets an asker send an ``Allocate`` to the child itself.
 
     An ask goes straight to the pipe from the asker's thread, skipping the proxy's thread, only
-    while nothing is queued and the proxy is idle; the check and the send run under the queue's
-    own lock, which the proxy's ``get`` also takes, so an ask sent directly can never overtake a
-    message queued or being served before it (the inbox stays FIFO). Anything else, or when the
-    send is not possible (no serving child, the device stopped), is queued as usual.
+    while nothing is queued and the proxy is idle; anything else, or when the send is not
+    possible (no serving child, the device stopped), is queued as usual.
 
-    ``busy`` is set when the proxy takes a message (``_get``, under the lock) and cleared when it
-    has served it (:meth:`idle`). Thread rule: any thread.
+    Why that keeps the inbox FIFO for each sender: ``busy`` is set in ``_get``, which ``get``
+    calls under the queue's lock in the same step that takes the message, and cleared only once
+    the proxy has served it (:meth:`idle`). So when an asker reads an empty queue and then an idle
+    proxy, every message it put before has been served already. (Messages other threads put
+    meanwhile are concurrent with this one: they have no order to keep.) No lock is held across
+    the send: a handle collected during it (a finalizer runs in whatever thread allocates) queues
+    a ``_Flush`` through ``put``, which takes the queue's lock.
+
+    Thread rule: any thread.
     """
 
     def __init__(self) -> None:
@@ -350,20 +355,18 @@ class _DirectInbox(queue.Queue):  # type: ignore[type-arg]
         self.direct: Callable[[Any], bool] | None = None  # set once the proxy serves
 
     def _get(self) -> Any:
-        self.busy = True
+        self.busy = True  # under the queue's lock, with the take itself
         return super()._get()
 
     def idle(self) -> None:
         """The proxy has served the message it took. Thread rule: the proxy's thread."""
-        with self.mutex:
-            self.busy = False
+        self.busy = False
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         direct = self.direct
-        if direct is not None and type(getattr(item, "message", None)) is m.Allocate:
-            with self.mutex:
-                if not self.queue and not self.busy and direct(item):
-                    return
+        if (direct is not None and type(getattr(item, "message", None)) is m.Allocate
+                and not self.queue and not self.busy and direct(item)):
+            return
         super().put(item, block, timeout)
 
 
@@ -437,7 +440,8 @@ class IsolatedDevice(ResilientActor):
     def _send_direct(self, envelope: Any) -> bool:
         """Send ``envelope``'s ``Allocate`` to the serving child from the asker's thread; False
         when the proxy must take it (no serving child, stopped). Called by ``_DirectInbox.put``
-        under the inbox lock while the proxy is idle, so nothing the proxy does runs meanwhile."""
+        while the proxy is idle; a restart the proxy starts meanwhile marks the child dead, and
+        an ask that reaches a dying child is answered with its death, as on the proxy's path."""
         if self._stopped is not None:
             return False
         child = self._child
