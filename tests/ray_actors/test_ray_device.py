@@ -1,0 +1,187 @@
+"""A device as a Ray actor on a local one-node Ray instance (host driver): allocation through
+Ray, descriptors that travel, the cluster generation bumped by a restart and by a rebuild, and
+bad input that changes nothing.
+
+Marked ``ray``; skipped with a reason where ray is not installed. One Ray instance serves the
+module (``ray.init`` costs about 4 s). It binds to 127.0.0.2: Ray rewrites 127.0.0.1 to the
+machine's routable address, while any other loopback address is kept, so no traffic leaves the
+loopback range.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.errors import DeviceUnavailable, GpuRefStale, InvalidRequest
+from xlog_actors.ray import RemoteGpuRef, find_keeper, start_ray_device
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'xlog-actors[ray]')")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(90)]
+
+#: The checkout whose xlog_actors the Ray workers must import (not an installed copy elsewhere).
+ROOT = str(Path(xa.__file__).resolve().parent.parent)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        # Workers inherit the environment of the raylet that ray.init starts from this process.
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.2", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def device(cluster: None) -> Iterator[Any]:
+    handle = start_ray_device(0, max_restarts=1)
+    yield handle
+    ray.kill(handle, no_restart=True)
+
+
+def ask(handle: Any, message: Any) -> Any:
+    return ray.get(handle.ask.remote(message), timeout=30)
+
+
+def wait_generation(handle: Any, generation: int, timeout_s: float = 30.0) -> RemoteGpuRef:
+    """The first allocation that succeeds on ``generation``: Ray answers 'unavailable' while it
+    restarts the actor, and no event says when it is back, so this retries until a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ref: RemoteGpuRef = ask(handle, xa.Allocate(256))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            ref = None  # type: ignore[assignment]
+        if ref is not None and ref.generation == generation:
+            return ref
+        assert time.monotonic() < deadline, f"no allocation on generation {generation} in {timeout_s} s"
+        time.sleep(0.01)
+
+
+def test_allocate_free_through_ray(device: Any) -> None:
+    generation = ray.get(device.generation.remote())
+    ref = ask(device, xa.Allocate(1024, tag=xa.AllocTag("weights")))
+    assert isinstance(ref, RemoteGpuRef)
+    assert (ref.ordinal, ref.generation, ref.nbytes, ref.tag) == (0, generation, 1024, "weights")
+    assert ref.node_id == ray.get_runtime_context().get_node_id() == ray.get(device.node_id.remote())
+    assert ref.access() is ref
+    assert ask(device, xa.GetStats()).live_blocks == 1
+    many = ask(device, xa.AllocateMany([64, 128]))
+    assert [r.nbytes for r in many] == [64, 128]
+    assert len({r.serial for r in [ref, *many]}) == 3
+    for r in [ref, *many]:
+        assert ask(device, xa.Free(r)) is None
+    stats = ask(device, xa.GetStats())
+    assert (stats.live_blocks, stats.bytes_outstanding) == (0, 0)
+    assert ask(device, xa.Free(ref)) is None  # idempotent
+    assert ask(device, xa.GetStats()).live_blocks == 0
+
+
+def test_descriptor_travels_and_validates_elsewhere(device: Any) -> None:
+    ref = ask(device, xa.Allocate(512))
+    assert pickle.loads(pickle.dumps(ref)) == ref
+
+    @ray.remote(num_cpus=0)
+    def check(r: RemoteGpuRef) -> int:
+        return r.access().generation
+
+    assert ray.get(check.remote(ref), timeout=30) == ref.generation
+    ask(device, xa.Free(ref))
+
+
+def test_restart_bumps_the_generation_and_stales_old_descriptors(device: Any) -> None:
+    old = ask(device, xa.Allocate(1024))
+    ray.kill(device, no_restart=False)
+    fresh = wait_generation(device, old.generation + 1)
+    assert ray.get(device.generation.remote()) == old.generation + 1
+    with pytest.raises(GpuRefStale, match="context rebuilt") as info:
+        old.access()
+    assert info.value.reason == "context rebuilt"
+    assert f"generation {old.generation + 1}" in str(info.value)
+
+    @ray.remote(num_cpus=0)
+    def stale_elsewhere(r: RemoteGpuRef) -> str:
+        try:
+            r.access()
+        except GpuRefStale as exc:
+            return exc.reason
+        return "valid"
+
+    assert ray.get(stale_elsewhere.remote(old), timeout=30) == "context rebuilt"
+    assert ask(device, xa.Free(old)) is None  # an older generation's free is a no-op
+    assert fresh.access() is fresh
+    assert ask(device, xa.GetStats()).live_blocks == 1
+    ask(device, xa.Free(fresh))
+
+
+def test_rebuild_bumps_the_generation_once(device: Any) -> None:
+    old = ask(device, xa.Allocate(64))
+    ask(device, xa.Rebuild())
+    # The relay hears the same rebuild's GenerationChanged: still exactly one bump.
+    assert ray.get(device.generation.remote()) == old.generation + 1
+    ask(device, xa.GetStats())  # a round trip after the relay's tell
+    assert ray.get(device.generation.remote()) == old.generation + 1
+    with pytest.raises(GpuRefStale, match="context rebuilt"):
+        old.access()
+    assert ask(device, xa.Free(old)) is None
+    new = ask(device, xa.Allocate(64))
+    assert new.generation == old.generation + 1
+    assert new.access() is new
+    ask(device, xa.Free(new))
+
+
+def test_bad_input_changes_nothing(device: Any) -> None:
+    ref = ask(device, xa.Allocate(256))
+    before = ask(device, xa.GetStats())
+    generation = ray.get(device.generation.remote())
+    foreign = RemoteGpuRef(ref.node_id, 5, ref.generation, ref.ptr, ref.nbytes, ref.tag, None, ref.serial)
+    other_node = RemoteGpuRef("0" * 56, 0, ref.generation, ref.ptr, ref.nbytes, ref.tag, None, ref.serial)
+    for bad, match in [
+        ("hello", "not str"),
+        (xa.GetClient(), "not GetClient"),
+        (xa.Free(42), "takes a RemoteGpuRef"),  # type: ignore[arg-type]
+        (xa.Free(foreign), "not of this device"),  # type: ignore[arg-type]
+        (xa.Free(other_node), "not of this device"),  # type: ignore[arg-type]
+        (xa.Allocate(-1), "nbytes"),
+    ]:
+        with pytest.raises(InvalidRequest, match=match):
+            ask(device, bad)
+    after = ask(device, xa.GetStats())
+    assert (after.live_blocks, after.bytes_outstanding) == (before.live_blocks, before.bytes_outstanding)
+    assert ray.get(device.generation.remote()) == generation
+    assert ref.access() is ref
+    assert ask(device, xa.Free(ref)) is None
+
+
+def test_shutdown_retires_the_generation(device: Any) -> None:
+    ref = ask(device, xa.Allocate(64))
+    ray.get(device.shutdown.remote(), timeout=30)
+    with pytest.raises(GpuRefStale, match="device shutting down"):
+        ref.access()
+    with pytest.raises(DeviceUnavailable, match="shut down"):
+        ask(device, xa.Allocate(64))
+    ray.get(device.shutdown.remote(), timeout=30)  # idempotent
+
+
+def test_descriptor_of_an_unknown_device_is_stale(cluster: None) -> None:
+    ref = RemoteGpuRef("f" * 56, 7, 1, 0x1000, 16, "untagged", None, 1)
+    assert find_keeper(ref.node_id, ref.ordinal) is None
+    with pytest.raises(GpuRefStale, match="device state dropped"):
+        ref.access()
+
+
+def test_negative_max_restarts_is_refused(cluster: None) -> None:
+    with pytest.raises(InvalidRequest, match="max_restarts"):
+        start_ray_device(0, max_restarts=-1)
