@@ -94,7 +94,7 @@ class RayDevice:
         self._stopped = False
         driver = (driver_factory or _host_driver)()
         self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource)
-        self._local_generation: int = self._device.ask(GetStats()).generation
+        self._local_generation: int = self._device.ask(GetStats(), block=True).generation
         # Bumped after the device is up and before __init__ returns: Ray lets no call in before.
         self._generation: int = ray.get(self._keeper.bump.remote())
         self._relay = _GenerationRelay.start(self._on_generation_changed)
@@ -187,9 +187,9 @@ class RayDevice:
         if self._stopped:
             raise DeviceUnavailable(f"device {self._ordinal} on node {self._node_id[:12]} was shut down")
         if isinstance(message, Allocate):
-            return self._describe(self._device.ask(message))
+            return self._describe(self._device.ask(message, block=True))
         if isinstance(message, AllocateMany):
-            refs: Sequence[GpuRef] = self._device.ask(message)
+            refs: Sequence[GpuRef] = self._device.ask(message, block=True)
             return [self._describe(r) for r in refs]
         if isinstance(message, Free):
             if not isinstance(message.ref, RemoteGpuRef):
@@ -200,7 +200,7 @@ class RayDevice:
             return self._device.ask(message)
         if isinstance(message, Rebuild):
             reply = self._device.ask(message)
-            self._sync_generation(self._device.ask(GetStats()).generation)
+            self._sync_generation(self._device.ask(GetStats(), block=True).generation)
             return reply
         raise InvalidRequest(f"a RayDevice answers {_RAY_MESSAGES}, not {type(message).__name__}")
 

@@ -57,9 +57,7 @@ class RemoteGpuRef:
             A short description of the descriptor.
         Thread rule: any thread.
         """
-        return (
-            f"node {self.node_id[:12]}, device {self.ordinal}, block {self.ptr:#x}, generation {self.generation}"
-        )
+        return f"node {self.node_id[:12]}, device {self.ordinal}, block {self.ptr:#x}, generation {self.generation}"
 
     def access(self, timeout_s: float = ACCESS_TIMEOUT_S) -> RemoteGpuRef:
         """Validate the descriptor against its device's generation keeper.
@@ -83,9 +81,7 @@ class RemoteGpuRef:
         try:
             generation, accepting = ray.get(keeper.state.remote(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise DeviceUnavailable(
-                f"{self.where()}: the generation keeper did not answer in {timeout_s} s"
-            ) from None
+            raise DeviceUnavailable(f"{self.where()}: the generation keeper did not answer in {timeout_s} s") from None
         except ray.exceptions.RayActorError:
             raise GpuRefStale("device state dropped", f"{self.where()}; the generation keeper died") from None
         if generation != self.generation:
