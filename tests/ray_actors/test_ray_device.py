@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,6 +184,85 @@ def test_descriptor_of_an_unknown_device_is_stale(cluster: None) -> None:
         ref.access()
 
 
+def test_a_device_that_cannot_start_leaves_no_keeper(cluster: None) -> None:
+    device = start_ray_device(9, max_restarts=0)  # the host driver has one device
+    with pytest.raises(ray.exceptions.RayActorError, match="device ordinal 9 out of range"):
+        ask(device, xa.GetStats())
+    assert find_keeper(ray.get_runtime_context().get_node_id(), 9) is None
+
+
+def test_a_dead_keeper_is_a_typed_error(cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import xlog_actors.ray.remote_ref as remote_ref
+    from xlog_actors.ray import GenerationKeeper
+
+    keeper = ray.remote(GenerationKeeper).options(num_cpus=0).remote()
+    generation = ray.get(keeper.bump.remote())
+    ray.kill(keeper)
+    ref = RemoteGpuRef("e" * 56, 0, generation, 0x1000, 16, "untagged", None, 1)
+    monkeypatch.setattr(remote_ref, "find_keeper", lambda node_id, ordinal: keeper)
+    with pytest.raises(GpuRefStale, match="the generation keeper died"):
+        ref.access()
+
+
+class _SilentKeeper:
+    def __init__(self) -> None:
+        self._answer = threading.Event()
+
+    def state(self) -> tuple[int, bool]:
+        self._answer.wait(30)  # never set: the keeper does not answer in time
+        return 1, True
+
+
+def test_a_keeper_that_does_not_answer_is_a_typed_error(cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import xlog_actors.ray.remote_ref as remote_ref
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        keeper = ray.remote(_SilentKeeper).options(num_cpus=0).remote()
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    ref = RemoteGpuRef("d" * 56, 0, 1, 0x1000, 16, "untagged", None, 1)
+    monkeypatch.setattr(remote_ref, "find_keeper", lambda node_id, ordinal: keeper)
+    t0 = time.monotonic()
+    with pytest.raises(DeviceUnavailable, match="did not answer in 0.5 s"):
+        ref.access(timeout_s=0.5)
+    assert time.monotonic() - t0 < 10
+    ray.kill(keeper)
+
+
 def test_negative_max_restarts_is_refused(cluster: None) -> None:
     with pytest.raises(InvalidRequest, match="max_restarts"):
         start_ray_device(0, max_restarts=-1)
+
+
+def _driver_losing_its_context() -> xa.Driver:
+    """A host driver whose context is lost some calls after the device started (in the worker)."""
+    driver = xa.HostDriver(device_count=2)
+    driver.inject_fault(1, "context_lost", after_calls=40)
+    return driver
+
+
+def test_a_supervised_rebuild_bumps_the_generation(cluster: None) -> None:
+    # The factory is defined here, in a module the workers cannot import: ship it by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    device = start_ray_device(1, driver_factory=_driver_losing_its_context, max_restarts=0)
+    try:
+        first = ask(device, xa.Allocate(64))
+        deadline = time.monotonic() + 30
+        # The relay bumps the keeper when the device tells its GenerationChanged: no event reaches
+        # this process, so it polls the keeper until a deadline.
+        while ray.get(device.generation.remote()) == first.generation:
+            assert time.monotonic() < deadline, "the supervisor's rebuild never bumped the generation"
+            try:
+                ask(device, xa.Free(ask(device, xa.Allocate(64))))
+            except xa.ContextLost:
+                pass
+        assert ray.get(device.generation.remote()) == first.generation + 1
+        assert ask(device, xa.GetStats()).restarts == 1
+        with pytest.raises(GpuRefStale, match="context rebuilt"):
+            first.access()
+        fresh = ask(device, xa.Allocate(64))
+        assert fresh.generation == first.generation + 1 and fresh.access() is fresh
+    finally:
+        ray.kill(device, no_restart=True)
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

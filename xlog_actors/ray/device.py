@@ -88,13 +88,14 @@ class RayDevice:
         self._ray = ray
         self._ordinal = ordinal
         self._node_id: str = ray.get_runtime_context().get_node_id()
-        self._keeper = keeper_handle(self._node_id, ordinal)
         self._lock = threading.Lock()
         self._refs: dict[int, GpuRef] = {}
         self._stopped = False
         driver = (driver_factory or _host_driver)()
         self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource)
         self._local_generation: int = self._device.ask(GetStats(), block=True).generation
+        # Made only once the device started: a start that fails leaves no keeper behind.
+        self._keeper = keeper_handle(self._node_id, ordinal)
         # Bumped after the device is up and before __init__ returns: Ray lets no call in before.
         self._generation: int = ray.get(self._keeper.bump.remote())
         self._relay = _GenerationRelay.start(self._on_generation_changed)
