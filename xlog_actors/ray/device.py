@@ -14,12 +14,16 @@ Invariants:
 * A rebuild of the hosted device's context (asked with ``Rebuild``, or ordered by its supervisor)
   also bumps it: a ``Rebuild`` before its reply; a supervisor's rebuild when the device tells its
   ``GenerationChanged`` (a window of one Ray call in which an old descriptor still validates).
+* A descriptor carries the cluster generation of the local generation its handle was made in;
+  a handle whose generation a rebuild already left behind gets ``STALE_GENERATION`` (0, which no
+  keeper ever holds), so it never validates.
 * The worker holds every ``GpuRef`` it handed out as a descriptor until a ``Free`` of that
   descriptor or a new generation; a descriptor dropped elsewhere does not free (no distributed
   reference counting in step 1).
 
 Thread rule: Ray runs the actor's methods one at a time (``max_concurrency`` 1); the relay that
-hears ``GenerationChanged`` runs on a pykka thread and shares only the generation, under a lock.
+hears ``GenerationChanged`` runs on a pykka thread and shares only the generations and the handle
+table, under a lock.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ __all__ = ["RayDevice", "start_ray_device"]
 
 #: What ``RayDevice.ask`` answers; the others need a process-local object (an ``ActorRef``, a
 #: ``DeviceClient``) that cannot travel.
+#: The generation of a descriptor made stale at birth: keepers start at 1.
+STALE_GENERATION = 0
+
 _RAY_MESSAGES = "Allocate, AllocateMany, Free (of a RemoteGpuRef), GetStats or Rebuild"
 
 
@@ -140,8 +147,13 @@ class RayDevice:
         block = ref.block
         last = ref.last_write_stream
         with self._lock:
-            self._refs[int(block.generation)] = ref
-            generation = self._generation
+            if ref.generation == self._local_generation:
+                self._refs[int(block.generation)] = ref
+                generation = self._generation
+            else:
+                # A rebuild came between the allocation and here and its bump already landed: the
+                # handle is already stale, so is its descriptor (no keeper is ever at 0).
+                generation = STALE_GENERATION
         return RemoteGpuRef(
             node_id=self._node_id,
             ordinal=self._ordinal,
