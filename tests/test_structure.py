@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(xlog_actors.__file__).parent
 
 #: Bottom up: a module may import modules of its own layer or of a lower one, never a higher one.
 #: ``_core`` is the compiled core: it calls the driver, and ``memory`` is its Python face.
-LAYERS = ["errors", "driver", "kernels", "_core", "memory", "runtime", "actors", "interop", "cli"]
+LAYERS = ["errors", "driver", "kernels", "_core", "memory", "runtime", "actors", "interop", "ray", "cli"]
 
 #: (importer, imported): type-only back references between two types that refer to each other.
 ALLOWED_TYPE_ONLY_CYCLES = {

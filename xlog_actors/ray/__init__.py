@@ -1,0 +1,28 @@
+"""Layer above ``actors``: a device as a Ray actor, its generation held cluster-wide (issue #20,
+step 1; see docs/ray.md).
+
+:func:`start_ray_device` runs a :class:`RayDevice` (a Ray actor hosting a local ``DeviceActor``)
+on a node; its allocations travel as :class:`RemoteGpuRef` descriptors, validated against the
+(node, ordinal)'s :class:`GenerationKeeper`, a named, detached Ray actor.
+
+Ray is an optional extra (``pip install 'xlog-actors[ray]'``): nothing here imports it at import
+time; the functions that need it raise ``ImportError`` naming the extra.
+
+Thread rule: see each module.
+"""
+
+from __future__ import annotations
+
+from .device import RayDevice, start_ray_device
+from .keeper import GenerationKeeper, find_keeper, keeper_handle, keeper_name
+from .remote_ref import RemoteGpuRef
+
+__all__ = [
+    "GenerationKeeper",
+    "RayDevice",
+    "RemoteGpuRef",
+    "find_keeper",
+    "keeper_handle",
+    "keeper_name",
+    "start_ray_device",
+]

@@ -1,0 +1,121 @@
+"""``GenerationKeeper``: the one place a device's generation lives on a Ray cluster.
+
+One named, detached Ray actor per (node, ordinal), named by :func:`keeper_name`, in the
+``xlog_actors`` namespace, pinned to the device's node. Every node reads the generation from it;
+a :class:`~xlog_actors.ray.device.RayDevice` bumps it on every (re)start before it serves, and
+after every context rebuild of the device it hosts.
+
+Invariants: the generation only grows (``bump`` is the only writer besides ``retire``, which
+leaves it unchanged); ``accepting`` is False only after ``retire`` and until the next ``bump``.
+The keeper lives on the device's node, so a dead node takes its keeper with it and handles of that
+device fail with a typed error (``GpuRefStale("device state dropped")``) rather than hang.
+
+Thread rule: a Ray actor runs its methods one at a time; :func:`keeper_handle` and
+:func:`find_keeper` may be called from any thread of a process connected to Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._require import NAMESPACE, require_ray
+
+__all__ = ["GenerationKeeper", "find_keeper", "keeper_handle", "keeper_name"]
+
+
+class GenerationKeeper:
+    """The generation of one (node, ordinal), as a Ray actor's body (see :func:`keeper_handle`).
+
+    Thread rule: Ray serializes its method calls.
+    """
+
+    def __init__(self) -> None:
+        self._generation = 0
+        self._accepting = False
+
+    def bump(self) -> int:
+        """Start a new generation (a device (re)started or rebuilt its context) and accept again.
+
+        Returns:
+            The new generation.
+        Thread rule: the keeper's Ray actor.
+        """
+        self._generation += 1
+        self._accepting = True
+        return self._generation
+
+    def retire(self) -> None:
+        """The device was stopped on purpose: handles of every generation then fail with
+        ``GpuRefStale("device shutting down")`` until a new device bumps the generation.
+
+        Thread rule: the keeper's Ray actor.
+        """
+        self._accepting = False
+
+    def state(self) -> tuple[int, bool]:
+        """``(generation, accepting)``.
+
+        Returns:
+            The current generation and whether a device serves it.
+        Thread rule: the keeper's Ray actor.
+        """
+        return self._generation, self._accepting
+
+
+def keeper_name(node_id: str, ordinal: int) -> str:
+    """The Ray actor name of the keeper of ``(node_id, ordinal)``.
+
+    Args:
+        node_id: a Ray node id (hex).
+        ordinal: the device ordinal on that node.
+    Returns:
+        The name, unique per (node, ordinal) in the ``xlog_actors`` namespace.
+    Thread rule: any thread.
+    """
+    return f"generation:{node_id}:{ordinal}"
+
+
+def keeper_handle(node_id: str, ordinal: int) -> Any:
+    """The keeper of ``(node_id, ordinal)``, made (detached, pinned to that node, no CPU
+    reserved) if it does not exist yet.
+
+    Args:
+        node_id: the Ray node id of the device.
+        ordinal: the device ordinal.
+    Returns:
+        The keeper's Ray actor handle.
+    Raises:
+        ImportError: ray is not installed.
+    Thread rule: any thread of a process connected to Ray.
+    """
+    ray = require_ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote_keeper = ray.remote(GenerationKeeper)
+    return remote_keeper.options(
+        name=keeper_name(node_id, ordinal),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote()
+
+
+def find_keeper(node_id: str, ordinal: int) -> Any | None:
+    """The keeper of ``(node_id, ordinal)`` if it exists; never makes one.
+
+    Args:
+        node_id: the Ray node id of the device.
+        ordinal: the device ordinal.
+    Returns:
+        Its Ray actor handle, or None when there is none (never started, or its node died).
+    Raises:
+        ImportError: ray is not installed.
+    Thread rule: any thread of a process connected to Ray.
+    """
+    ray = require_ray()
+    try:
+        return ray.get_actor(keeper_name(node_id, ordinal), namespace=NAMESPACE)
+    except ValueError:
+        return None
