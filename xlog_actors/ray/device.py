@@ -45,11 +45,11 @@ from .remote_ref import RemoteGpuRef
 
 __all__ = ["RayDevice", "start_ray_device"]
 
-#: What ``RayDevice.ask`` answers; the others need a process-local object (an ``ActorRef``, a
-#: ``DeviceClient``) that cannot travel.
 #: The generation of a descriptor made stale at birth: keepers start at 1.
 STALE_GENERATION = 0
 
+#: What ``RayDevice.ask`` answers; the others need a process-local object (an ``ActorRef``, a
+#: ``DeviceClient``) that cannot travel.
 _RAY_MESSAGES = "Allocate, AllocateMany, Free (of a RemoteGpuRef), GetStats or Rebuild"
 
 
