@@ -7,6 +7,7 @@ Thread rule: any thread.
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 __all__ = ["NAMESPACE", "require_ray"]
@@ -26,7 +27,7 @@ def require_ray() -> ModuleType:
     Thread rule: any thread.
     """
     try:
-        import ray
+        # import_module: a ModuleType whether or not ray (and its type information) is installed
+        return importlib.import_module("ray")
     except ImportError as exc:
         raise ImportError("xlog_actors.ray needs Ray: pip install 'xlog-actors[ray]'") from exc
-    return ray
