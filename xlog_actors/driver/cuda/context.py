@@ -113,7 +113,7 @@ class CudaDevice(Stamped):
     (:data:`STAMPED_ATTRIBUTES`), through :class:`Stamped`.
     """
 
-    def __init__(self, ordinal: int, cudev: Any) -> None:
+    def __init__(self, ordinal: int, cudev: Any, held: HeldCalls) -> None:
         self.stamp = object()
         self.ordinal = ordinal
         self.cudev = cudev
@@ -121,7 +121,7 @@ class CudaDevice(Stamped):
         self.lock = threading.RLock()
         self.ctx: Any = None
         self.token: object | None = None
-        self.held: HeldCalls | None = None  # the driver's GIL-keeping calls, set by the driver
+        self.held = held  # the driver's GIL-keeping calls (see .held)
         self.epoch = 0
         # A new object with every epoch: the streams and events of this epoch hold it in ``_live``
         # while usable, so the compiled core checks device, epoch and liveness by one identity.
@@ -415,12 +415,9 @@ class CudaDevice(Stamped):
             True when active, or when the query itself fails (then nothing is known to be lost).
         Thread rule: any thread.
         """
-        held = self.held
-        if held is not None:  # a state read, once per actor message: the GIL is kept (see .held)
-            code, is_active = held.primary_active(int(self.cudev))
-            return code != 0 or is_active
-        err, _flags, active = cu.cuDevicePrimaryCtxGetState(self.cudev)
-        return err != SUCCESS or bool(active)
+        # A state read, once per actor message: the GIL is kept (see .held).
+        code, is_active = self.held.primary_active(int(self.cudev))
+        return code != 0 or is_active
 
     def _free_pool_leftovers(self) -> None:
         """Free the stream-ordered allocations still live at a rebuild or close. Even a

@@ -66,7 +66,7 @@ from .call import (
     result_name,
 )
 from .context import CudaDevice, tls
-from .held import HELD_ENTRY_POINTS, HeldCalls
+from .held import HELD_ENTRY_POINTS, HeldCalls, as_result
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
 from .peer import CudaPeer
@@ -150,25 +150,23 @@ class CudaDriver(CudaPeer, CudaMemory):
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
             raise DeviceUnavailable(f"libcuda is loaded but sees no CUDA device{hint}")
-        devices = []
-        for ordinal in range(count):
-            err, cudev = cu.cuDeviceGet(ordinal)
-            if err != SUCCESS:
-                raise DeviceUnavailable(f"cuDeviceGet({ordinal}) failed: {result_name(err)}") from None
-            try:
-                devices.append(CudaDevice(ordinal, cudev))
-            except XlogError as exc:
-                raise DeviceUnavailable(f"device {ordinal} cannot be queried: {exc}") from None
-        for dev in devices:
-            dev.owner = self
         try:
             entry_points = resolve_entry_points(CORE_ENTRY_POINTS + HELD_ENTRY_POINTS)
         except XlogError as exc:
             raise DeviceUnavailable(f"{exc}; update the NVIDIA driver") from None
         self._entry_points = entry_points
         held = HeldCalls(entry_points)
+        devices = []
+        for ordinal in range(count):
+            err, cudev = cu.cuDeviceGet(ordinal)
+            if err != SUCCESS:
+                raise DeviceUnavailable(f"cuDeviceGet({ordinal}) failed: {result_name(err)}") from None
+            try:
+                devices.append(CudaDevice(ordinal, cudev, held))
+            except XlogError as exc:
+                raise DeviceUnavailable(f"device {ordinal} cannot be queried: {exc}") from None
         for dev in devices:
-            dev.held = held
+            dev.owner = self
         self._devices = devices
         self._closed = False
         self._close_lock = threading.Lock()
@@ -341,12 +339,8 @@ class CudaDriver(CudaPeer, CudaMemory):
         params = int(pointers.ctypes.data) if len(pointers) else 0
         with s._gate:
             dev = s._enter()  # a rebuild since the lookup retired the stream (and the module)
-            held = dev.held
-            if held is not None:  # it only enqueues: the GIL is kept (see .held)
-                code = held.launch(int(fn), g[0], g[1], g[2], b[0], b[1], b[2], 0, s._handle, params, None)
-                err = cu.CUresult(code) if code else SUCCESS
-            else:
-                (err,) = cu.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], 0, s._cu, params, 0)
+            # It only enqueues: the GIL is kept (see .held).
+            err = as_result(dev.held.launch(int(fn), g[0], g[1], g[2], b[0], b[1], b[2], 0, s._handle, params, None))
         del slots  # referenced until here: cuLaunchKernel copied the argument values
         if err != SUCCESS:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")

@@ -19,9 +19,11 @@ Thread rule: any thread; the prototypes hold no state.
 from __future__ import annotations
 
 import ctypes
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["HELD_ENTRY_POINTS", "HeldCalls"]
+from .call import SUCCESS, cu
+
+__all__ = ["HELD_ENTRY_POINTS", "HeldCalls", "as_result"]
 
 #: The entry points :class:`HeldCalls` calls (resolved at CUDA 12.0's ABI: the _v2 copies).
 HELD_ENTRY_POINTS: Final = (
@@ -35,6 +37,12 @@ HELD_ENTRY_POINTS: Final = (
     "cuStreamWaitEvent",
     "cuDevicePrimaryCtxGetState",
 )
+
+def as_result(code: int) -> Any:
+    """A held call's code as the ``CUresult`` the driver's error mapping (``CudaDevice.fail``)
+    takes: ``SUCCESS`` itself for 0, the enum member otherwise. Thread rule: any thread."""
+    return cu.CUresult(code) if code else SUCCESS
+
 
 _INT = ctypes.c_int
 _U64 = ctypes.c_uint64

@@ -35,6 +35,7 @@ from ..protocol import Buffer
 from .call import SUCCESS, cu
 from .context import tls
 from .gates import check_ptr
+from .held import as_result
 from .host_memory import CudaHostMemory
 from .streams import CudaStream
 
@@ -246,19 +247,16 @@ class CudaMemory(CudaHostMemory):
             dev = s._enter()
             if nbytes == 0:
                 return
-            held = dev.held if pinned else None
             if to_device:
-                if held is not None:
-                    code = held.memcpy_htod(ptr, address, nbytes, s._handle)
-                    err = cu.CUresult(code) if code else SUCCESS
+                if pinned:
+                    err = as_result(dev.held.memcpy_htod(ptr, address, nbytes, s._handle))
                 else:
                     (err,) = cu.cuMemcpyHtoDAsync(ptr, address, nbytes, s._cu)
                 if err != SUCCESS:
                     dev.fail(err, f"cuMemcpyHtoDAsync({nbytes} bytes to {ptr:#x}, stream {s._id})")
             else:
-                if held is not None:
-                    code = held.memcpy_dtoh(address, ptr, nbytes, s._handle)
-                    err = cu.CUresult(code) if code else SUCCESS
+                if pinned:
+                    err = as_result(dev.held.memcpy_dtoh(address, ptr, nbytes, s._handle))
                 else:
                     (err,) = cu.cuMemcpyDtoHAsync(address, ptr, nbytes, s._cu)
                 if err != SUCCESS:
@@ -281,12 +279,8 @@ class CudaMemory(CudaHostMemory):
         )
         with s._gate:
             dev = s._enter()
-            held = dev.held
-            if held is not None:  # device to device only enqueues: the GIL is kept (see .held)
-                code = held.memcpy_dtod(dst, src, nbytes, s._handle)
-                err = cu.CUresult(code) if code else SUCCESS
-            else:
-                (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s._cu)
+            # Device to device only enqueues: the GIL is kept (see .held).
+            err = as_result(dev.held.memcpy_dtod(dst, src, nbytes, s._handle))
         if err != SUCCESS:
             dev.fail(err, f"cuMemcpyDtoDAsync({nbytes} bytes {src:#x} -> {dst:#x}, stream {s._id})")
 

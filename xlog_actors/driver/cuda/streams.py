@@ -43,6 +43,7 @@ from typing import Any, Final
 from ...errors import DriverError, InvalidRequest
 from .call import EVENT_FLAGS, NOT_READY, SUCCESS, cu
 from .context import CudaDevice, tls
+from .held import as_result
 
 __all__ = ["CudaEvent", "CudaStream"]
 
@@ -118,14 +119,7 @@ class CudaEvent:
         Thread rule: any thread; an allocator's hot path, so it takes no lock.
         """
         dev = self._enter()
-        held = dev.held
-        if held is not None:  # a flag read: the GIL is kept (see .held)
-            code = held.event_query(self._h)
-            if code == 0:
-                return True
-            err = cu.CUresult(code)
-        else:
-            (err,) = cu.cuEventQuery(self._cu)
+        err = as_result(dev.held.event_query(self._h))  # a flag read: the GIL is kept (see .held)
         if err == SUCCESS:
             return True
         if err == NOT_READY:
@@ -305,21 +299,12 @@ class CudaStream:
             self._enter().bury()  # outside the gate: it takes the device lock
         with self._gate:
             dev = self._enter()
-            held = dev.held
-            if held is not None:  # neither call blocks: the GIL is kept (see .held)
-                code, handle = held.new_event(EVENT_FLAGS)
-                if code:
-                    dev.fail(cu.CUresult(code), "cuEventCreate")
-                event = cu.CUevent(handle)
-                wrapped = CudaEvent(dev, event, self._epoch, self._live)
-                code = held.event_record(handle, self._handle)
-                err = cu.CUresult(code) if code else SUCCESS
-            else:
-                err, event = cu.cuEventCreate(EVENT_FLAGS)
-                if err != SUCCESS:
-                    dev.fail(err, "cuEventCreate")
-                wrapped = CudaEvent(dev, event, self._epoch, self._live)
-                (err,) = cu.cuEventRecord(event, self._cu)
+            # Neither call blocks: the GIL is kept (see .held).
+            code, handle = dev.held.new_event(EVENT_FLAGS)
+            if code:
+                dev.fail(as_result(code), "cuEventCreate")
+            wrapped = CudaEvent(dev, cu.CUevent(handle), self._epoch, self._live)
+            err = as_result(dev.held.event_record(handle, self._handle))
         if err != SUCCESS:
             dev.fail(err, f"cuEventRecord(stream {self._id})")
         return wrapped
@@ -345,12 +330,8 @@ class CudaStream:
         try:
             dev = self._enter()
             event._enter()
-            held = dev.held
-            if held is not None:  # it only enqueues: the GIL is kept (see .held)
-                code = held.event_record(event._h, self._handle)
-                err = cu.CUresult(code) if code else SUCCESS
-            else:
-                (err,) = cu.cuEventRecord(event._cu, self._cu)
+            # It only enqueues: the GIL is kept (see .held).
+            err = as_result(dev.held.event_record(event._h, self._handle))
         finally:
             gate.release()
         if err != SUCCESS:
@@ -377,12 +358,8 @@ class CudaStream:
             dev = self._enter()
             if event._epoch != event._dev.epoch:
                 event._enter()  # raises: the event's context is gone
-            held = dev.held
-            if held is not None:  # it only enqueues: the GIL is kept (see .held)
-                code = held.stream_wait(self._handle, event._h, 0)
-                err = cu.CUresult(code) if code else SUCCESS
-            else:
-                (err,) = cu.cuStreamWaitEvent(self._cu, event._cu, 0)
+            # It only enqueues: the GIL is kept (see .held).
+            err = as_result(dev.held.stream_wait(self._handle, event._h, 0))
         finally:
             gate.release()
         if err != SUCCESS:
@@ -455,12 +432,7 @@ class CudaStream:
             err, event = cu.cuEventCreate(EVENT_FLAGS)
             if err != SUCCESS:
                 dev.fail(err, "cuEventCreate")
-        held = dev.held
-        if held is not None:  # it only enqueues: the GIL is kept (see .held)
-            code = held.event_record(int(event), self._handle)
-            err = cu.CUresult(code) if code else SUCCESS
-        else:
-            (err,) = cu.cuEventRecord(event, self._cu)
+        err = as_result(dev.held.event_record(int(event), self._handle))  # only enqueues: see .held
         if err != SUCCESS:
             # Without a marker we cannot know when the copy ran: wait for it instead.
             cu.cuEventDestroy(event)
@@ -474,11 +446,10 @@ class CudaStream:
 
     def _prune_locked(self) -> None:
         keep = self._keep
-        held = self._dev.held
+        query = self._dev.held.event_query
         while keep:
             event = keep[0][0]
-            done = held.event_query(int(event)) == 0 if held is not None else cu.cuEventQuery(event)[0] == SUCCESS
-            if not done:
+            if query(int(event)) != 0:
                 break  # not yet (or a sticky error: keep everything, nothing runs any more)
             keep.popleft()
             if len(self._spare) < _SPARE_EVENTS:
