@@ -15,6 +15,12 @@ The kernels, over ``float32`` data of ``n`` elements unless they say otherwise:
     ``out[i] = value``.
 ``SCALE_ADD_F32``: ``(out: ptr, x: ptr, alpha: f32, beta: f32, n: u64)``
     ``out[i] = alpha * x[i] + beta``; ``out`` may be ``x``.
+``SCALE_ADD_CHECKSUM_F32``: ``(out: ptr, x: ptr, alpha: f32, beta: f32, n: u64)``
+    ``SCALE_ADD_F32`` and ``CHECKSUM_U32`` of its output in one launch: ``out[i] = alpha * x[i] +
+    beta``, and the ``uint64`` at byte offset ``checksum_tail(n)`` of ``out`` (just past the
+    elements, rounded up to 8 bytes) gains the checksum of the results. ``out`` holds
+    ``checksum_tail(n) + 8`` bytes (zero the tail first) and does not overlap ``x``; at most
+    256 threads per block. One buffer then carries a batch's result and its checksum home.
 ``AXPY_F32``: ``(y: ptr, x: ptr, a: f32, n: u64)``
     ``y[i] = a * x[i] + y[i]``.
 ``CHECKSUM_U32``: ``(out: ptr, x: ptr, n: u64)``, over ``n`` 32-bit words of any data
@@ -50,9 +56,11 @@ from .driver.kernel_library import (
     CHECKSUM_U32,
     CHECKSUM_U32_MAX_BLOCK,
     FILL_F32,
+    SCALE_ADD_CHECKSUM_F32,
     SCALE_ADD_F32,
     SUM_F32,
     SUM_F32_MAX_BLOCK,
+    checksum_tail,
     checksum_u32,
     launch_shape,
 )
@@ -63,12 +71,14 @@ __all__ = [
     "CHECKSUM_U32_MAX_BLOCK",
     "FILL_F32",
     "PARAM_DTYPES",
+    "SCALE_ADD_CHECKSUM_F32",
     "SCALE_ADD_F32",
     "SUM_F32",
     "SUM_F32_MAX_BLOCK",
     "DeviceMemoryView",
     "Kernel",
     "ParamKind",
+    "checksum_tail",
     "checksum_u32",
     "launch_shape",
 ]

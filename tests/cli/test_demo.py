@@ -75,8 +75,8 @@ def test_a_checksum_collision_cannot_hide_a_wrong_first_or_last_batch(
     nbytes = 1 << 14
     real = pipeline._landed_output
 
-    def swapped(out: object) -> object:
-        data = bytearray(real(out))  # type: ignore[arg-type]  # test double: any buffer
+    def swapped(out: object, nbytes: int) -> object:
+        data = bytearray(real(out, nbytes))  # type: ignore[arg-type]  # test double: any buffer
         data[0:4], data[4:8] = data[4:8], data[0:4]  # same words, same sum: a collision
         return bytes(data)
 

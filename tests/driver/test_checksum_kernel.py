@@ -10,7 +10,15 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors.errors import ContextPoisoned, InvalidRequest
-from xlog_actors.kernels import CHECKSUM_U32, CHECKSUM_U32_MAX_BLOCK, checksum_u32, launch_shape
+from xlog_actors.kernels import (
+    CHECKSUM_U32,
+    CHECKSUM_U32_MAX_BLOCK,
+    SCALE_ADD_CHECKSUM_F32,
+    SCALE_ADD_F32,
+    checksum_tail,
+    checksum_u32,
+    launch_shape,
+)
 
 
 def device_checksum(driver: xa.Driver, data: np.ndarray, grid: object, block: object) -> int:
@@ -107,6 +115,83 @@ def test_reading_past_the_buffer_poisons_the_host_device() -> None:
         out, x = drv.alloc(0, 8), drv.alloc(0, 1024)
         drv.fill(out, 0, 8, s)
         drv.launch(CHECKSUM_U32, 1, 256, [out, x, 257], s)  # 257 words of a 256-word buffer
+        with pytest.raises(ContextPoisoned):
+            s.synchronize()
+    finally:
+        drv.close()
+
+
+def fused(driver: xa.Driver, x: np.ndarray, grid: object, block: object, start: int = 0) -> tuple[np.ndarray, int]:
+    """``SCALE_ADD_CHECKSUM_F32`` over ``x`` (alpha 3, beta -0.5) into a buffer whose tail holds
+    ``start``: the output elements and the tail after the launch."""
+    n = x.size
+    tail = checksum_tail(n)
+    stream = driver.create_stream(0)
+    dx, out = driver.alloc(0, max(4, x.nbytes)), driver.alloc(0, tail + 8)
+    try:
+        driver.fill(out, 0xAB, tail + 8, stream)  # the padding and the elements: junk until written
+        driver.copy_to_device(out + tail, np.array([start], np.uint64), stream)
+        if n:
+            driver.copy_to_device(dx, x, stream)
+        driver.launch(SCALE_ADD_CHECKSUM_F32, grid, block, [out, dx, 3.0, -0.5, n], stream)
+        raw = driver.copy_to_host(out, tail + 8, stream)
+        stream.synchronize()
+        return np.frombuffer(raw, np.float32, count=n).copy(), int(np.frombuffer(raw, np.uint64, offset=tail)[0])
+    finally:
+        stream.synchronize()
+        driver.free(0, dx)
+        driver.free(0, out)
+        stream.close()
+
+
+@pytest.mark.parametrize(
+    ("n", "grid", "block"), [(0, 1, 256), (1, 1, 256), (7, 2, 3), (4097, 5, (8, 4, 2)), (1 << 16, 1024, 256)]
+)
+def test_the_fused_kernel_is_scale_add_then_its_checksum(
+    driver: xa.Driver, n: int, grid: object, block: object
+) -> None:
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    want = np.float32(3.0) * x + np.float32(-0.5)  # numpy rounds the multiply and the add apart
+    out, total = fused(driver, x, grid, block)
+    assert out.tobytes() == want.tobytes()
+    assert total == checksum_u32(want)
+    # The same elements as the separate kernel gives, bit for bit.
+    stream = driver.create_stream(0)
+    dx, dout = driver.alloc(0, max(4, x.nbytes)), driver.alloc(0, max(4, x.nbytes))
+    try:
+        if n:
+            driver.copy_to_device(dx, x, stream)
+        driver.launch(SCALE_ADD_F32, grid, block, [dout, dx, 3.0, -0.5, n], stream)
+        plain = driver.copy_to_host(dout, x.nbytes, stream) if n else b""
+        stream.synchronize()
+        assert bytes(plain) == out.tobytes()
+    finally:
+        stream.synchronize()
+        driver.free(0, dx)
+        driver.free(0, dout)
+        stream.close()
+
+
+def test_the_fused_checksum_adds_to_the_tail_and_wraps(driver: xa.Driver) -> None:
+    x = np.arange(5, dtype=np.float32)
+    want = np.float32(3.0) * x + np.float32(-0.5)
+    start = (1 << 64) - 1
+    _, total = fused(driver, x, 2, 4, start=start)
+    assert total == (start + checksum_u32(want)) % (1 << 64)
+
+
+def test_the_tail_is_aligned_to_8_bytes() -> None:
+    assert [checksum_tail(n) for n in (0, 1, 2, 3, 4, 5)] == [0, 8, 8, 16, 16, 24]
+    with pytest.raises(InvalidRequest, match="n must be"):
+        checksum_tail(-1)
+
+
+def test_a_fused_launch_past_its_buffer_poisons_the_host_device() -> None:
+    drv = xa.HostDriver(device_count=1, memory_per_device=1 << 20)
+    try:
+        s = drv.create_stream(0)
+        x, out = drv.alloc(0, 1024), drv.alloc(0, 1024)  # no room for the tail after 256 elements
+        drv.launch(SCALE_ADD_CHECKSUM_F32, 1, 256, [out, x, 1.0, 0.0, 256], s)
         with pytest.raises(ContextPoisoned):
             s.synchronize()
     finally:

@@ -17,6 +17,7 @@ what deliberately faults and the negative control that needs truly concurrent st
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import os
@@ -235,20 +236,39 @@ def test_result_names() -> None:
 # -- argument packing (pure) ----------------------------------------------------------------
 def test_kernel_arguments_pack_into_slots() -> None:
     kernel = xa.Kernel(name="k", source="", params=("ptr", "f32", "i32", "u64", "f64"), host=print)
-    slots, pointers = cuda_mod._pack_args(kernel, (0x7F00_0000_1000, 1.5, -3, (1 << 64) - 1, 2.25))
-    raw = slots.tobytes()
+    slots, params = cuda_mod._pack_args(kernel, (0x7F00_0000_1000, 1.5, -3, (1 << 64) - 1, 2.25))
+    raw = bytes(slots)
     assert raw[0:8] == np.uint64(0x7F00_0000_1000).tobytes()
     assert raw[8:12] == np.float32(1.5).tobytes()
     assert raw[16:20] == np.int32(-3).tobytes()
     assert raw[24:32] == np.uint64((1 << 64) - 1).tobytes()
     assert raw[32:40] == np.float64(2.25).tobytes()
-    assert list(pointers - np.uint64(slots.ctypes.data)) == [0, 8, 16, 24, 32]
+    base = ctypes.addressof(slots)
+    assert params == base + 40  # the void*[] after the five slots, each pointing at its slot
+    assert list(np.frombuffer(raw[40:80], np.uint64) - np.uint64(base)) == [0, 8, 16, 24, 32]
+    assert cuda_mod._pack_args(xa.Kernel(name="none", source="", params=(), host=print), ())[1] == 0
+    # Out of f32 range: the infinity numpy (the host twin) rounds to, not a refusal.
+    slots, _ = cuda_mod._pack_args(xa.Kernel(name="k", source="", params=("f32", "f32"), host=print), (1e39, -1e39))
+    assert np.frombuffer(bytes(slots)[:16], np.float32)[[0, 2]].tolist() == [np.inf, -np.inf]
+
+
+def test_each_thread_packs_into_slots_of_its_own() -> None:
+    """A launch's slots are the thread's own: another thread's launch of the same kernel meanwhile
+    leaves them alone (two actors launch on two streams at once)."""
+    kernel = xa.Kernel(name="k", source="", params=("u64",), host=print)
+    mine, params = cuda_mod._pack_args(kernel, (7,))
+    other: list[Any] = []
+    thread = threading.Thread(target=lambda: other.append(cuda_mod._pack_args(kernel, (9,))))
+    thread.start()
+    thread.join()
+    assert other[0][0] is not mine and other[0][1] != params
+    assert bytes(mine)[:8] == np.uint64(7).tobytes() and bytes(other[0][0])[:8] == np.uint64(9).tobytes()
 
 
 @pytest.mark.parametrize(
     "args",
-    [(1 << 31, 0.0), (-1, 0.0), (1, True), (1.0, 0.0), (1, "x"), (None, 0.0)],
-    ids=["i32-overflow", "negative", "bool", "float-for-int", "str", "none"],
+    [(1 << 31, 0.0), (-1, 0.0), (1, True), (1.0, 0.0), (1, "x"), (None, 0.0), (np.True_, 0.0), (1 << 32, 0.0), (1,)],
+    ids=["i32-overflow", "negative", "bool", "float-for-int", "str", "none", "numpy-bool", "u32-overflow", "count"],
 )
 def test_bad_kernel_arguments_are_invalid_requests(args: tuple[object, ...]) -> None:
     kernel = xa.Kernel(name="k", source="", params=("u32", "f32"), host=print)

@@ -18,7 +18,7 @@ from xlog_actors.kernels import FILL_F32, Kernel, launch_shape
 def test_every_kernel_is_exported_and_documented() -> None:
     exported = {name: getattr(kernels, name) for name in kernels.__all__}
     library = {name for name, value in exported.items() if isinstance(value, Kernel)}
-    assert library == {"FILL_F32", "SCALE_ADD_F32", "AXPY_F32", "SUM_F32", "CHECKSUM_U32"}
+    assert library == {"FILL_F32", "SCALE_ADD_F32", "AXPY_F32", "SUM_F32", "CHECKSUM_U32", "SCALE_ADD_CHECKSUM_F32"}
     doc = kernels.__doc__ or ""
     for name in library:
         kernel = exported[name]

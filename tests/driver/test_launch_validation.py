@@ -242,9 +242,9 @@ def test_cuda_itself_refuses_each_dimension_the_shared_check_refuses(grid: Any, 
         stream = drv.create_stream(0)
         ptr = drv.alloc(0, NBYTES)
         fn = stream._enter().function(FILL_F32)
-        slots, pointers = _pack_args(FILL_F32, [ptr, 1.0, 0])
+        slots, params = _pack_args(FILL_F32, [ptr, 1.0, 0])
         g, b = _three(grid), _three(block)
-        (err,) = cu.cuLaunchKernel(fn, *g, *b, 0, stream._cu, int(pointers.ctypes.data), 0)
+        (err,) = cu.cuLaunchKernel(fn, *g, *b, 0, stream._cu, params, 0)
         del slots
         stream.synchronize()
         drv.free(0, ptr)

@@ -4,21 +4,21 @@ three library actors (a ``CopyActor`` in, a ``KernelActor``, a ``CopyActor`` out
 
 One thread orchestrates, and it waits on one queue only. Every ask goes out with
 ``ask_posting``, whose answer (the reply or its error) is posted on that queue with the batch as
-its key, once the actor has *enqueued* the stage (the device work goes on). A batch is four asks:
-its copy in, its two kernels as one ``Launches``, and the copies back of its output and of its
-checksum. When both copies back are enqueued, a landing thread waits for the checksum's copy
-(the later one on the copy-out stream, so the output has landed too) and posts that on the same
+its key, once the actor has *enqueued* the stage (the device work goes on). A batch is three
+asks: its copy in, its kernel, and one copy back of its output with the checksum behind it. When
+the copy back is enqueued, a landing thread waits for it to land and posts that on the same
 queue. The orchestrator never polls a future and never waits for one batch while another has a
 stage to send. No code here synchronizes the device: the library actors' tracking orders every
 stage after the one before it on another stream, and a ring buffer's reuse after its last reader.
 
 The inputs are built once, before timing starts (:class:`~.batches.BatchData`). Every batch is
-verified exactly, off the critical path: the kernel actor launches ``CHECKSUM_U32`` over the output
-after ``SCALE_ADD_F32``, adding into the slot's 8-byte running sum (zeroed once, when the slot is
-allocated); those 8 bytes come back with the output, and what the batch added is compared with
-the checksum computed once per distinct input. The first and the last batch also come back into
-buffers of their own, compared byte for byte with the host reference once the timed run is over,
-so a checksum collision cannot hide a wrong result and the comparison costs the run nothing.
+verified exactly, off the critical path: the kernel, ``SCALE_ADD_CHECKSUM_F32``, writes the
+output and adds its checksum into an 8-byte running sum just past it in the same buffer (its
+start is the poison the slot is filled with when allocated); those 8 bytes come back with the
+output in the same copy, and what the batch added is compared with the checksum computed once per
+distinct input. The first and the last batch also come back into buffers of their own, compared
+byte for byte with the host reference once the timed run is over, so a checksum collision cannot
+hide a wrong result and the comparison costs the run nothing.
 
 A stage that meets a stale handle (a ``Rebuild`` mid-run) reports it; the batch is run again on
 newly allocated buffers.
@@ -41,10 +41,10 @@ import numpy as np
 import pykka
 
 from ..actors import CopyActor, DeviceActor, GpuRef, KernelActor
-from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, In, InOut, Launch, Launches, Out
+from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, In, Launch, Out
 from ..actors.messages import Allocate, AllocatePinned, GetStats, Rebuild
 from ..actors.pykka_internals import Answer, ask_posting
-from ..driver.kernel_library import CHECKSUM_U32, SCALE_ADD_F32, launch_shape
+from ..driver.kernel_library import SCALE_ADD_CHECKSUM_F32, checksum_tail, launch_shape
 from ..driver.protocol import Buffer, Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
@@ -55,8 +55,8 @@ __all__ = ["PipelineConfig", "PipelineResult", "run_pipeline"]
 
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
-_SUM_BYTES = 8
 _POISON = 0xDD  # what the host driver writes over freed memory too
+_POISONED_SUM = int.from_bytes(bytes([_POISON]) * 8, "little")
 
 
 @dataclass
@@ -140,9 +140,9 @@ def _wait_landed(reply: CopyDone) -> None:
     reply.wait()
 
 
-def _landed_output(out: PinnedBuffer) -> Buffer:
-    """The bytes a copy back left in ``out`` (after ``_wait_landed``)."""
-    return out.array(np.uint8)
+def _landed_output(out: PinnedBuffer, nbytes: int) -> Buffer:
+    """The first ``nbytes`` a copy back left in ``out`` (after ``_wait_landed``)."""
+    return out.array(np.uint8, nbytes)
 
 
 @dataclass
@@ -154,38 +154,36 @@ class _Slot:
     handles' tracking), never on the host."""
 
     inp: GpuRef
-    out: GpuRef
-    sums: GpuRef
-    total: int = 0  # the running checksum the device holds after the slot's last verified batch
-    launches: Launches | None = None  # the batch's two kernels on these buffers, built once
+    out: GpuRef  # the output, then (at ``checksum_tail``) the running checksum
+    total: int = _POISONED_SUM  # the running checksum the device holds after the slot's last verified batch
+    launch: Launch | None = None  # the batch's kernel on these buffers, built once
 
 
 @dataclass(eq=False)
 class _HostSet:
-    """Where one batch's copies back land (pinned, from ``_host_buffer``). A set is held from a
-    batch's copies back until its checksum is read, so there are more sets than slots."""
+    """Where one batch's copy back lands (pinned, from ``_host_buffer``): the output, then the
+    checksum at byte ``tail``. A set is held from a batch's copy back until its checksum is read,
+    so there are more sets than slots."""
 
     out: PinnedBuffer
-    sums: PinnedBuffer
-    total: Any = None  # ``sums`` as one uint64, the view made once
+    tail: int
+    total: Any = None  # the checksum as one uint64, the view made once
 
     def __post_init__(self) -> None:
-        self.total = self.sums.array(np.uint64, 1)
+        self.total = self.out.array(np.uint64)[self.tail // 8 :]
 
 
 @dataclass(eq=False)
 class _Batch:
-    """A batch in flight: its ring slot, its stage and the answers of that stage still to come.
+    """A batch in flight: its ring slot and its stage, whose one answer is still to come.
     Compared by identity: it is the key its answers are posted under."""
 
     index: int
     slot: int
     buffers: _Slot  # the slot's buffers when the batch started (a stale retry replaces the slot's)
     host: _HostSet
-    stage: int  # 0: copy in sent; 1: kernels sent; 2: copies back sent; 3: landing
-    waiting: int  # answers of this stage not in yet
-    holds_slot: bool = True  # until its copies back are enqueued
-    answers: list[Answer] = field(default_factory=list)
+    stage: int  # 0: copy in sent; 1: kernel sent; 2: copy back sent; 3: landing
+    holds_slot: bool = True  # until its copy back is enqueued
 
 
 #: The value the landing thread posts once a batch's copies back are on the host.
@@ -235,6 +233,8 @@ class _Run:
         self.cfg, self.data, self.driver = cfg, data, driver
         self.n = cfg.batch_bytes // 4
         self.shape = launch_shape(self.n)
+        self.tail = checksum_tail(self.n)
+        self.out_bytes = self.tail + 8  # what a batch's copy back carries: output and checksum
         self.replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         self.landing = _Landing(self.replies)
         self.slots: list[_Slot | None] = [None] * cfg.depth
@@ -262,15 +262,14 @@ class _Run:
         """Slot ``s``, allocated first if it has no buffers (at the start, after a stale handle)."""
         slot = self.slots[s]
         if slot is None:
-            nbytes = self.cfg.batch_bytes
-            inp: GpuRef = self.device.ask(Allocate(nbytes, tag=_INPUT), block=True)
-            out: GpuRef = self.device.ask(Allocate(nbytes, tag=_OUTPUT), block=True)
-            sums: GpuRef = self.device.ask(Allocate(_SUM_BYTES, tag=_OUTPUT), block=True)
-            slot = self.slots[s] = _Slot(inp, out, sums)
-            self.copy_in.ask(Fill(sums, 0), block=True)  # tracked: the first checksum adds after it
+            inp: GpuRef = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT), block=True)
+            out: GpuRef = self.device.ask(Allocate(self.out_bytes, tag=_OUTPUT), block=True)
+            slot = self.slots[s] = _Slot(inp, out)
             # Fresh pool memory may still hold an earlier run's batches at the same addresses
             # (a warm pool hands them out again in order): poisoned, a read that comes too early
             # (tracking off) sees bytes no batch has, instead of an earlier run's right answer.
+            # The running checksum at the output's tail starts as the poison too: what a batch
+            # added is the difference, modulo 2**64, so no separate zeroing is needed.
             self.copy_in.ask(Fill(inp, _POISON), block=True)
             self.copy_in.ask(Fill(out, _POISON), block=True)
         return slot
@@ -283,37 +282,31 @@ class _Run:
         while self.host_sets < 2 * self.cfg.depth:
             self.hosts.append(self._new_host_set())
         for index in {0, self.cfg.batches - 1}:
-            self.kept[index] = _host_buffer(self.device, self.cfg.batch_bytes)
+            self.kept[index] = _host_buffer(self.device, self.out_bytes)
         slot = self.slot(0)
-        self.kernels.ask(self._launches(slot, 1), block=True)
-        self.copy_in.ask(Fill(slot.sums, 0), block=True)
+        # One element (its checksum lands at byte 8, among the elements), then poisoned again.
+        grid, block = launch_shape(1)
+        self.kernels.ask(Launch(SCALE_ADD_CHECKSUM_F32, grid, block, [Out(slot.out), In(slot.inp), ALPHA, BETA, 1]))
+        self.copy_in.ask(Fill(slot.out, _POISON), block=True)
 
     def _new_host_set(self) -> _HostSet:
-        host = _HostSet(_host_buffer(self.device, self.cfg.batch_bytes), _host_buffer(self.device, _SUM_BYTES))
+        host = _HostSet(_host_buffer(self.device, self.out_bytes), self.tail)
         self.host_sets += 1
         return host
 
-    def _launches(self, slot: _Slot, n: int) -> Launches:
-        grid, block = self.shape if n == self.n else launch_shape(n)
-        return Launches((
-            Launch(SCALE_ADD_F32, grid, block, [Out(slot.out), In(slot.inp), ALPHA, BETA, n]),
-            Launch(CHECKSUM_U32, grid, block, [InOut(slot.sums), In(slot.out), n]),
-        ))
-
     def _send(self, batch: _Batch, stage: int) -> None:
-        """Send ``batch``'s asks of ``stage`` (1: the kernels; 2: the copies back)."""
+        """Send ``batch``'s ask of ``stage`` (1: the kernel; 2: the copy back)."""
         slot = batch.buffers
-        batch.stage, batch.answers = stage, []
+        batch.stage = stage
         if stage == 1:
-            batch.waiting = 1
-            if slot.launches is None:  # the same message serves every batch of the slot
-                slot.launches = self._launches(slot, self.n)
-            ask_posting(self.kernels, slot.launches, self.replies, batch)
+            if slot.launch is None:  # the same message serves every batch of the slot
+                grid, block = self.shape
+                args = [Out(slot.out), In(slot.inp), ALPHA, BETA, self.n]
+                slot.launch = Launch(SCALE_ADD_CHECKSUM_F32, grid, block, args)
+            ask_posting(self.kernels, slot.launch, self.replies, batch)
         else:
-            batch.waiting = 2
             out = self.kept.get(batch.index, batch.host.out)
-            _copy_back(self.copy_out, slot.out, self.cfg.batch_bytes, out, self.replies, batch)
-            _copy_back(self.copy_out, slot.sums, _SUM_BYTES, batch.host.sums, self.replies, batch)
+            _copy_back(self.copy_out, slot.out, self.out_bytes, out, self.replies, batch)
 
     def start(self, index: int, s: int) -> None:
         """Send batch ``index``'s copy in to slot ``s``, with the next free host set."""
@@ -321,7 +314,7 @@ class _Run:
         if self.cfg.producer_delay_us:
             self._slow_producer(slot.inp)
         host = self.hosts.popleft() if self.hosts else self._new_host_set()
-        batch = _Batch(index, s, slot, host, 0, 1)
+        batch = _Batch(index, s, slot, host, 0)
         self.inflight.add(batch)
         ask_posting(self.copy_in, CopyToDevice(slot.inp, self.data.input(index)), self.replies, batch)
 
@@ -338,13 +331,8 @@ class _Run:
         assert isinstance(batch, _Batch)
         if batch not in self.inflight:
             return  # a batch already retired by an error of this stage's other answer
-        batch.answers.append(answer)
-        batch.waiting -= 1
-        if batch.waiting:
-            return
-        failed = [a.error for a in batch.answers if a.error is not None]
-        if failed:
-            self._failed(batch, failed[0])
+        if answer.error is not None:
+            self._failed(batch, answer.error)
         elif self.errors:
             self._retire(batch)  # the run is stopping: nothing new is sent
         elif batch.stage == 0:
@@ -354,9 +342,8 @@ class _Run:
         elif batch.stage == 1:
             self._send(batch, 2)
         elif batch.stage == 2:
-            # Both copies are enqueued on the copy-out stream, the checksum's last: when it has
-            # landed, so has the output. The slot goes to the next batch now (see _Slot).
-            batch.stage, batch.waiting, batch.answers = 3, 1, []
+            # The copy back is enqueued: the slot goes to the next batch now (see _Slot).
+            batch.stage = 3
             self._release_slot(batch)
             self.landing.watch(batch, answer.value)
         else:
@@ -375,7 +362,8 @@ class _Run:
         # checksum is what it added, modulo 2**64. The batches of one slot land in the order they
         # ran (one copy-out stream, one landing thread), so ``slot.total`` is the previous one's.
         index, slot = batch.index, batch.buffers
-        total = int(batch.host.total[0])
+        kept = self.kept.get(index)
+        total = int(batch.host.total[0] if kept is None else kept.array(np.uint64)[self.tail // 8])
         ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
         slot.total = total
         if not ok:
@@ -389,7 +377,7 @@ class _Run:
         """Compare the kept batches byte for byte with the host reference (after the timed run)."""
         for index in self.to_compare:
             self.compared += 1
-            if self.data.matches(index, _landed_output(self.kept[index])):
+            if self.data.matches(index, _landed_output(self.kept[index], self.cfg.batch_bytes)):
                 self.verified += 1
             else:
                 self.mismatched.append(index)

@@ -28,7 +28,9 @@ __all__ = [
     "FILL_F32",
     "SCALE_ADD_F32",
     "SUM_F32",
+    "SCALE_ADD_CHECKSUM_F32",
     "SUM_F32_MAX_BLOCK",
+    "checksum_tail",
     "checksum_u32",
     "launch_shape",
 ]
@@ -250,4 +252,72 @@ extern "C" __global__ void xlog_checksum_u32(unsigned long long* out, const unsi
 """,
     params=("ptr", "ptr", "u64"),
     host=_checksum_host,
+)
+
+
+def checksum_tail(n: int) -> int:
+    """Where :data:`SCALE_ADD_CHECKSUM_F32` keeps its checksum: the byte offset, from ``out``, of
+    the ``uint64`` after ``n`` float32 elements, rounded up to 8 bytes so the GPU's 64-bit atomic
+    is aligned whatever ``n`` is. ``out`` must hold ``checksum_tail(n) + 8`` bytes.
+
+    Args:
+        n: the element count, a non-negative int.
+    Returns:
+        ``(4 * n + 7) // 8 * 8``.
+    Raises:
+        InvalidRequest: ``n`` is negative or not an int.
+    Thread rule: any thread.
+    """
+    n = _positive_int(n, "n", 0)
+    return (4 * n + 7) // 8 * 8
+
+
+def _scale_add_checksum_host(
+    mem: DeviceMemoryView, _grid: Any, block: Dim3, out: int, x: int, alpha: float, beta: float, n: int
+) -> None:
+    _fits_shared_partials("xlog_scale_add_checksum_f32", block, CHECKSUM_U32_MAX_BLOCK)
+    _scale_add_host(mem, _grid, block, out, x, alpha, beta, n)
+    acc = mem.array(out + checksum_tail(n), 1, np.uint64)
+    # Array additions wrap silently modulo 2**64, as the GPU's unsigned atomicAdd does.
+    np.add(acc, mem.array(out, n, np.uint32).sum(dtype=np.uint64), out=acc)
+
+
+#: ``xlog_scale_add_checksum_f32(float* out, const float* x, float alpha, float beta, u64 n)``:
+#: :data:`SCALE_ADD_F32` and :data:`CHECKSUM_U32` of its output in one pass: ``out[i] = alpha *
+#: x[i] + beta``, and the ``uint64`` at byte offset :func:`checksum_tail` ``(n)`` of ``out`` gains
+#: the sum of the results' 32-bit words modulo 2**64. ``out`` holds ``checksum_tail(n) + 8`` bytes
+#: and must not overlap ``x``; the same block limit as :data:`CHECKSUM_U32`.
+SCALE_ADD_CHECKSUM_F32 = Kernel(
+    name="xlog_scale_add_checksum_f32",
+    source=r"""
+extern "C" __global__ void xlog_scale_add_checksum_f32(float* out, const float* x, float alpha,
+                                                       float beta, unsigned long long n) {
+    __shared__ unsigned long long partial[256];
+    const unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
+    const unsigned int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned long long bid =
+        blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+    const unsigned long long stride = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * threads;
+    unsigned long long acc = 0;
+    for (unsigned long long i = bid * threads + tid; i < n; i += stride) {
+        const float v = __fadd_rn(__fmul_rn(alpha, x[i]), beta);
+        out[i] = v;
+        acc += __float_as_uint(v);
+    }
+    partial[tid] = acc;
+    __syncthreads();
+    unsigned int width = 1;
+    while (width < threads) width <<= 1;
+    for (unsigned int s = width >> 1; s > 0; s >>= 1) {
+        if (tid < s && tid + s < threads) partial[tid] += partial[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        unsigned long long* sum = (unsigned long long*)((char*)out + ((4ULL * n + 7ULL) / 8ULL) * 8ULL);
+        atomicAdd(sum, partial[0]);
+    }
+}
+""",
+    params=("ptr", "ptr", "f32", "f32", "u64"),
+    host=_scale_add_checksum_host,
 )

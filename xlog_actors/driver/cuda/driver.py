@@ -17,7 +17,7 @@ What it is made of, and why (each part's module says more):
 
 **Kernels.** ``launch`` compiles ``kernel.source`` (:func:`~.nvrtc.compile_cubin`), loads it into
 the context once per (context, kernel) with ``cuModuleLoadData``; arguments are packed by
-``kernel.params`` (:data:`~xlog_actors.driver.kernel.PARAM_DTYPES`) into 8-byte slots and launched
+``kernel.params`` into 8-byte slots (``struct`` into ctypes memory, no numpy) and launched
 with ``cuLaunchKernel``. cuda.core's ``Program``/``launch`` are not used: ``Kernel.options`` are
 raw NVRTC flags, which ``ProgramOptions`` cannot take, and cuda.core's context-independent
 ``CUlibrary`` kernels and stream wrappers do not fit a driver that must drop and rebuild every
@@ -41,17 +41,18 @@ rebuild is the caller's race to avoid (it may leak that block).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
 from ..checks import check_launch, check_microseconds
-from ..kernel import PARAM_DTYPES, Kernel
+from ..kernel import Kernel
 from ..protocol import Driver
 from .call import (
     CORE_ENTRY_POINTS,
@@ -75,33 +76,79 @@ from .streams import CudaEvent, CudaStream
 __all__ = ["CudaDriver"]
 
 
-def _pack_args(kernel: Kernel, args: Sequence[object]) -> tuple[npt.NDArray[np.uint64], ...]:
-    """``(slots, pointers)``: each argument in its own 8-byte slot of ``slots`` (every parameter
-    kind fits, suitably aligned) and ``pointers`` the ``void*[]`` cuLaunchKernel reads. Both must
-    stay referenced until the launch call returned (CUDA copies the values at launch)."""
-    n = len(kernel.params)
-    slots = np.zeros(n, dtype=np.uint64)
-    for i, (kind, value) in enumerate(zip(kernel.params, args, strict=False)):
-        dtype = PARAM_DTYPES.get(kind)
-        if dtype is None:
-            raise InvalidRequest(f"kernel {kernel.name}: unknown parameter kind {kind!r}")
-        is_float = kind in ("f32", "f64")
-        if isinstance(value, bool) or not isinstance(
-            value, (int, np.integer) if not is_float else (int, float, np.integer, np.floating)
-        ):
-            raise InvalidRequest(
-                f"kernel {kernel.name}: argument {i} ({kind}) must be "
-                f"{'a real number' if is_float else 'an int'}, got {value!r}"
-            )
-        try:
-            slots[i : i + 1].view(dtype)[0] = float(value) if is_float else int(value)
-        except (OverflowError, ValueError) as exc:
-            raise InvalidRequest(
-                f"kernel {kernel.name}: argument {i} ({kind}) {value!r} does not fit: {exc}"
-            ) from None
-    pointers = np.arange(n, dtype=np.uint64) * np.uint64(8) + np.uint64(slots.ctypes.data)
-    return slots, pointers
+#: Each parameter kind in its own 8-byte slot (``struct`` codes, padded), as cuLaunchKernel reads it.
+_SLOT_CODES = {"ptr": "Q", "u64": "Q", "i64": "q", "u32": "I4x", "i32": "i4x", "f32": "f4x", "f64": "d"}
 
+
+class _Packer:
+    """How the arguments of one parameter list are packed: ``n`` value slots, then the ``n``
+    pointers to them (the ``void*[]`` cuLaunchKernel reads), in one ctypes array of 2n words.
+    Each thread packs into an array of its own, made once (its pointers written then), so a
+    launch only packs the values: cuLaunchKernel copies them before it returns, and a thread
+    launches one kernel at a time. Made once per parameter list; immutable but for the
+    per-thread arrays."""
+
+    __slots__ = ("array_type", "n", "tls", "values")
+
+    def __init__(self, kernel: Kernel) -> None:
+        codes = []
+        for kind in kernel.params:
+            code = _SLOT_CODES.get(kind)
+            if code is None:
+                raise InvalidRequest(f"kernel {kernel.name}: unknown parameter kind {kind!r}")
+            codes.append(code)
+        self.n = len(codes)
+        self.values = struct.Struct("<" + "".join(codes))
+        self.array_type: type[ctypes.Array[ctypes.c_uint64]] = ctypes.c_uint64 * max(1, 2 * self.n)
+        self.tls = threading.local()
+
+    def slots(self) -> tuple[ctypes.Array[ctypes.c_uint64], int]:
+        """The calling thread's array and the address of its pointers (0 without parameters)."""
+        try:
+            return self.tls.slots  # type: ignore[no-any-return]
+        except AttributeError:
+            slots = self.array_type()
+            base, n = ctypes.addressof(slots), self.n
+            struct.pack_into(f"<{n}Q", slots, 8 * n, *range(base, base + 8 * n, 8))
+            self.tls.slots = (slots, base + 8 * n if n else 0)
+            return self.tls.slots  # type: ignore[no-any-return]
+
+
+_packers: dict[tuple[str, ...], _Packer] = {}
+_BOOLS = frozenset((bool, np.bool_))
+
+
+def _pack_args(kernel: Kernel, args: Sequence[object]) -> tuple[ctypes.Array[ctypes.c_uint64], int]:
+    """``(slots, params)``: each argument in its own 8-byte slot of ``slots`` (every parameter
+    kind fits, suitably aligned), followed by the pointers to them; ``params`` is the address of
+    those pointers, what cuLaunchKernel reads (0 for a kernel without parameters). ``slots`` is
+    the calling thread's own, valid until its next call (cuLaunchKernel copies the values).
+
+    No numpy on the common path (a launch per batch pays it): ``struct`` packs straight into the
+    ctypes array. ``check_launch`` has judged the arguments already; what ``struct`` still refuses
+    (a bool, a value out of its slot's range, a float for an integer) is ``InvalidRequest`` here
+    too. A real number out of ``f32`` range packs as an infinity, as numpy (the host twin) rounds it."""
+    packer = _packers.get(kernel.params)
+    if packer is None:
+        packer = _packers[kernel.params] = _Packer(kernel)
+    if len(args) != packer.n:
+        raise InvalidRequest(f"kernel {kernel.name}: takes {packer.n} arguments, got {len(args)}")
+    if not _BOOLS.isdisjoint(map(type, args)):
+        raise InvalidRequest(f"kernel {kernel.name}: arguments {list(args)!r}: a bool is no kernel argument")
+    slots, params = packer.slots()
+    try:
+        try:
+            packer.values.pack_into(slots, 0, *args)
+        except OverflowError:  # an f32 past its range: the infinity it rounds to
+            with np.errstate(over="ignore"):
+                saturated = [float(np.float32(v)) if k == "f32" else v  # type: ignore[arg-type]
+                             for k, v in zip(kernel.params, args, strict=True)]
+            packer.values.pack_into(slots, 0, *saturated)
+    except (struct.error, OverflowError, TypeError, ValueError) as exc:
+        raise InvalidRequest(
+            f"kernel {kernel.name}: arguments {list(args)!r} do not fit {kernel.params}: {exc}"
+        ) from None
+    return slots, params
 
 
 class CudaDriver(CudaPeer, CudaMemory):
@@ -333,15 +380,13 @@ class CudaDriver(CudaPeer, CudaMemory):
         Thread rule: any thread; loads outside the stream's gate (loading takes the device lock).
         """
         g, b = check_launch(kernel, grid, block, args)  # the very checks the host driver makes
-        slots, pointers = _pack_args(kernel, args)
+        _, params = _pack_args(kernel, args)  # the thread's own slots, kept until its next launch
         s = self._stream_work(stream)
         fn = s._enter().function(kernel)  # outside the gate: loading may take the device lock
-        params = int(pointers.ctypes.data) if len(pointers) else 0
         with s._gate:
             dev = s._enter()  # a rebuild since the lookup retired the stream (and the module)
             # It only enqueues: the GIL is kept (see .held).
             err = as_result(dev.held.launch(int(fn), g[0], g[1], g[2], b[0], b[1], b[2], 0, s._handle, params, None))
-        del slots  # referenced until here: cuLaunchKernel copied the argument values
         if err != SUCCESS:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")
 
