@@ -26,6 +26,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -573,6 +574,28 @@ def test_host_buffers_outlive_their_copies(cuda: CudaDriver, stream: CudaStream)
     assert not stream._keep  # pruned at the synchronize
     cuda.free_async(ptr, stream)
     stream.synchronize()
+
+
+@pytest.mark.gpu
+def test_a_closed_stream_lets_the_buffers_of_its_finished_copies_go_at_once(cuda: CudaDriver) -> None:
+    """The host buffer of a copy that ran is dropped when its stream closes, not by whichever copy
+    comes next on the device (which paid for freeing pinned memory in the middle of its work)."""
+
+    class Source(bytearray):
+        pass  # a bytearray that a weak reference can follow
+
+    stream = cuda.create_stream(0)
+    ptr = cuda.alloc_async(4096, stream)
+    source = Source(4096)
+    alive = weakref.ref(source)
+    cuda.sleep(stream, 20_000)  # so the copy has not run when the stream first prunes its list
+    cuda.copy_to_device(ptr, source, stream)
+    stream.record_event().synchronize()  # ran, but nothing pruned the stream's list since
+    del source
+    assert alive() is not None  # the stream still holds it
+    cuda.free_async(ptr, stream)
+    stream.close()
+    assert alive() is None, "a finished copy's buffer outlived its closed stream"
 
 
 @pytest.mark.gpu
