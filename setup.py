@@ -26,6 +26,7 @@ _MODULES = (
     "handles",
     "context_core",
     "client_core",
+    "doorbell",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

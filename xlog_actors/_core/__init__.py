@@ -24,6 +24,7 @@ try:
         client_core,
         context_core,
         direct_core,
+        doorbell,
         handles,
         ops,
         resource_core,

@@ -17,6 +17,7 @@ from ..memory.block import Access, BlockId, DeviceBlock, StreamId
 from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
+from .hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, SpinningInbox, spin_budget
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
 from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
@@ -48,6 +49,17 @@ class LibraryActor(ResilientActor):
 
     #: The names of the messages a subclass serves, for the answer to one it does not understand.
     expected_messages: str = ""
+
+    @staticmethod
+    def _create_actor_inbox() -> SpinningInbox:
+        # pykka's hook: an inbox that looks for the next message a while before the thread
+        # sleeps, so a pipeline's next stage does not wait for this thread to wake (hot_waits).
+        return SpinningInbox(spin_budget(INBOX_SPIN_S))
+
+    @staticmethod
+    def _create_future() -> SpinningFuture:
+        # pykka's hook, for ``ask``: the caller spins a while for the reply before it sleeps.
+        return SpinningFuture(spin_budget(FUTURE_SPIN_S))
 
     def __init__(self, device: pykka.ActorRef[Any], *, track: bool = True) -> None:
         """Args:
