@@ -209,3 +209,17 @@ def test_an_unregistered_device_has_no_cache_figures() -> None:
         "hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "epoch": 0, "enabled": False}
     assert alloc_bridge.empty_cache(255) == 0 and alloc_bridge.disable_cache(255) == 0
     assert alloc_bridge.invalidate(255) == []
+
+
+def test_the_torch_route_reads_and_empties_its_device_s_cache(spied: Spied, bridge: Bridge) -> None:
+    from xlog_actors.interop.torch import TorchRoute
+
+    route = TorchRoute(spied.allocator)
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    stats = route.cache_stats()
+    assert (stats["cached_bytes"], stats["cached_blocks"], stats["misses"]) == (MIB, 1, 1)
+    other = TorchRoute(DeviceAllocator(as_client(spied.device), "other"))
+    assert other.empty_cache() == 0 and spied.tag_bytes() == MIB  # not the registered allocator: untouched
+    assert route.empty_cache() == MIB
+    assert spied.tag_bytes() == 0 and route.cache_stats()["cached_blocks"] == 0

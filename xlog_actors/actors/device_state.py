@@ -121,7 +121,7 @@ class DeviceState:
                 continue
             try:
                 method()
-            except Exception:  # noqa: BLE001 - a watcher must not stop a rebuild or a shutdown
+            except Exception:  # a watcher must not stop a rebuild or a shutdown
                 logger.exception("device %d: a state watcher failed: %r", self._device_id, method)
 
     def __repr__(self) -> str:
