@@ -1,8 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # distutils: language = c++
 """The C face of the device allocators that foreign libraries load by symbol (PyTorch's
-``CUDAPluggableAllocator``): three C functions exported from this very shared library, each
-taking the GIL and calling the Python allocator registered for the CUDA device it is given.
+``CUDAPluggableAllocator``): three C functions exported from this very shared library, served
+from the device's cache (below) or else taking the GIL and calling the Python allocator
+registered for the CUDA device they are given.
 
 * ``xlog_actors_alloc(ssize_t size, int device, void* stream) -> void*``: the allocator's
   ``allocate(size, stream_handle)``; a refusal throws a C++ ``std::runtime_error`` carrying the
@@ -39,14 +40,17 @@ library's to order before the free.
 The module is compiled as C++ (for the throw); the exported names are ``extern "C"``.
 
 Invariants: the registry maps a CUDA device ordinal to one allocator object; it changes only
-through :func:`register` and :func:`unregister`. Every pointer the bridge handed out and not yet
-took back is in its device's live table (class, size asked, stream, epoch); every cached
+through :func:`register` and :func:`unregister`. Every pointer the bridge handed out from an enabled
+cache and not yet taken back is in its device's live table (class, size asked, stream, epoch); every cached
 pointer is live in the allocator (allocated, not freed) and in no live table. The mutex is never
 held while the GIL is taken (a thread holding it never waits for the GIL), so a thread with the
-GIL may take it. After the interpreter began to exit (an
-``atexit`` hook), or once it is finalized, the exported functions no longer take the GIL: an
-allocation throws (or returns NULL), a free is dropped (the driver's close, or the process's
-end, frees the memory).
+GIL may take it. After the interpreter began to exit (an ``atexit`` hook), or once it is
+finalized, the exported functions no longer take the GIL: a cache miss throws (or returns NULL),
+a free is dropped (the driver's close, or the process's end, frees the memory).
+
+The module is past 400 lines because the cache's C++ and the exported functions' two paths (a
+hit in C++, a miss through Python) share one entry layout and one locking rule; apart, each
+half would have to know the other's.
 
 Thread rule: any thread, with or without the GIL held (a cache miss and a free that is not
 cached take it with ``PyGILState_Ensure``); the registry's functions from any Python thread.
