@@ -43,8 +43,15 @@ class Spied:
             self.calls.append(("free", nbytes, stream))
             free(ptr, nbytes, stream)
 
+        synchronize = allocator.synchronize
+
+        def spy_synchronize() -> None:
+            self.calls.append(("synchronize", 0, 0))
+            synchronize()
+
         allocator.allocate = spy_allocate  # type: ignore[method-assign]
         allocator.free = spy_free  # type: ignore[method-assign]
+        allocator.synchronize = spy_synchronize  # type: ignore[method-assign]
 
     def tag_bytes(self) -> int:
         return int(self.device.ask(xa.GetStats()).report["by_tag"].get("torch", {}).get("nbytes", 0))
@@ -142,7 +149,8 @@ def test_a_budget_refusal_gives_the_cache_back_and_tries_once_more(spied: Spied,
     spied.take_calls()
     b = bridge.alloc_or_null(6 * MIB, DEV, S2)  # 4 cached + 6 > 8 MiB: refused, released, retried
     assert b, alloc_bridge.last_error(DEV)
-    assert spied.take_calls() == [("allocate", 6 * MIB, S2), ("free", 4 * MIB, S1), ("allocate", 6 * MIB, S2)]
+    assert spied.take_calls() == [
+        ("allocate", 6 * MIB, S2), ("free", 4 * MIB, S1), ("synchronize", 0, 0), ("allocate", 6 * MIB, S2)]
     assert alloc_bridge.last_error(DEV) is None
     assert alloc_bridge.cache_stats(DEV)["cached_blocks"] == 0 and spied.tag_bytes() == 6 * MIB
     # Still too much with the cache empty: refused once (nothing to give back), with the report.

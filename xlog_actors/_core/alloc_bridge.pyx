@@ -31,7 +31,7 @@ is cached only when freed on the stream it was allocated for, by the exact size 
 the epoch it was allocated in; any other free goes to the allocator. Cached blocks stay
 allocated, counted under the allocator's tag (torch's "reserved"), until :func:`empty_cache`
 gives them back through the allocator (also on a budget or memory refusal of a cache miss,
-which is then tried once more), :func:`invalidate` drops them without freeing (a rebuild: they
+which is then tried once more, after the allocator's ``synchronize()`` where it has one), :func:`invalidate` drops them without freeing (a rebuild: they
 belonged to the old context) or :func:`unregister`/:func:`disable_cache` (closing) empties and
 disables the cache. Not kept: torch's ``record_stream`` uses on other streams (the pluggable
 allocator does not forward them): as without the cache, a use on another stream is the
@@ -284,7 +284,8 @@ def register(int device, allocator):
         device: the CUDA device ordinal the foreign library names (below 256 for a cache; a
             higher one is routed without).
         allocator: an object with ``allocate(nbytes, stream_handle) -> int`` (the device pointer)
-            and ``free(ptr, nbytes, stream_handle) -> None``.
+            and ``free(ptr, nbytes, stream_handle) -> None``; optionally ``synchronize()``,
+            called after the cache was given back on a refusal, before the one retry.
     Raises:
         TypeError: ``allocator`` lacks one of the two methods.
         ValueError: ``device`` is negative, or another allocator is registered for it.
@@ -446,9 +447,13 @@ cdef void* _allocate(Py_ssize_t size, int device, void* stream, string* message)
         try:
             return <void*><size_t>allocator.allocate(size, <size_t>stream)
         except MemoryError:
-            # The cache's blocks are allocated: give them back, then try once more.
+            # The cache's blocks are allocated: give them back, wait for their stream-ordered
+            # frees (as torch's allocator synchronizes before its own retry), then try once more.
             if _release(device, allocator, False) == 0:
                 raise
+            settle = getattr(allocator, "synchronize", None)
+            if settle is not None:
+                settle()
         return <void*><size_t>allocator.allocate(size, <size_t>stream)
     except BaseException as exc:  # noqa: BLE001 - C has no exceptions: kept, and handed on as text
         _last_errors[device] = exc

@@ -271,6 +271,23 @@ class DeviceAllocator:
         finally:
             busy.on = False
 
+    def synchronize(self) -> None:
+        """Wait until the frees queued so far on the device's default stream are done (on the
+        CUDA driver each waits for its foreign stream's work first), so the device's budget and
+        pool see their bytes back at its next allocation. Nothing to wait for while the device
+        has no context.
+
+        Raises:
+            ContextLost, DriverError: met while waiting.
+        Thread rule: any thread but the device actor's own.
+        """
+        ctx = self._client._cell.lifecycle.context
+        if ctx is None:
+            return
+        stream = ctx.runtime.stream_pool.resolve(StreamId.DEFAULT)
+        if stream is not None:
+            stream.synchronize()
+
     def flush(self) -> None:
         """Give the bridge's cached blocks back (when this allocator is the one registered) and
         do the queued frees now.
