@@ -149,3 +149,41 @@ def test_the_lifecycle_module_imports_no_actor_machinery() -> None:
         for alias in node.names
     }
     assert not any("pykka" in name or "actor" in name for name in imported), imported
+
+
+class _Watcher:
+    def __init__(self, state: DeviceState, fail: bool = False) -> None:
+        self.state = state
+        self.seen: list[int] = []
+        self.fail = fail
+
+    def changed(self) -> None:
+        self.seen.append(self.state.generation)
+        if self.fail:
+            raise RuntimeError("watcher failed")
+
+
+def test_state_watchers_are_told_of_every_change_after_it_and_held_weakly(caplog: pytest.LogCaptureFixture) -> None:
+    import gc
+    import weakref
+
+    state = DeviceState(0)
+    failing, watcher, dropped = _Watcher(state, fail=True), _Watcher(state), _Watcher(state)
+    for w in (failing, watcher, dropped):
+        state.add_watcher(w.changed)
+    gone = weakref.ref(dropped)
+    del dropped, w
+    gc.collect()
+    assert gone() is None  # the state does not keep a watcher alive
+    state.bump_generation()
+    assert watcher.seen == [1] and failing.seen == [1]  # told after the change; a failure stops no one
+    assert "a state watcher failed" in caplog.text
+    state.poison()
+    state.begin_shutdown()
+    assert watcher.seen == [1, 1, 1]
+    state.remove_watcher(watcher.changed)
+    state.remove_watcher(watcher.changed)  # not watching: nothing happens
+    state.bump_generation()
+    assert watcher.seen == [1, 1, 1] and failing.seen == [1, 1, 1, 2]
+    with pytest.raises(TypeError):
+        state.add_watcher(print)  # not a bound method: cannot be held weakly

@@ -143,6 +143,58 @@ def torch_rebuild() -> None:
         driver.close()
 
 
+def torch_cache() -> None:
+    """The bridge's cache under torch: a tensor freed and asked again on its stream comes back
+    from the cache (same address, no new block); another stream gets its own block; results are
+    right; empty_cache gives the cached bytes back; a rebuild drops the cache without counting
+    its blocks as lost, and the tag returns to zero."""
+    import torch
+
+    from xlog_actors.interop.torch import use_device
+
+    driver = xa.CudaDriver()
+    device = xa.DeviceActor.start(0, driver)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("xlog_actors.interop").addHandler(handler)
+    try:
+        route = use_device(device)
+        a = torch.full((MIB,), 3.0, device="cuda")
+        address = a.data_ptr()
+        del a
+        b = torch.full((MIB,), 5.0, device="cuda")
+        assert b.data_ptr() == address and route.cache_stats()["hits"] >= 1, route.cache_stats()
+        assert float(b.sum().item()) == 5.0 * MIB
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            c = torch.full((MIB,), 7.0, device="cuda")
+            del b
+            d = torch.full((MIB,), 9.0, device="cuda")  # b's block is the default stream's: not reused here
+        side.synchronize()
+        assert d.data_ptr() not in (address, c.data_ptr()) and float(d.sum().item()) == 9.0 * MIB
+        del c, d
+        torch.cuda.synchronize()
+        assert route.cache_stats()["cached_blocks"] >= 3
+        assert route.empty_cache() >= 12 * MIB
+        assert _tag_bytes(device, "torch") == 0, device.ask(xa.GetStats()).report
+        e = torch.ones(MIB, device="cuda")
+        del e
+        torch.cuda.synchronize()
+        device.ask(xa.Rebuild("scenario"))
+        assert route.cache_stats()["cached_blocks"] == 0 and route.allocator.lost_blocks == {}
+        assert not any("a rebuild freed" in r.getMessage() for r in records), records
+        f = torch.full((MIB,), 2.0, device="cuda")
+        assert float(f.sum().item()) == 2.0 * MIB
+        del f
+        gc.collect()
+        route.allocator.flush()
+        assert _tag_bytes(device, "torch") == 0 and route.allocator.live_blocks == 0
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
 def cupy_arrays() -> None:
     """CuPy's arrays come from the device under "cupy", compute right, and are given back;
     restore() puts CuPy's allocator back."""
@@ -234,7 +286,8 @@ def cupy_rebuild() -> None:
 
 SCENARIOS: dict[str, Callable[..., None]] = {
     f.__name__: f
-    for f in (torch_model, torch_budget_refusal, torch_rebuild, cupy_arrays, cupy_budget_refusal, cupy_rebuild)
+    for f in (torch_model, torch_budget_refusal, torch_rebuild, torch_cache, cupy_arrays, cupy_budget_refusal,
+              cupy_rebuild)
 }
 
 

@@ -76,12 +76,17 @@ def test_the_library_exports_the_three_functions_with_c_names() -> None:
 def test_alloc_and_free_count_under_the_tag_and_give_everything_back(routed: Any, bridge: Bridge) -> None:
     device, allocator = routed
     sizes = [4096, 100_000, 1 << 20]
+    classes = [alloc_bridge.size_class(n) for n in sizes]
+    assert classes == [4096, 114_688, 1 << 20]  # 100,000 up to 112 KiB: a quarter of 64 KiB steps
     ptrs = [bridge.alloc_or_null(n, 1, 0) for n in sizes]
     assert all(ptrs) and len(set(ptrs)) == 3
-    assert _tag_bytes(device) == sum(sizes)
+    assert _tag_bytes(device) == sum(classes)
     assert allocator.live_blocks == 3 and allocator.ref(ptrs[0]).tag == "torch"
     for ptr, n in zip(ptrs, sizes, strict=True):
         bridge.free(ptr, n, 1, 0)
+    # Cached: still allocated and counted, as torch's reserved bytes, until the cache is emptied.
+    assert allocator.live_blocks == 3 and _tag_bytes(device) == sum(classes)
+    assert alloc_bridge.empty_cache(1) == sum(classes)
     assert allocator.live_blocks == 0
     assert _tag_bytes(device) == 0
     assert device.ask(xa.GetStats()).bytes_outstanding == 0
@@ -99,6 +104,7 @@ def test_a_budget_refusal_returns_null_changes_nothing_and_keeps_the_report(rout
     assert device.ask(xa.GetStats()).bytes_outstanding == before
     assert allocator.live_blocks == 1
     bridge.free(held, 1 << 20, 1, 0)
+    allocator.flush()  # empties the cache too
     assert _tag_bytes(device) == 0
 
 
@@ -156,6 +162,9 @@ def test_threads_allocating_and_freeing_at_once_leave_nothing(routed: Any, bridg
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
+    stats = alloc_bridge.cache_stats(1)
+    assert stats["hits"] + stats["misses"] == 800 and stats["live_blocks"] == 0
+    alloc_bridge.empty_cache(1)
     assert allocator.live_blocks == 0 and _tag_bytes(device) == 0
     assert alloc_bridge.last_error(1) is None
 

@@ -143,3 +143,18 @@ def test_the_routes_need_their_library_and_the_cuda_driver(device: Any, library:
         return
     with pytest.raises(xa.InvalidRequest, match="only on the CUDA driver"):
         route.use_device(device)
+
+
+def test_synchronize_waits_for_the_device_s_stream_and_needs_no_context(device: Any, allocator: DeviceAllocator,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    ptr = allocator.allocate(4096, 0)
+    allocator.free(ptr, 4096, 0)
+    ctx = allocator._client._cell.lifecycle.context
+    stream = ctx.runtime.stream_pool.resolve(xa.StreamId.DEFAULT)
+    waited: list[int] = []
+    monkeypatch.setattr(type(stream), "synchronize", lambda self: waited.append(1), raising=True)
+    allocator.synchronize()
+    assert waited == [1]
+    monkeypatch.setattr(allocator._client._cell.lifecycle, "_context", None)
+    allocator.synchronize()  # no context (rebuilding, broken): nothing to wait for
+    assert waited == [1]

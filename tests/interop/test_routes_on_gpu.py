@@ -56,6 +56,11 @@ def test_a_rebuild_under_live_tensors_is_reported_and_torch_goes_on() -> None:
 
 
 @pytest.mark.gpu
+def test_torch_s_freed_blocks_come_back_from_the_bridge_s_cache_on_their_stream() -> None:
+    _run("torch", "torch_cache")
+
+
+@pytest.mark.gpu
 def test_cupy_arrays_come_from_the_device_and_restore_puts_cupy_back() -> None:
     _run("cupy", "cupy_arrays")
 

@@ -1,8 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # distutils: language = c++
 """The C face of the device allocators that foreign libraries load by symbol (PyTorch's
-``CUDAPluggableAllocator``): three C functions exported from this very shared library, each
-taking the GIL and calling the Python allocator registered for the CUDA device it is given.
+``CUDAPluggableAllocator``): three C functions exported from this very shared library, served
+from the device's cache (below) or else taking the GIL and calling the Python allocator
+registered for the CUDA device they are given.
 
 * ``xlog_actors_alloc(ssize_t size, int device, void* stream) -> void*``: the allocator's
   ``allocate(size, stream_handle)``; a refusal throws a C++ ``std::runtime_error`` carrying the
@@ -20,32 +21,62 @@ taking the GIL and calling the Python allocator registered for the CUDA device i
 Every refusal or failure is kept, per device, as :func:`last_error` (the exception object,
 report included), so it stays reachable whatever the caller did with the message.
 
+**The cache** (a stream-ordered caching layer, as torch's own allocator and RMM's pool): a
+registered device has one, in C++ behind a ``std::mutex``. A size is rounded up to its class
+(512-byte steps up to 4 KiB, then four classes per power of two: at most 25% more), and the
+allocator is asked for the class's size. A free keeps the block in the cache, keyed by (stream,
+class), and a later allocation of that class on that stream takes it back without the GIL, any
+Python or any driver call: the stream's own order puts the new use after the old one. A block
+is cached only when freed on the stream it was allocated for, by the exact size asked, and in
+the epoch it was allocated in; any other free goes to the allocator. Cached blocks stay
+allocated, counted under the allocator's tag (torch's "reserved"), until :func:`empty_cache`
+gives them back through the allocator (also on a budget or memory refusal of a cache miss,
+which is then tried once more, after the allocator's ``synchronize()`` where it has one), :func:`invalidate` drops them without freeing (a rebuild: they
+belonged to the old context) or :func:`unregister`/:func:`disable_cache` (closing) empties and
+disables the cache. Not kept: torch's ``record_stream`` uses on other streams (the pluggable
+allocator does not forward them): as without the cache, a use on another stream is the
+library's to order before the free.
+
 The module is compiled as C++ (for the throw); the exported names are ``extern "C"``.
 
 Invariants: the registry maps a CUDA device ordinal to one allocator object; it changes only
-through :func:`register` and :func:`unregister`. After the interpreter began to exit (an
-``atexit`` hook), or once it is finalized, the exported functions no longer take the GIL: an
-allocation throws (or returns NULL), a free is dropped (the driver's close, or the process's
-end, frees the memory).
+through :func:`register` and :func:`unregister`. Every pointer the bridge handed out from an enabled
+cache and not yet taken back is in its device's live table (class, size asked, stream, epoch); every cached
+pointer is live in the allocator (allocated, not freed) and in no live table. The mutex is never
+held while the GIL is taken (a thread holding it never waits for the GIL), so a thread with the
+GIL may take it. After the interpreter began to exit (an ``atexit`` hook), or once it is
+finalized, the exported functions no longer take the GIL: a cache miss throws (or returns NULL),
+a free is dropped (the driver's close, or the process's end, frees the memory).
 
-Thread rule: any thread, with or without the GIL held (they take it with ``PyGILState_Ensure``);
-the registry's functions from any Python thread.
+The module is past 400 lines because the cache's C++ and the exported functions' two paths (a
+hit in C++, a miss through Python) share one entry layout and one locking rule; apart, each
+half would have to know the other's.
+
+Thread rule: any thread, with or without the GIL held (a cache miss and a free that is not
+cached take it with ``PyGILState_Ensure``); the registry's functions from any Python thread.
 """
 
 import atexit
 import logging
 
-from cpython.pystate cimport PyGILState_Ensure, PyGILState_Release, PyGILState_STATE
+from libc.stdint cimport uint64_t, uintptr_t
+from libcpp cimport bool as cbool
 from libcpp.string cimport string
+from libcpp.vector cimport vector
 
 __all__ = [
     "ALLOC_OR_NULL_SYMBOL",
     "ALLOC_SYMBOL",
     "FREE_SYMBOL",
+    "cache_stats",
+    "disable_cache",
+    "empty_cache",
+    "invalidate",
     "last_error",
     "library_path",
     "register",
     "registered",
+    "size_class",
     "unregister",
 ]
 
@@ -61,6 +92,167 @@ cdef extern from *:
     }
     """
     void _throw "xlog_actors_throw"(const string& message) nogil
+
+cdef extern from *:
+    """
+    #include <atomic>
+    #include <cstdint>
+    #include <functional>
+    #include <mutex>
+    #include <unordered_map>
+    #include <vector>
+
+    namespace xlog_actors_cache {
+
+    struct Live { size_t cls; size_t req; uintptr_t stream; uint64_t epoch; };
+    struct Key {
+        uintptr_t stream; size_t cls;
+        bool operator==(const Key& o) const { return stream == o.stream && cls == o.cls; }
+    };
+    struct KeyHash {
+        size_t operator()(const Key& k) const noexcept {
+            return std::hash<uintptr_t>()(k.stream) * 1000003u ^ std::hash<size_t>()(k.cls);
+        }
+    };
+    struct Cached { uintptr_t ptr; size_t cls; uintptr_t stream; };
+    struct Stats { uint64_t hits, misses, epoch; size_t cached_bytes, cached_blocks, live_blocks; bool enabled; };
+
+    struct Cache {
+        std::mutex mu;
+        uint64_t epoch = 0;
+        bool enabled = false;
+        uint64_t hits = 0, misses = 0;
+        size_t cached_bytes = 0, cached_blocks = 0;
+        std::unordered_map<uintptr_t, Live> live;
+        std::unordered_map<Key, std::vector<uintptr_t>, KeyHash> free;
+    };
+
+    // Indexed by CUDA ordinal; an entry is made once (with the GIL, at register) and never
+    // freed, so a reader in any thread needs no lock to reach it.
+    static const int MAX_DEVICES = 256;
+    static std::atomic<Cache*> caches[MAX_DEVICES];
+
+    static Cache* get(int device) {
+        if (device < 0 || device >= MAX_DEVICES) return nullptr;
+        return caches[device].load(std::memory_order_acquire);
+    }
+
+    static Cache* ensure(int device) {
+        Cache* c = get(device);
+        if (c == nullptr && device >= 0 && device < MAX_DEVICES) {
+            c = new Cache();
+            caches[device].store(c, std::memory_order_release);
+        }
+        return c;
+    }
+
+    static size_t size_class(size_t n) {
+        size_t top = size_t(1) << (63 - __builtin_clzll((unsigned long long)n));
+        size_t step = top / 4 < 512 ? 512 : top / 4;
+        return (n + step - 1) / step * step;
+    }
+
+    // A hit: the pointer, now live. A miss (0): *epoch is the epoch to record the new block
+    // under, *tracked whether to record it at all (the cache is enabled).
+    static uintptr_t take(Cache* c, size_t cls, size_t req, uintptr_t stream, uint64_t* epoch, bool* tracked) {
+        std::lock_guard<std::mutex> g(c->mu);
+        *tracked = c->enabled;
+        *epoch = c->epoch;
+        if (!c->enabled) return 0;
+        auto it = c->free.find(Key{stream, cls});
+        if (it == c->free.end() || it->second.empty()) { c->misses++; return 0; }
+        uintptr_t ptr = it->second.back();
+        it->second.pop_back();
+        c->cached_bytes -= cls;
+        c->cached_blocks--;
+        c->hits++;
+        c->live[ptr] = Live{cls, req, stream, c->epoch};
+        return ptr;
+    }
+
+    static void note(Cache* c, uintptr_t ptr, const Live& e) {
+        std::lock_guard<std::mutex> g(c->mu);
+        c->live[ptr] = e;
+    }
+
+    enum { PASS = 0, CACHED = 1, ROUTE = 2 };
+
+    // PASS: not handed out by the bridge, or freed with another size: the allocator judges the
+    // free with the caller's size, the live table unchanged. CACHED: kept. ROUTE: taken out of
+    // the live table (*e), to be freed by the allocator with e->cls (put back if it refuses).
+    static int put(Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e) {
+        std::lock_guard<std::mutex> g(c->mu);
+        auto it = c->live.find(ptr);
+        if (it == c->live.end() || it->second.req != req) return PASS;
+        *e = it->second;
+        c->live.erase(it);
+        if (!c->enabled || e->stream != stream || e->epoch != c->epoch) return ROUTE;
+        c->free[Key{stream, e->cls}].push_back(ptr);
+        c->cached_bytes += e->cls;
+        c->cached_blocks++;
+        return CACHED;
+    }
+
+    // Every cached block, out of the cache; with bump, a new epoch (blocks handed out before
+    // it are not cached when freed); with disable, no caching from now on.
+    static std::vector<Cached> drain(Cache* c, bool bump, bool disable) {
+        std::vector<Cached> out;
+        std::lock_guard<std::mutex> g(c->mu);
+        for (auto& kv : c->free)
+            for (uintptr_t p : kv.second) out.push_back(Cached{p, kv.first.cls, kv.first.stream});
+        c->free.clear();
+        c->cached_bytes = 0;
+        c->cached_blocks = 0;
+        if (bump) c->epoch++;
+        if (disable) c->enabled = false;
+        return out;
+    }
+
+    // A fresh start for a new registration: counters at 0, the live table of the last one
+    // forgotten (its frees go to the allocator with the caller's size), a new epoch.
+    static void enable(Cache* c) {
+        std::lock_guard<std::mutex> g(c->mu);
+        c->enabled = true;
+        c->epoch++;
+        c->hits = c->misses = 0;
+        c->live.clear();
+    }
+
+    static Stats stats(Cache* c) {
+        std::lock_guard<std::mutex> g(c->mu);
+        return Stats{c->hits, c->misses, c->epoch, c->cached_bytes, c->cached_blocks, c->live.size(), c->enabled};
+    }
+
+    }  // namespace xlog_actors_cache
+    """
+    cdef cppclass Cache "xlog_actors_cache::Cache":
+        pass
+    cdef cppclass Live "xlog_actors_cache::Live":
+        size_t cls
+        size_t req
+        uintptr_t stream
+        uint64_t epoch
+    cdef cppclass Cached "xlog_actors_cache::Cached":
+        uintptr_t ptr
+        size_t cls
+        uintptr_t stream
+    cdef cppclass Stats "xlog_actors_cache::Stats":
+        uint64_t hits, misses, epoch
+        size_t cached_bytes, cached_blocks, live_blocks
+        cbool enabled
+    int PASS "xlog_actors_cache::PASS"
+    int CACHED "xlog_actors_cache::CACHED"
+    Cache* _cache_get "xlog_actors_cache::get"(int device) nogil
+    Cache* _cache_ensure "xlog_actors_cache::ensure"(int device) nogil
+    size_t _size_class "xlog_actors_cache::size_class"(size_t n) nogil
+    uintptr_t _cache_take "xlog_actors_cache::take"(
+        Cache* c, size_t cls, size_t req, uintptr_t stream, uint64_t* epoch, cbool* tracked) nogil
+    void _cache_note "xlog_actors_cache::note"(Cache* c, uintptr_t ptr, const Live& e) nogil
+    int _cache_put "xlog_actors_cache::put"(Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e) nogil
+    vector[Cached] _cache_drain "xlog_actors_cache::drain"(Cache* c, bint bump, bint disable) nogil
+    void _cache_enable "xlog_actors_cache::enable"(Cache* c) nogil
+    Stats _cache_stats "xlog_actors_cache::stats"(Cache* c) nogil
+
 
 #: The exported symbols, for ``CUDAPluggableAllocator(library_path(), ALLOC_SYMBOL, FREE_SYMBOL)``.
 ALLOC_SYMBOL = "xlog_actors_alloc"
@@ -84,12 +276,16 @@ atexit.register(_at_exit)
 
 
 def register(int device, allocator):
-    """Route the exported functions' calls for CUDA device ``device`` to ``allocator``.
+    """Route the exported functions' calls for CUDA device ``device`` to ``allocator``, with
+    the device's cache enabled afresh (counters at 0, in a new epoch: blocks handed out before
+    are never cached).
 
     Args:
-        device: the CUDA device ordinal the foreign library names.
+        device: the CUDA device ordinal the foreign library names (below 256 for a cache; a
+            higher one is routed without).
         allocator: an object with ``allocate(nbytes, stream_handle) -> int`` (the device pointer)
-            and ``free(ptr, nbytes, stream_handle) -> None``.
+            and ``free(ptr, nbytes, stream_handle) -> None``; optionally ``synchronize()``,
+            called after the cache was given back on a refusal, before the one retry.
     Raises:
         TypeError: ``allocator`` lacks one of the two methods.
         ValueError: ``device`` is negative, or another allocator is registered for it.
@@ -103,21 +299,26 @@ def register(int device, allocator):
     if current is not allocator:
         raise ValueError(f"CUDA device {device} already routes its allocations to {current!r}")
     _last_errors.pop(device, None)
+    cdef Cache* cache = _cache_ensure(device)
+    if cache != NULL:
+        _cache_enable(cache)
 
 
 def unregister(int device, allocator=None):
-    """Stop routing CUDA device ``device``'s calls (later allocations there are refused).
+    """Stop routing CUDA device ``device``'s calls (later allocations there are refused), after
+    giving the cached blocks back through the allocator and disabling the cache.
 
     Args:
         device: the CUDA device ordinal.
         allocator: when given, unregister only if it is the one registered.
     Returns:
         whether an allocator was removed.
-    Thread rule: any thread.
+    Thread rule: any thread but the allocator's device actor's own.
     """
     current = _allocators.get(device)
     if current is None or (allocator is not None and current is not allocator):
         return False
+    _release(device, current, True)
     del _allocators[device]
     return True
 
@@ -145,11 +346,114 @@ def library_path():
     return __file__
 
 
+def size_class(Py_ssize_t nbytes):
+    """The size the bridge asks the allocator for when ``nbytes`` are asked: rounded up to 512
+    bytes up to 4 KiB, then to a quarter of the largest power of two not above it.
+
+    Raises:
+        ValueError: ``nbytes`` is not positive.
+    Thread rule: any thread.
+    """
+    if nbytes <= 0:
+        raise ValueError(f"a size class needs a positive size, got {nbytes}")
+    return _size_class(<size_t>nbytes)
+
+
+def empty_cache(int device):
+    """Give every cached block of ``device`` back through its allocator (its ``free``); the
+    cache stays enabled. A free that fails is logged and kept as :func:`last_error`, the others
+    still done.
+
+    Returns:
+        the bytes given back (0 when nothing is registered or cached).
+    Thread rule: any thread but the allocator's device actor's own.
+    """
+    allocator = _allocators.get(device)
+    if allocator is None:
+        return 0
+    return _release(device, allocator, False)
+
+
+def disable_cache(int device):
+    """:func:`empty_cache`, and cache nothing more for ``device`` until it is registered again
+    (an allocator being closed). Returns the bytes given back.
+
+    Thread rule: any thread but the allocator's device actor's own.
+    """
+    allocator = _allocators.get(device)
+    if allocator is None:
+        return 0
+    return _release(device, allocator, True)
+
+
+def invalidate(int device):
+    """Drop every cached block of ``device`` without freeing it, and start a new epoch: blocks
+    handed out before are not cached when freed. For a rebuild: the cached blocks belonged to
+    the old context, and their memory went with it.
+
+    Returns:
+        the dropped blocks, as ``(ptr, nbytes, stream_handle)`` tuples, for the allocator to
+        forget.
+    Thread rule: any thread (the device actor's own included: nothing is freed).
+    """
+    cdef Cache* cache = _cache_get(device)
+    if cache == NULL:
+        return []
+    cdef vector[Cached] dropped = _cache_drain(cache, True, False)
+    return [(<size_t>e.ptr, e.cls, <size_t>e.stream) for e in dropped]
+
+
+def cache_stats(int device):
+    """The cache's figures for ``device``: ``hits``, ``misses``, ``cached_bytes`` and
+    ``cached_blocks`` (allocated, counted under the tag, free for reuse), ``live_blocks``
+    (handed out by the bridge, not yet freed), ``epoch`` and ``enabled``; all 0 (False) for a
+    device that was never registered.
+
+    Thread rule: any thread.
+    """
+    cdef Cache* cache = _cache_get(device)
+    if cache == NULL:
+        return {"hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "epoch": 0,
+                "enabled": False}
+    cdef Stats st = _cache_stats(cache)
+    return {"hits": st.hits, "misses": st.misses, "cached_bytes": st.cached_bytes, "cached_blocks": st.cached_blocks,
+            "live_blocks": st.live_blocks, "epoch": st.epoch, "enabled": st.enabled}
+
+
+cdef size_t _release(int device, allocator, bint disable):
+    """Take the cached blocks out (disabling the cache if told) and free them through
+    ``allocator``; the bytes freed."""
+    cdef Cache* cache = _cache_get(device)
+    if cache == NULL:
+        return 0
+    cdef vector[Cached] blocks = _cache_drain(cache, False, disable)
+    cdef size_t freed = 0
+    for e in blocks:
+        try:
+            allocator.free(<size_t>e.ptr, e.cls, <size_t>e.stream)
+            freed += e.cls
+        except BaseException as exc:  # noqa: BLE001 - one failed free must not keep the others
+            _last_errors[device] = exc
+            logger.error("device allocator of CUDA device %d: free of cached %#x failed: %r", device,
+                         <size_t>e.ptr, exc)
+    return freed
+
+
 cdef void* _allocate(Py_ssize_t size, int device, void* stream, string* message) noexcept with gil:
     allocator = _allocators.get(device)
     try:
         if allocator is None:
             raise LookupError(f"xlog_actors: no device routes CUDA device {device}'s allocations (not registered)")
+        try:
+            return <void*><size_t>allocator.allocate(size, <size_t>stream)
+        except MemoryError:
+            # The cache's blocks are allocated: give them back, wait for their stream-ordered
+            # frees (as torch's allocator synchronizes before its own retry), then try once more.
+            if _release(device, allocator, False) == 0:
+                raise
+            settle = getattr(allocator, "synchronize", None)
+            if settle is not None:
+                settle()
         return <void*><size_t>allocator.allocate(size, <size_t>stream)
     except BaseException as exc:  # noqa: BLE001 - C has no exceptions: kept, and handed on as text
         _last_errors[device] = exc
@@ -160,10 +464,30 @@ cdef void* _allocate(Py_ssize_t size, int device, void* stream, string* message)
 cdef void* _alloc_or_null(Py_ssize_t size, int device, void* stream, string* message) noexcept nogil:
     if size <= 0:
         return NULL  # torch asks for 0 bytes for an empty tensor, and takes NULL for it
+    cdef Cache* cache = _cache_get(device)
+    cdef uint64_t epoch = 0
+    cdef cbool tracked = False
+    cdef size_t cls = <size_t>size
+    cdef uintptr_t hit
+    cdef Live entry
+    if cache != NULL:
+        cls = _size_class(<size_t>size)
+        hit = _cache_take(cache, cls, <size_t>size, <uintptr_t>stream, &epoch, &tracked)
+        if hit != 0:
+            return <void*>hit
+        if not tracked:
+            cls = <size_t>size  # not cached: the allocator gets the size asked
     if _exiting or not Py_IsInitialized():
         message[0] = string(_EXITING)
         return NULL
-    return _allocate(size, device, stream, message)
+    cdef void* ptr = _allocate(<Py_ssize_t>cls, device, stream, message)
+    if ptr != NULL and tracked:
+        entry.cls = cls
+        entry.req = <size_t>size
+        entry.stream = <uintptr_t>stream
+        entry.epoch = epoch
+        _cache_note(cache, <uintptr_t>ptr, entry)
+    return ptr
 
 
 cdef public void* xlog_actors_alloc(Py_ssize_t size, int device, void* stream) noexcept nogil:
@@ -180,7 +504,7 @@ cdef public void* xlog_actors_alloc_or_null(Py_ssize_t size, int device, void* s
     return _alloc_or_null(size, device, stream, &message)
 
 
-cdef void _free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept with gil:
+cdef bint _free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept with gil:
     allocator = _allocators.get(device)
     try:
         if allocator is None:
@@ -189,12 +513,24 @@ cdef void _free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept w
                 f"{size} bytes at {<size_t>ptr:#x} are not freed"
             )
         allocator.free(<size_t>ptr, size, <size_t>stream)
+        return True
     except BaseException as exc:  # noqa: BLE001 - a free cannot raise into C: logged and kept
         _last_errors[device] = exc
         logger.error("device allocator of CUDA device %d: free of %#x failed: %r", device, <size_t>ptr, exc)
+        return False
 
 
 cdef public void xlog_actors_free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept nogil:
     if ptr == NULL or _exiting or not Py_IsInitialized():
         return  # nothing to free, or the process is going and its memory with it
-    _free(ptr, size, device, stream)
+    cdef Cache* cache = _cache_get(device)
+    cdef Live entry
+    cdef int outcome = PASS
+    if cache != NULL and size > 0:
+        outcome = _cache_put(cache, <uintptr_t>ptr, <size_t>size, <uintptr_t>stream, &entry)
+        if outcome == CACHED:
+            return
+    if outcome == PASS:
+        _free(ptr, size, device, stream)
+    elif not _free(ptr, <Py_ssize_t>entry.cls, device, stream):
+        _cache_note(cache, <uintptr_t>ptr, entry)  # the allocator kept it: still live here

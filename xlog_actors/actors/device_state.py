@@ -1,10 +1,18 @@
-"""``DeviceState``: the generation counter and liveness flags of one device."""
+"""``DeviceState``: the generation counter and liveness flags of one device, and the watchers
+told synchronously when they change (a cache of the device's blocks outside the runtime, such
+as the allocator bridge's, must drop them before the old context is closed).
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
+from collections.abc import Callable
 
 __all__ = ["DeviceState"]
+
+logger = logging.getLogger("xlog_actors.actors")
 
 
 class DeviceState:
@@ -15,10 +23,16 @@ class DeviceState:
     poisoned the context. ``token`` is replaced on every one of those changes, so a handle can
     validate with one identity comparison on its fast path.
 
-    Thread rules: writes take a lock; reads are single attribute loads.
+    Watchers (:meth:`add_watcher`) are called after each of those changes, in the thread that
+    made it (the device actor's), before the caller goes on (a rebuild closes the old context
+    after). They are held weakly (a bound method's object may go away); one that raises is
+    logged and the others still run.
+
+    Thread rules: writes take a lock; reads are single attribute loads; watchers are called
+    outside the lock.
     """
 
-    __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "token")
+    __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "_watchers", "token")
 
     def __init__(self, device_id: int, generation: int = 0) -> None:
         """A state at ``generation``, accepting operations, not poisoned.
@@ -34,6 +48,7 @@ class DeviceState:
         self._poisoned = False
         self.token: object = object()
         self._lock = threading.Lock()
+        self._watchers: list[weakref.WeakMethod[Callable[[], None]]] = []
 
     @property
     def device_id(self) -> int:
@@ -64,19 +79,50 @@ class DeviceState:
         with self._lock:
             self._generation += 1
             self.token = object()
-            return self._generation
+            generation = self._generation
+        self._tell_watchers()
+        return generation
 
     def begin_shutdown(self) -> None:
         """Refuse new operations for good: every handle is stale ("device shutting down")."""
         with self._lock:
             self._accepting = False
             self.token = object()
+        self._tell_watchers()
 
     def poison(self) -> None:
         """Mark the context poisoned for good: every handle is stale ("context poisoned")."""
         with self._lock:
             self._poisoned = True
             self.token = object()
+        self._tell_watchers()
+
+    def add_watcher(self, method: Callable[[], None]) -> None:
+        """Call the bound method ``method()`` after every later change of the state (rebuild,
+        shutdown, poisoning), held weakly: it stops when its object goes away.
+
+        Raises:
+            TypeError: ``method`` is not a bound method.
+        Thread rule: any thread.
+        """
+        ref = weakref.WeakMethod(method)
+        with self._lock:
+            self._watchers = [w for w in self._watchers if w() is not None] + [ref]
+
+    def remove_watcher(self, method: Callable[[], None]) -> None:
+        """Stop calling ``method`` (nothing happens if it was not watching). Thread rule: any thread."""
+        with self._lock:
+            self._watchers = [w for w in self._watchers if w() is not None and w() != method]
+
+    def _tell_watchers(self) -> None:
+        for ref in self._watchers:
+            method = ref()
+            if method is None:
+                continue
+            try:
+                method()
+            except Exception:  # a watcher must not stop a rebuild or a shutdown
+                logger.exception("device %d: a state watcher failed: %r", self._device_id, method)
 
     def __repr__(self) -> str:
         return (

@@ -27,6 +27,14 @@ nothing. The library must never hold one address twice (PyTorch aborts on the se
 it), so a new block the device hands out at a lost block's address is held back, counted under
 the tag, until the library frees the lost one; then it is freed with the next queued frees.
 
+The allocator bridge's cache (:mod:`xlog_actors._core.alloc_bridge`). When this allocator is
+the one registered with the bridge for its ordinal, the blocks the bridge caches are live here
+(counted under the tag) until the bridge gives them back: :meth:`flush` empties the cache first,
+:meth:`close` empties and disables it, and a rebuild, a poisoning or a shutdown of the device
+makes the bridge drop them without freeing (they belonged to the old context; the device's
+state tells this allocator synchronously, before the old context is closed) and they are
+forgotten here, not counted as lost.
+
 Invariants: every pointer handed out and not yet freed is a key of the live table, with the
 ``GpuRef`` that owns its memory; a free of a pointer that is neither live nor lost raises
 ``InvalidRequest`` and changes nothing.
@@ -45,6 +53,7 @@ from typing import Any
 
 import pykka
 
+from .._core import alloc_bridge
 from ..actors.device_client import DeviceClient
 from ..actors.gpu_ref import GpuRef
 from ..actors.messages import GetClient
@@ -132,6 +141,9 @@ class DeviceAllocator:
         self._busy = threading.local()
         self._closed = False
         _watch_collections()
+        cell = getattr(client, "_cell", None)
+        if cell is not None:  # a device in this process: its state says when a context ends
+            cell.lifecycle.state.add_watcher(self._on_device_change)
 
     @property
     def tag(self) -> AllocTag:
@@ -259,13 +271,33 @@ class DeviceAllocator:
         finally:
             busy.on = False
 
+    def synchronize(self) -> None:
+        """Wait until the frees queued so far on the device's default stream are done (on the
+        CUDA driver each waits for its foreign stream's work first), so the device's budget and
+        pool see their bytes back at its next allocation. Nothing to wait for while the device
+        has no context.
+
+        Raises:
+            ContextLost, DriverError: met while waiting.
+        Thread rule: any thread but the device actor's own.
+        """
+        ctx = self._client._cell.lifecycle.context
+        if ctx is None:
+            return
+        stream = ctx.runtime.stream_pool.resolve(StreamId.DEFAULT)
+        if stream is not None:
+            stream.synchronize()
+
     def flush(self) -> None:
-        """Do the queued frees now.
+        """Give the bridge's cached blocks back (when this allocator is the one registered) and
+        do the queued frees now.
 
         Raises:
             ContextLost, ContextPoisoned, DriverError: met while freeing (the rest stay queued).
         Thread rule: any thread but the device actor's own; not from a finalizer.
         """
+        if alloc_bridge.registered(self.device_id) is self:
+            alloc_bridge.empty_cache(self.device_id)
         busy = self._busy
         busy.on = True
         try:
@@ -274,13 +306,25 @@ class DeviceAllocator:
             busy.on = False
 
     def close(self) -> None:
-        """Refuse later allocations and do the queued frees; blocks still live stay valid and
-        are freed by their later :meth:`free`. Idempotent.
+        """Refuse later allocations, stop the bridge's caching for this allocator (its cached
+        blocks given back) and do the queued frees; blocks still live stay valid and are freed
+        by their later :meth:`free`. Idempotent.
 
         Thread rule: any thread but the device actor's own.
         """
         self._closed = True
+        if alloc_bridge.registered(self.device_id) is self:
+            alloc_bridge.disable_cache(self.device_id)
         self.flush()
+
+    def _on_device_change(self) -> None:
+        """The device's state changed (rebuild, poisoning, shutdown): the bridge's cached blocks
+        are of a context that is gone or going; forget them without freeing. Called in the
+        device actor's thread: no driver call, no ask."""
+        if alloc_bridge.registered(self.device_id) is not self:
+            return
+        for ptr, _nbytes, _stream in alloc_bridge.invalidate(self.device_id):
+            self._live.pop(ptr, None)
 
     def _drain(self) -> None:
         pending = self._pending

@@ -16,7 +16,14 @@ PyTorch's rules, which this module cannot change:
   C++ error type, which a library outside libtorch cannot throw. The error object itself stays
   reachable: :meth:`TorchRoute.last_error`.
 * torch's caching allocator statistics (``torch.cuda.memory_allocated`` ...) are not offered
-  by a pluggable allocator: the device's ``GetStats``/``GetReport`` are the figures.
+  by a pluggable allocator: the device's ``GetStats``/``GetReport`` are the figures, and
+  :meth:`TorchRoute.cache_stats` says how much of the tag the bridge's cache holds free.
+* ``torch.cuda.empty_cache()`` does not reach a pluggable allocator: :meth:`TorchRoute.empty_cache`
+  gives the bridge's cached blocks back to the device.
+
+The bridge caches freed blocks per (stream, size class), as torch's own allocator does, so an
+allocation torch made before on that stream costs no Python and no driver call
+(:mod:`xlog_actors._core.alloc_bridge` says what it keeps and when it lets go).
 
 Thread rule: ``use_device`` from any thread but a device actor's; the bridge's functions run in
 whatever thread torch allocates or frees in (autograd's included), taking the GIL.
@@ -36,7 +43,8 @@ _installed = False
 
 
 class TorchRoute:
-    """The route of one device's torch allocations: its allocator and last refusal.
+    """The route of one device's torch allocations: its allocator, last refusal and the
+    bridge's cache.
 
     Thread rule: any thread.
     """
@@ -52,6 +60,26 @@ class TorchRoute:
         """The last refusal or failure of the bridge for this device (the exception, with its
         report), or None. Thread rule: any thread."""
         return alloc_bridge.last_error(self.allocator.device_id)
+
+    def cache_stats(self) -> dict[str, int | bool]:
+        """The bridge's cache figures for this device: ``hits``, ``misses``, ``cached_bytes`` and
+        ``cached_blocks`` (counted under the tag, free for torch to reuse), ``live_blocks``,
+        ``epoch``, ``enabled`` (``alloc_bridge.cache_stats``). Thread rule: any thread."""
+        stats: dict[str, int | bool] = alloc_bridge.cache_stats(self.allocator.device_id)
+        return stats
+
+    def empty_cache(self) -> int:
+        """Give the bridge's cached blocks of this device back to it (what
+        ``torch.cuda.empty_cache()`` does for torch's own allocator).
+
+        Returns:
+            the bytes given back.
+        Thread rule: any thread but the device actor's own.
+        """
+        if alloc_bridge.registered(self.allocator.device_id) is not self.allocator:
+            return 0
+        freed: int = alloc_bridge.empty_cache(self.allocator.device_id)
+        return freed
 
     def __repr__(self) -> str:
         return f"TorchRoute({self.allocator!r})"

@@ -1,0 +1,233 @@
+"""The allocator bridge's cache, called as PyTorch calls it (by symbol, here through ctypes)
+against a device on the host driver: a free keeps the block per (stream, size class), a later
+allocation of that class on that stream takes it back without calling the allocator; other
+streams, other sizes and older epochs never get it; a budget refusal of a miss gives the cache
+back and tries once more; a rebuild drops it without freeing; flush, close and unregister empty
+it, and the tag's bytes return to zero."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors._core import alloc_bridge
+from xlog_actors.interop import DeviceAllocator, as_client
+
+from .test_alloc_bridge import Bridge
+
+MIB = 1 << 20
+DEV = 1
+S1, S2 = 0x1000, 0x2000  # two foreign streams: the host driver ignores them, the cache must not
+
+
+class Spied:
+    """A device (budget 8 MiB) whose registered ``DeviceAllocator`` records every call the bridge
+    makes to it: a cache hit must make none."""
+
+    def __init__(self, device: pykka.ActorRef[Any], allocator: DeviceAllocator) -> None:
+        self.device = device
+        self.allocator = allocator
+        self.calls: list[tuple[str, int, int]] = []
+        allocate, free = allocator.allocate, allocator.free
+
+        def spy_allocate(nbytes: int, stream: int) -> int:
+            self.calls.append(("allocate", nbytes, stream))
+            return allocate(nbytes, stream)
+
+        def spy_free(ptr: int, nbytes: int, stream: int) -> None:
+            self.calls.append(("free", nbytes, stream))
+            free(ptr, nbytes, stream)
+
+        synchronize = allocator.synchronize
+
+        def spy_synchronize() -> None:
+            self.calls.append(("synchronize", 0, 0))
+            synchronize()
+
+        allocator.allocate = spy_allocate  # type: ignore[method-assign]
+        allocator.free = spy_free  # type: ignore[method-assign]
+        allocator.synchronize = spy_synchronize  # type: ignore[method-assign]
+
+    def tag_bytes(self) -> int:
+        return int(self.device.ask(xa.GetStats()).report["by_tag"].get("torch", {}).get("nbytes", 0))
+
+    def take_calls(self) -> list[tuple[str, int, int]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+@pytest.fixture
+def bridge() -> Bridge:
+    return Bridge()
+
+
+@pytest.fixture
+def spied(host_driver: xa.HostDriver) -> Iterator[Spied]:
+    device = xa.DeviceActor.start(DEV, host_driver, resource="async+budget:8MiB")
+    allocator = DeviceAllocator(as_client(device), "torch")
+    alloc_bridge.register(DEV, allocator)
+    yield Spied(device, allocator)
+    alloc_bridge.unregister(DEV)
+    device.stop()
+
+
+def test_size_classes_round_up_by_at_most_a_quarter() -> None:
+    assert [alloc_bridge.size_class(n) for n in (1, 512, 513, 4096, 4097, 5121, 1 << 20, (1 << 20) + 1)] == [
+        512, 512, 1024, 4096, 5120, 6144, 1 << 20, 1_310_720]
+    for n in range(1, 70_000, 37):
+        c = alloc_bridge.size_class(n)
+        assert n <= c <= max(n + 511, n * 5 // 4) and c % 512 == 0
+    with pytest.raises(ValueError, match="positive"):
+        alloc_bridge.size_class(0)
+
+
+def test_a_freed_block_is_handed_out_again_on_its_stream_without_calling_the_allocator(
+    spied: Spied, bridge: Bridge
+) -> None:
+    a = bridge.alloc_or_null(100_000, DEV, S1)
+    assert spied.take_calls() == [("allocate", 114_688, S1)]  # the class's size is asked
+    bridge.free(a, 100_000, DEV, S1)
+    assert spied.take_calls() == []  # kept
+    assert alloc_bridge.cache_stats(DEV) | {"epoch": 0} == {
+        "hits": 0, "misses": 1, "cached_bytes": 114_688, "cached_blocks": 1, "live_blocks": 0, "epoch": 0,
+        "enabled": True}
+    assert spied.tag_bytes() == 114_688  # cached bytes stay counted under the tag
+    b = bridge.alloc_or_null(110_000, DEV, S1)  # another size of the same class
+    assert b == a and spied.take_calls() == []
+    stats = alloc_bridge.cache_stats(DEV)
+    assert (stats["hits"], stats["misses"], stats["cached_blocks"], stats["live_blocks"]) == (1, 1, 0, 1)
+    bridge.free(b, 110_000, DEV, S1)
+    assert alloc_bridge.empty_cache(DEV) == 114_688
+    assert spied.take_calls() == [("free", 114_688, S1)]
+    assert spied.tag_bytes() == 0 and spied.allocator.live_blocks == 0
+
+
+def test_a_cached_block_never_goes_to_another_stream_or_another_class(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    spied.take_calls()
+    b = bridge.alloc_or_null(MIB, DEV, S2)  # same class, other stream: a miss
+    assert b != a and spied.take_calls() == [("allocate", MIB, S2)]
+    c = bridge.alloc_or_null(MIB // 2, DEV, S1)  # same stream, other class: a miss
+    assert c not in (a, b) and spied.take_calls() == [("allocate", MIB // 2, S1)]
+    d = bridge.alloc_or_null(MIB, DEV, S1)
+    assert d == a and spied.take_calls() == []
+    for ptr, n, s in ((b, MIB, S2), (c, MIB // 2, S1), (d, MIB, S1)):
+        bridge.free(ptr, n, DEV, s)
+    spied.allocator.flush()
+    assert spied.tag_bytes() == 0
+
+
+def test_a_free_on_another_stream_than_the_allocation_s_goes_to_the_allocator(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    spied.take_calls()
+    bridge.free(a, MIB, DEV, S2)  # ordered after S2 by the allocator, never cached
+    assert spied.take_calls() == [("free", MIB, S2)]
+    assert alloc_bridge.cache_stats(DEV)["cached_blocks"] == 0 and spied.tag_bytes() == 0
+
+
+def test_a_free_with_the_wrong_size_is_refused_and_changes_nothing(
+    spied: Spied, bridge: Bridge, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, 12345, DEV, S1)
+    assert isinstance(alloc_bridge.last_error(DEV), xa.InvalidRequest) and "12345 bytes" in caplog.text
+    stats = alloc_bridge.cache_stats(DEV)
+    assert stats["live_blocks"] == 1 and stats["cached_blocks"] == 0 and spied.tag_bytes() == MIB
+    bridge.free(a, MIB, DEV, S1)  # the right size is then accepted, and cached
+    assert alloc_bridge.cache_stats(DEV)["cached_blocks"] == 1
+
+
+def test_a_budget_refusal_gives_the_cache_back_and_tries_once_more(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(4 * MIB, DEV, S1)
+    bridge.free(a, 4 * MIB, DEV, S1)
+    spied.take_calls()
+    b = bridge.alloc_or_null(6 * MIB, DEV, S2)  # 4 cached + 6 > 8 MiB: refused, released, retried
+    assert b, alloc_bridge.last_error(DEV)
+    assert spied.take_calls() == [
+        ("allocate", 6 * MIB, S2), ("free", 4 * MIB, S1), ("synchronize", 0, 0), ("allocate", 6 * MIB, S2)]
+    assert alloc_bridge.last_error(DEV) is None
+    assert alloc_bridge.cache_stats(DEV)["cached_blocks"] == 0 and spied.tag_bytes() == 6 * MIB
+    # Still too much with the cache empty: refused once (nothing to give back), with the report.
+    assert bridge.alloc_or_null(4 * MIB, DEV, S1) is None
+    assert spied.take_calls() == [("allocate", 4 * MIB, S1)]
+    error = alloc_bridge.last_error(DEV)
+    assert isinstance(error, xa.BudgetExceeded) and "budget of 8.0 MiB" in str(error)
+    bridge.free(b, 6 * MIB, DEV, S2)
+    spied.allocator.flush()
+    assert spied.tag_bytes() == 0
+
+
+def test_a_rebuild_drops_the_cache_without_freeing_and_forgets_its_blocks(
+    spied: Spied, bridge: Bridge, caplog: pytest.LogCaptureFixture
+) -> None:
+    cached = bridge.alloc_or_null(MIB, DEV, S1)
+    held = bridge.alloc_or_null(2 * MIB, DEV, S1)  # live in the library across the rebuild
+    bridge.free(cached, MIB, DEV, S1)
+    epoch = alloc_bridge.cache_stats(DEV)["epoch"]
+    spied.take_calls()
+    with caplog.at_level(logging.WARNING, logger="xlog_actors.interop"):
+        spied.device.ask(xa.Rebuild("test"))
+        stats = alloc_bridge.cache_stats(DEV)
+        assert stats["cached_blocks"] == 0 and stats["epoch"] == epoch + 1
+        assert spied.take_calls() == []  # dropped, not freed through the new context
+        assert spied.allocator.live_blocks == 1  # the cached block is forgotten, the held one not yet
+        fresh = bridge.alloc_or_null(MIB, DEV, S1)  # a miss: the allocator is asked
+        assert fresh and spied.take_calls() == [("allocate", MIB, S1)]
+    assert "a rebuild freed 1 torch block(s), 2097152 bytes" in caplog.text  # the held one only
+    assert spied.allocator.lost_blocks == {held: 2 * MIB}
+    bridge.free(held, 2 * MIB, DEV, S1)  # of the old epoch: to the allocator, never cached
+    assert spied.take_calls() == [("free", 2 * MIB, S1)]
+    assert alloc_bridge.cache_stats(DEV)["cached_blocks"] == 0 and spied.allocator.lost_blocks == {}
+    bridge.free(fresh, MIB, DEV, S1)
+    spied.allocator.flush()
+    assert spied.tag_bytes() == 0 and spied.allocator.live_blocks == 0
+
+
+def test_close_empties_and_disables_the_cache_and_the_tag_returns_to_zero(spied: Spied, bridge: Bridge) -> None:
+    ptrs = [bridge.alloc_or_null(n, DEV, S1) for n in (4096, 65536, MIB)]
+    for ptr, n in zip(ptrs[:2], (4096, 65536), strict=True):
+        bridge.free(ptr, n, DEV, S1)
+    spied.take_calls()
+    spied.allocator.close()
+    assert sorted(spied.take_calls()) == [("free", 4096, S1), ("free", 65536, S1)]
+    assert not alloc_bridge.cache_stats(DEV)["enabled"] and spied.tag_bytes() == MIB
+    bridge.free(ptrs[2], MIB, DEV, S1)  # a live block's later free: freed, not cached
+    assert spied.take_calls() == [("free", MIB, S1)]
+    assert spied.tag_bytes() == 0 and alloc_bridge.cache_stats(DEV)["cached_blocks"] == 0
+
+
+def test_unregister_gives_the_cache_back(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    assert spied.tag_bytes() == MIB
+    assert alloc_bridge.unregister(DEV)
+    assert spied.tag_bytes() == 0 and not alloc_bridge.cache_stats(DEV)["enabled"]
+    alloc_bridge.register(DEV, spied.allocator)  # the fixture unregisters it again
+    assert alloc_bridge.cache_stats(DEV)["enabled"]
+
+
+def test_an_unregistered_device_has_no_cache_figures() -> None:
+    assert alloc_bridge.cache_stats(255) == {
+        "hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "epoch": 0, "enabled": False}
+    assert alloc_bridge.empty_cache(255) == 0 and alloc_bridge.disable_cache(255) == 0
+    assert alloc_bridge.invalidate(255) == []
+
+
+def test_the_torch_route_reads_and_empties_its_device_s_cache(spied: Spied, bridge: Bridge) -> None:
+    from xlog_actors.interop.torch import TorchRoute
+
+    route = TorchRoute(spied.allocator)
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    stats = route.cache_stats()
+    assert (stats["cached_bytes"], stats["cached_blocks"], stats["misses"]) == (MIB, 1, 1)
+    other = TorchRoute(DeviceAllocator(as_client(spied.device), "other"))
+    assert other.empty_cache() == 0 and spied.tag_bytes() == MIB  # not the registered allocator: untouched
+    assert route.empty_cache() == MIB
+    assert spied.tag_bytes() == 0 and route.cache_stats()["cached_blocks"] == 0
