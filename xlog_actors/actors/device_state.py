@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 __all__ = ["DeviceState"]
 
@@ -15,10 +16,13 @@ class DeviceState:
     poisoned the context. ``token`` is replaced on every one of those changes, so a handle can
     validate with one identity comparison on its fast path.
 
+    Mirrors (:meth:`mirror`) are told every change under the same lock, so a copy of the state
+    kept elsewhere (the shared generation cell other processes read) never lags the handles here.
+
     Thread rules: writes take a lock; reads are single attribute loads.
     """
 
-    __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "token")
+    __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_mirrors", "_poisoned", "token")
 
     def __init__(self, device_id: int, generation: int = 0) -> None:
         """A state at ``generation``, accepting operations, not poisoned.
@@ -34,6 +38,23 @@ class DeviceState:
         self._poisoned = False
         self.token: object = object()
         self._lock = threading.Lock()
+        self._mirrors: list[Callable[[DeviceState], None]] = []
+
+    def mirror(self, callback: Callable[[DeviceState], None]) -> None:
+        """Call ``callback(state)`` now and after every later change, under the state's lock.
+
+        Args:
+            callback: must not block nor touch this state's writers; it may read the state.
+        Thread rule: any thread.
+        """
+        with self._lock:
+            self._mirrors.append(callback)
+            callback(self)
+
+    def _changed(self) -> None:
+        self.token = object()
+        for callback in self._mirrors:
+            callback(self)
 
     @property
     def device_id(self) -> int:
@@ -63,20 +84,20 @@ class DeviceState:
         """
         with self._lock:
             self._generation += 1
-            self.token = object()
+            self._changed()
             return self._generation
 
     def begin_shutdown(self) -> None:
         """Refuse new operations for good: every handle is stale ("device shutting down")."""
         with self._lock:
             self._accepting = False
-            self.token = object()
+            self._changed()
 
     def poison(self) -> None:
         """Mark the context poisoned for good: every handle is stale ("context poisoned")."""
         with self._lock:
             self._poisoned = True
-            self.token = object()
+            self._changed()
 
     def __repr__(self) -> str:
         return (
