@@ -261,7 +261,9 @@ def test_cross_process_slow_writer_hazard(
         assert not (got == 2.0).all(), "without the event the consumer read before the slow copy landed"
 
 
-def test_cross_process_lifetime_and_staleness(peer: Connection, device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+def test_cross_process_lifetime_and_staleness(
+    peer: Connection, device: pykka.ActorRef[Any], shared_driver: Any
+) -> None:
     """The peer holds the only handle: the owner keeps the memory; a rebuild makes the peer's
     handle stale; dropping it there lets the owner free (its device process, only then)."""
     ref = device.ask(xa.Allocate(1 << 20))

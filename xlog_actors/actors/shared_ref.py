@@ -292,7 +292,7 @@ class SharedGpuRef:
             from ..driver.cuda import ipc as cuda_ipc
 
             self._memory = cuda_ipc.open_memory(self._export.ordinal, self._export.memory)
-        ptr: int = self._memory.ptr
+        ptr: int = self._memory.ptr(self._export.memory)
         return ptr
 
     @property

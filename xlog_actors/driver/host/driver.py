@@ -22,8 +22,9 @@ Thread rules: every public method may be called from any thread. Each device has
 guards its allocator and fault state; stream queues have their own locks. Nothing blocks while
 holding a device lock.
 
-The module runs past 500 lines because it is the facade of every driver call (the exports for
-other processes included), each with its contract written out; the work itself lives in ``device``, ``stream``, ``memory`` and ``launch``.
+The module runs past 500 lines because it is the facade of every driver call (the exports
+for other processes included), each with its contract written out; the work itself lives in
+``device``, ``stream``, ``memory``, ``launch`` and ``ipc``.
 """
 
 from __future__ import annotations
@@ -513,13 +514,13 @@ class HostDriver:
         Thread rule: any thread.
         """
         if not self._shared:
-            raise InvalidRequest("export needs device memory in shared memory: make the driver with HostDriver(shared=True)")
+            raise InvalidRequest("export needs device memory in shared memory: make the driver HostDriver(shared=True)")
         dev = self._gate(ordinal)
         with dev.lock:
             live = dev.live.get(ptr)
             if live is None or type(nbytes) is not int or not 0 < nbytes <= live[1]:
                 raise DriverError(
-                    f"device {ordinal}: export of {nbytes!r} bytes at {ptr!r}, which is not a live allocation that large",
+                    f"device {ordinal}: export of {nbytes!r} bytes at {ptr!r}, not a live allocation that large",
                     code="CUDA_ERROR_INVALID_VALUE",
                 )
             segment = dev.arena.segment

@@ -122,7 +122,7 @@ class HostIpcEvent:
         """
         return _open(self.segment).int64s(8 * self.slot, 1)[0] >= self.seq
 
-    def wait(self, timeout_s: float, abort: Callable[[], None] | None = None) -> None:
+    def wait(self, timeout_s: float, abort: Callable[[], object] | None = None) -> None:
         """Block until the recorded work has run.
 
         Args:
