@@ -26,6 +26,10 @@ Invariants:
 
 Thread rule: a ``SharedGpuRef`` may be used from any thread; it is immutable but for its
 release flag, which flips once (under the GIL).
+
+The module runs past 400 lines because a ``SharedGpuRef`` is one handle with every face a
+``GpuRef`` has (validation, ordering, host bytes, the CUDA Array Interface and DLPack, lifetime,
+forwarding), each with its contract written out.
 """
 
 from __future__ import annotations
@@ -34,15 +38,34 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
+
+import numpy as np
 
 from ..driver.host.ipc import HostIpcEvent, HostMemoryExport, open_memory
 from ..driver.shared_memory import SharedSegment
 from ..errors import GpuRefStale, InvalidRequest
 from .export_table import SLOTS, STATUS_POISONED, STATUS_RUNNING, ExportTable, notify, state_word
+from .interop import consumer_stream_handle
 
-if TYPE_CHECKING:
-    from .gpu_ref import GpuRef
+
+class _Exportable(Protocol):
+    """What an export needs of a handle (``GpuRef`` has it; a protocol, so that this module does
+    not import the handle whose pickling calls it)."""
+
+    @property
+    def context(self) -> Any: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def last_write_stream(self) -> Any: ...
+
+    @property
+    def alloc_stream(self) -> Any: ...
+
+    def access(self) -> Any: ...
 
 __all__ = ["WAIT_TIMEOUT_S", "GpuRefExport", "SharedGpuRef", "export_ref", "import_ref"]
 
@@ -50,6 +73,7 @@ __all__ = ["WAIT_TIMEOUT_S", "GpuRefExport", "SharedGpuRef", "export_ref", "impo
 WAIT_TIMEOUT_S: Final = 30.0
 
 _HEADER_CELLS = 2
+_BYTES = np.dtype(np.uint8)
 _tables: dict[str, SharedSegment] = {}
 _tables_lock = threading.Lock()
 
@@ -99,7 +123,7 @@ def _table_cells(name: str) -> memoryview:
     return segment.int64s(0, _HEADER_CELLS + 2 * SLOTS)
 
 
-def export_ref(ref: GpuRef) -> GpuRefExport:
+def export_ref(ref: _Exportable) -> GpuRefExport:
     """Export ``ref`` for another process (``GpuRef.__reduce__`` calls it): name its memory,
     record its last write as an interprocess event, take one count for the descriptor.
 
@@ -303,8 +327,43 @@ class SharedGpuRef:
             raise AttributeError("__cuda_array_interface__ is only offered on the CUDA driver (the owner runs host)")
         ptr = self.raw_device_ptr()
         self.wait_write()
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
-                "stream": None}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
+        """DLPack export (CUDA driver only): a 1-D ``uint8`` tensor over the imported memory,
+        kept alive by this handle; the exported last write is waited for first (on the host, so
+        any consumer stream is ordered after it).
+
+        Raises:
+            AttributeError: the owner runs the host driver.
+            InvalidRequest: a bad ``stream``.
+            GpuRefStale, DeviceUnavailable: as :meth:`wait_write`.
+        Thread rule: any thread.
+        """
+        if isinstance(self._export.memory, HostMemoryExport):
+            raise AttributeError("__dlpack__ is only offered on the CUDA driver (the owner runs host)")
+        from cuda.core import Buffer
+        from cuda.core.utils import StridedMemoryView
+
+        consumer_stream_handle(stream)  # refuses what the DLPack rules refuse
+        ptr = self.raw_device_ptr()
+        self.wait_write()
+        buffer = Buffer.from_handle(ptr, self.nbytes, owner=self)
+        view = StridedMemoryView.from_buffer(buffer, (self.nbytes,), dtype=_BYTES)
+        return view.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCUDA, ordinal)``; ``AttributeError`` when the owner runs the host driver."""
+        if isinstance(self._export.memory, HostMemoryExport):
+            raise AttributeError("__dlpack_device__ is only offered on the CUDA driver (the owner runs host)")
+        return (2, self._export.ordinal)
 
     # -- facts ----------------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ Thread rules: every public method may be called from any thread. Each device has
 guards its allocator and fault state; stream queues have their own locks. Nothing blocks while
 holding a device lock.
 
-The module runs past 500 lines because it is the facade of every driver call (the exports
+The module is long (past 500 lines) because it is the facade of every driver call (the exports
 for other processes included), each with its contract written out; the work itself lives in
 ``device``, ``stream``, ``memory``, ``launch`` and ``ipc``.
 """
