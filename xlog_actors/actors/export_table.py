@@ -131,6 +131,8 @@ class ExportTable:
     # -- the generation cell ----------------------------------------------------------------------
     def _mirror(self, state: DeviceState) -> None:
         """Under the state's lock: publish its word, and have the sweeper drop older pins."""
+        if self._closed:
+            return  # the state outlived its table (closed at exit): nobody reads the cell now
         word = _word_of(state)
         self._cells[0] = word
         changed = word != self._word
@@ -244,7 +246,6 @@ class ExportTable:
             self._sweeper.join(5.0)
         self._sock.close()
         self._cells[0] = state_word(self._word >> 2, STATUS_STOPPED)
-        self._cells.release()
         self.segment.close()
 
 

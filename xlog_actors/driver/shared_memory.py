@@ -13,8 +13,9 @@ segment keeps its mapping (and the bytes) until it unmaps, so a late reader neve
 
 Thread rules: the mapping may be read and written from any thread (ordering is the caller's).
 :meth:`SharedSegment.locked` serializes a read-modify-write of a range across the threads of
-this process (a ``threading.Lock``) and across processes (an ``fcntl.lockf`` record lock, which
-on its own does not exclude threads of one process).
+this process (a ``threading.Lock`` per segment name, shared by every mapping of the name in the
+process) and across processes (an ``fcntl.lockf`` record lock, which on its own does not
+exclude threads, nor two mappings, of one process).
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ __all__ = ["SHM_DIR", "SharedSegment"]
 #: Where POSIX shared-memory objects live on Linux.
 SHM_DIR = "/dev/shm"
 
+_name_locks: dict[str, threading.Lock] = {}
+_name_locks_guard = threading.Lock()
+
+
+def _lock_of(name: str) -> threading.Lock:
+    with _name_locks_guard:
+        return _name_locks.setdefault(name, threading.Lock())
+
 
 class SharedSegment:
     """One named shared-memory segment, mapped; see the module docstring.
@@ -52,7 +61,7 @@ class SharedSegment:
         self.size = size
         self.owner = owner
         self._fd = fd
-        self._lock = threading.Lock()
+        self._lock = _lock_of(name)
         self.mm = mmap.mmap(fd, size)
 
     @staticmethod

@@ -207,9 +207,10 @@ class HostEventTable:
         return HostIpcEvent(self._segment.name, slot, seq)
 
     def close(self) -> None:
-        """Unlink the segment (processes that mapped it keep their mapping). Idempotent.
+        """Unlink the segment (processes that mapped it keep their mapping). Idempotent. The
+        cells stay mapped until the table is collected: a record still queued on a stream of
+        another driver's making must not fault its stream's thread.
 
-        Thread rule: the driver, once.
+        Thread rule: the driver, once its streams drained.
         """
-        self._cells.release()
         self._segment.close()
