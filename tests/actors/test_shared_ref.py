@@ -237,6 +237,16 @@ def _reply(conn: Connection) -> Any:
     return conn.recv()
 
 
+@pytest.fixture
+def cuda_device() -> Iterator[tuple[Any, pykka.ActorRef[Any]]]:
+    """A device on the GPU, on the ``direct`` stack (``cuMemAlloc`` memory: legacy CUDA IPC)."""
+    drv = xa.CudaDriver()
+    device = xa.DeviceActor.start(0, drv, resource="direct")
+    yield drv, device
+    pykka.ActorRegistry.stop_all()
+    drv.close()
+
+
 @pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)])
 def test_cross_process_slow_writer_hazard(
     peer: Connection, device: pykka.ActorRef[Any], shared_driver: Any, ordered: bool
@@ -244,6 +254,49 @@ def test_cross_process_slow_writer_hazard(
     """The producer's copy waits behind slow work on its stream; the consumer, in another
     process, reads the moment the handle arrives: the right bytes through the interprocess
     event, the old ones without it (the test proves it can fail)."""
+    _slow_writer_hazard(peer, device, shared_driver, ordered)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)])
+def test_cross_process_slow_writer_hazard_on_the_gpu(
+    peer: Connection, cuda_device: tuple[Any, pykka.ActorRef[Any]], ordered: bool
+) -> None:
+    """The same hazard through CUDA IPC: a memory handle and an interprocess event."""
+    driver, device = cuda_device
+    _slow_writer_hazard(peer, device, driver, ordered)
+
+
+@pytest.mark.gpu
+def test_gpu_exports_interfaces_staleness_and_pool_refusal(
+    peer: Connection, cuda_device: tuple[Any, pykka.ActorRef[Any]]
+) -> None:
+    """On the GPU: the peer's CUDA Array Interface and DLPack device; an import in the owner's
+    own process is the same address; a rebuild makes the peer's handle stale; a block of the
+    (not IPC-capable) stream-ordered pool is refused, pinning nothing."""
+    driver, device = cuda_device
+    ref = device.ask(xa.Allocate(4096))
+    peer.send(("interfaces", ref))
+    assert _reply(peer) == (True, "|u1", (4096,), (2, 0))
+    assert _round_trip(ref).raw_device_ptr() == ref.raw_device_ptr()
+    peer.send(("hold", ref))
+    assert _reply(peer) == ("held", "SharedGpuRef")
+    device.ask(xa.Rebuild("test"))
+    peer.send(("access",))
+    assert _reply(peer) == "context rebuilt"
+    peer.send(("drop",))
+    assert _reply(peer) == "dropped"
+    pooled = xa.DeviceActor.start(1 if driver.device_count() > 1 else 0, xa.CudaDriver(), resource="async")
+    try:
+        block = pooled.ask(xa.Allocate(4096))
+        with pytest.raises(InvalidRequest, match="not IPC-capable"):
+            pickle.dumps(block)
+        assert _table(block).pinned_count() == 0
+    finally:
+        pooled.stop()
+
+
+def _slow_writer_hazard(peer: Connection, device: pykka.ActorRef[Any], driver: Any, ordered: bool) -> None:
     writer = xa.CopyActor.start(device)
     reader = xa.CopyActor.start(device)
     n = 1 << 14
@@ -251,7 +304,7 @@ def test_cross_process_slow_writer_hazard(
     reader.ask(xa.Fill(ref, 0))
     reader.ask(xa.CopyToHost(ref, nbytes=4))  # the zero fill is complete
     slow = ref.context.runtime.stream_pool.resolve(writer.proxy().stream_id.get())
-    shared_driver.sleep(slow, 400_000)
+    driver.sleep(slow, 400_000)
     writer.ask(xa.CopyToDevice(ref, np.full(n, 2.0, np.float32)))
     peer.send(("read", ref, ordered, 4 * n))
     got = np.frombuffer(_reply(peer), np.float32)

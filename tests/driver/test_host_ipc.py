@@ -25,7 +25,7 @@ def shared() -> Iterator[xa.HostDriver]:
 
 
 def _segments() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(f"xlog-") and f"-{os.getpid()}-" in name}
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("xlog-") and f"-{os.getpid()}-" in name}
 
 
 def test_an_export_is_the_same_bytes_and_its_event_orders_after_the_slow_write(shared: xa.HostDriver) -> None:

@@ -7,9 +7,10 @@ modules names a child cannot import. It starts no ``DeviceActor``: the handles a
 ``SharedGpuRef``s.
 
 Commands (tuples): ``("read", ref, ordered, nbytes)`` reads the first bytes at once and answers
-them; ``("hold", ref)`` keeps the handle; ``("access",)`` answers ``"ok"`` or the stale reason of
-the held handle; ``("forward", conn)`` is not offered (one peer is enough); ``("drop",)``
-releases the held handle; ``("stop",)`` ends the peer.
+them (host driver: through ``view``; CUDA: ``cuMemcpyDtoH`` from ``raw_device_ptr``);
+``("interfaces", ref)`` answers what the CUDA exports say; ``("hold", ref)`` keeps the handle;
+``("access",)`` answers ``"ok"`` or the stale reason of the held handle; ``("drop",)`` releases
+the held handle; ``("stop",)`` ends the peer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from xlog_actors.errors import GpuRefStale
+
+
+def _read(ref: Any, ordered: bool, nbytes: int) -> bytes:
+    if ref.export.driver == "host":
+        return bytes(ref.view(ordered=ordered, timeout_s=10.0)[:nbytes])
+    from cuda.bindings import driver as cu
+
+    if ordered:
+        ref.wait_write(timeout_s=10.0)
+    ptr = ref.raw_device_ptr()  # makes the device's context current on this thread
+    out = bytearray(nbytes)
+    (err,) = cu.cuMemcpyDtoH(out, ptr, nbytes)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return bytes(out)
 
 
 def serve(conn: Connection) -> None:
@@ -32,7 +47,12 @@ def serve(conn: Connection) -> None:
         kind = command[0]
         if kind == "read":
             _, ref, ordered, nbytes = command
-            conn.send(bytes(ref.view(ordered=ordered, timeout_s=10.0)[:nbytes]))
+            conn.send(_read(ref, ordered, nbytes))
+            ref.release()
+        elif kind == "interfaces":
+            ref = command[1]
+            cai = ref.__cuda_array_interface__
+            conn.send((cai["data"][0] == ref.raw_device_ptr(), cai["typestr"], cai["shape"], ref.__dlpack_device__()))
             ref.release()
         elif kind == "hold":
             held = command[1]
