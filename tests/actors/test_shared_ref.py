@@ -175,7 +175,7 @@ def test_the_export_table_bounds_its_slots(device: pykka.ActorRef[Any], monkeypa
 
 def test_an_import_of_a_gone_table_is_device_unavailable(device: pykka.ActorRef[Any]) -> None:
     export = export_ref(device.ask(xa.Allocate(256)))
-    bogus = type(export)(**{f: getattr(export, f) for f in export.__slots__} | {"table": "xlog-refs-gone-0-0"})
+    bogus = export._replace(table="xlog-refs-gone-0-0")
     with pytest.raises(DeviceUnavailable, match="gone"):
         import_ref(bogus)
     import_ref(export).release()

@@ -37,8 +37,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
@@ -78,8 +77,7 @@ _tables: dict[str, SharedSegment] = {}
 _tables_lock = threading.Lock()
 
 
-@dataclass(frozen=True, slots=True)
-class GpuRefExport:
+class GpuRefExport(NamedTuple):
     """What a pickled ``GpuRef`` carries: a picklable descriptor of one exported allocation.
 
     Fields: ``driver`` (the owner's driver kind), ``owner_pid``, ``ordinal``, ``generation`` (the
@@ -209,7 +207,7 @@ class SharedGpuRef:
     Thread rule: any thread.
     """
 
-    __slots__ = ("__weakref__", "_cell", "_export", "_finalizer", "_memory", "_word")
+    __slots__ = ("__weakref__", "_cell", "_export", "_finalizer", "_memory", "_released", "_word")
 
     def __init__(self, export: GpuRefExport) -> None:
         """Open ``export`` (use :func:`import_ref`).
@@ -222,10 +220,12 @@ class SharedGpuRef:
         self._cell = cells[0:1]
         self._word = state_word(export.generation, STATUS_RUNNING)
         self._memory: Any = None
+        self._released = False
         self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial)
         if cells[_HEADER_CELLS + 2 * export.slot + 1] != export.serial:
             # The owner freed the slot before this import (a late pickle): never adopt a stranger.
             self._finalizer.detach()
+            self._released = True
 
     # -- validation -----------------------------------------------------------------------------
     def access(self) -> SharedGpuRef:
@@ -238,7 +238,7 @@ class SharedGpuRef:
                 down"`` or ``"released"``.
         Thread rule: any thread.
         """
-        if self._cell[0] == self._word and self._finalizer.alive:
+        if self._cell[0] == self._word and not self._released:
             return self
         raise self._stale()
 
@@ -397,7 +397,7 @@ class SharedGpuRef:
     @property
     def released(self) -> bool:
         """True once released (or never holding a count). Thread rule: any thread."""
-        return not self._finalizer.alive
+        return self._released
 
     # -- lifetime -------------------------------------------------------------------------------
     def release(self) -> None:
@@ -406,6 +406,7 @@ class SharedGpuRef:
 
         Thread rule: any thread.
         """
+        self._released = True
         self._memory = None
         self._finalizer()
 

@@ -36,8 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import DeviceUnavailable, InvalidRequest
 from .call import NOT_READY, check, cu
@@ -87,8 +86,7 @@ def _current(ordinal: int) -> None:
     check(err, f"cuCtxSetCurrent (device {ordinal})")
 
 
-@dataclass(frozen=True, slots=True)
-class CudaMemoryExport:
+class CudaMemoryExport(NamedTuple):
     """An allocation named across processes: the IPC handle of the allocation it lies in
     (``handle``, 64 bytes), the block's ``offset`` in it, ``nbytes`` long; ``owner_pid`` and
     ``ptr`` (the owner's address), which an import in the owner's own process uses as is (CUDA

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...errors import DeviceUnavailable, DriverError
 from ..shared_memory import SharedSegment
@@ -71,8 +71,7 @@ def _open(name: str) -> SharedSegment:
     return segment
 
 
-@dataclass(frozen=True, slots=True)
-class HostMemoryExport:
+class HostMemoryExport(NamedTuple):
     """An allocation of a shared host device, named across processes.
 
     Fields: ``segment`` (the context's memory segment), ``offset`` (of the allocation in it),
@@ -101,8 +100,7 @@ def open_memory(export: HostMemoryExport) -> memoryview:
     return memoryview(segment.mm)[export.offset : export.offset + export.nbytes]
 
 
-@dataclass(frozen=True, slots=True)
-class HostIpcEvent:
+class HostIpcEvent(NamedTuple):
     """An emulated interprocess event: complete once counter ``slot`` of the event segment has
     reached ``seq``. Picklable; see the module docstring.
 
