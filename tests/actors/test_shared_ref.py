@@ -12,8 +12,10 @@ from __future__ import annotations
 import gc
 import importlib
 import multiprocessing
+import os
 import pickle
 import sys
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors.actors.export_table import SLOTS, ExportTable
+from xlog_actors.actors.isolated import ChildFault
 from xlog_actors.actors.shared_ref import SharedGpuRef, export_ref, import_ref
 from xlog_actors.errors import DeviceUnavailable, GpuRefStale, InvalidRequest
 
@@ -342,3 +345,52 @@ def test_cross_process_lifetime_and_staleness(
     assert _reply(peer) == "context rebuilt"
     peer.send(("drop",))
     assert _reply(peer) == "dropped"
+
+
+def test_an_isolated_devices_handles_cross_to_a_third_process(peer: Connection) -> None:
+    """A parent-side handle of an isolated device, sent on: the peer sees the child's memory;
+    the child keeps it while the peer holds it (after the parent dropped its handle) and frees it
+    once the peer drops it; a SIGKILL of the child makes the handle stale in the parent and in the
+    peer at once, and the new child's handles export again."""
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    try:
+        ref = device.ask(xa.Allocate(1 << 20))
+        here = _round_trip(ref)
+        assert here.export.owner_pid != os.getpid(), "the child holds the memory and the count"
+        assert here.export.cell != here.export.table, "the parent's generation cell validates it"
+        here.view()[:4] = b"xlog"
+        peer.send(("read", ref, True, 4))
+        assert _reply(peer) == b"xlog", "parent, child and peer see the same bytes"
+
+        peer.send(("hold", ref))
+        assert _reply(peer) == ("held", "SharedGpuRef")
+        here.release()
+        del ref
+        gc.collect()
+        assert device.ask(xa.GetStats()).live_blocks == 1, "the child keeps what the peer holds"
+        peer.send(("drop",))
+        assert _reply(peer) == "dropped"
+        deadline = time.monotonic() + 10.0
+        while device.ask(xa.GetStats()).live_blocks != 0:  # the child's sweeper, then its actor
+            assert time.monotonic() < deadline, "the child never freed the block the peer dropped"
+            time.sleep(0.01)
+
+        ref = device.ask(xa.Allocate(256))
+        peer.send(("hold", ref))
+        assert _reply(peer) == ("held", "SharedGpuRef")
+        with pytest.raises(xa.DeviceUnavailable):
+            device.ask(ChildFault("kill"))
+        peer.send(("access",))
+        assert _reply(peer) == "context rebuilt"
+        with pytest.raises(GpuRefStale):
+            ref.access()
+        with pytest.raises(GpuRefStale):
+            pickle.dumps(ref)
+        peer.send(("drop",))
+        assert _reply(peer) == "dropped"
+        killed = here.export.owner_pid
+        assert not [n for n in os.listdir("/dev/shm") if f"-{killed}-" in n], "the dead child's segments are unlinked"
+        fresh = _round_trip(device.ask(xa.Allocate(256)))
+        assert fresh.access() is fresh and fresh.generation == 1
+    finally:
+        pykka.ActorRegistry.stop_all()

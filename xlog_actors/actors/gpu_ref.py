@@ -75,7 +75,8 @@ class GpuRef(HandleCore):
         Raises:
             GpuRefStale: the handle cannot be used.
             InvalidRequest: the device cannot export (a host driver made without
-                ``shared=True``, or a handle of an isolated device held in its parent).
+                ``shared=True``).
+            DeviceUnavailable: an isolated device's child did not answer the export.
         """
         from .shared_ref import export_ref, import_ref  # here: shared_ref refers back to GpuRef
 

@@ -80,11 +80,13 @@ _tables_lock = threading.Lock()
 class GpuRefExport(NamedTuple):
     """What a pickled ``GpuRef`` carries: a picklable descriptor of one exported allocation.
 
-    Fields: ``driver`` (the owner's driver kind), ``owner_pid``, ``ordinal``, ``generation`` (the
-    owner's, at export), ``nbytes``, ``tag``, ``table`` (the owner's export table segment),
-    ``slot`` and ``serial`` (the count this descriptor holds), ``memory`` (the driver's export
-    of the bytes), ``event`` (the interprocess event of the last write; None: nothing to wait
-    for).
+    Fields: ``driver`` (the owner's driver kind), ``owner_pid`` (of the process holding the
+    memory), ``ordinal``, ``generation`` (the one the handle is valid in, as ``cell`` counts),
+    ``nbytes``, ``tag``, ``cell`` (the table segment whose generation cell validates it: the
+    owner's, or for an isolated device the parent's), ``table`` (the table segment holding its
+    count: the memory owner's), ``slot`` and ``serial`` (the count this descriptor holds),
+    ``memory`` (the driver's export of the bytes), ``event`` (the interprocess event of the last
+    write; None: nothing to wait for).
 
     Thread rule: immutable; any thread.
     """
@@ -95,6 +97,7 @@ class GpuRefExport(NamedTuple):
     generation: int
     nbytes: int
     tag: str
+    cell: str
     table: str
     slot: int
     serial: int
@@ -132,22 +135,23 @@ def export_ref(ref: _Exportable) -> GpuRefExport:
         The descriptor; each call takes a count that its one import adopts.
     Raises:
         GpuRefStale: the handle cannot be used.
-        InvalidRequest: the device cannot export (a host driver without ``shared=True``, or a
-            handle of an isolated device held in its parent), or too many exports are held.
+        InvalidRequest: the device cannot export (a host driver without ``shared=True``), or
+            too many exports are held.
+        DeviceUnavailable: a parent-side handle of an isolated device whose child did not answer.
         DriverError, ContextLost, ContextPoisoned: from the driver.
     Thread rule: any thread.
     """
     context = ref.context
     runtime = getattr(context, "runtime", None)
-    if runtime is None:
-        raise InvalidRequest(
-            f"{ref!r} is a handle of a device in another process ({context!r}); only a handle of a "
-            "device living in this process can be exported"
-        )
     block = ref.access()
     state = context.state_ref()
     if state is None:  # pragma: no cover - access() just found it alive
         raise GpuRefStale("device state dropped", f"device {block.device_ordinal}")
+    if runtime is None:
+        # A parent-side handle of an isolated device: its child exports the memory (and holds
+        # the count); the parent's generation cell is the one that says when it is stale.
+        exported: GpuRefExport = context.export(ref)
+        return exported._replace(cell=ExportTable.of(state).name, generation=ref.generation)
     driver = runtime.driver
     stream = runtime.stream_pool.resolve(ref.last_write_stream or ref.alloc_stream)
     if driver.kind == "host":
@@ -164,8 +168,8 @@ def export_ref(ref: _Exportable) -> GpuRefExport:
     table = ExportTable.of(state)
     slot, serial = table.pin(ref, keep)
     return GpuRefExport(
-        driver.kind, os.getpid(), context.ordinal, ref.generation, block.nbytes, str(block.tag), table.name, slot,
-        serial, memory, event,
+        driver.kind, os.getpid(), context.ordinal, ref.generation, block.nbytes, str(block.tag), table.name,
+        table.name, slot, serial, memory, event,
     )
 
 
@@ -217,7 +221,7 @@ class SharedGpuRef:
         """
         cells = _table_cells(export.table)
         self._export = export
-        self._cell = cells[0:1]
+        self._cell = _table_cells(export.cell)[0:1]
         self._word = state_word(export.generation, STATUS_RUNNING)
         self._memory: Any = None
         self._released = False

@@ -30,7 +30,7 @@ from multiprocessing import resource_tracker
 
 from ..errors import DeviceUnavailable, InvalidRequest
 
-__all__ = ["SHM_DIR", "SharedSegment"]
+__all__ = ["SHM_DIR", "SharedSegment", "unlink_segments_of"]
 
 #: Where POSIX shared-memory objects live on Linux.
 SHM_DIR = "/dev/shm"
@@ -169,3 +169,30 @@ class SharedSegment:
 
     def __repr__(self) -> str:
         return f"SharedSegment({self.name!r}, {self.size} bytes{', owner' if self.owner else ''})"
+
+
+def unlink_segments_of(pid: int) -> list[str]:
+    """Unlink the segments a dead process of this runtime owned (named ``xlog-<what>-<pid>-...``).
+
+    The resource tracker would unlink them only when the tracking process tree ends; a parent
+    that replaces a killed child calls this so that each death does not leave its device memory
+    in ``/dev/shm`` until then. Processes that mapped a segment keep their mapping.
+
+    Args:
+        pid: the dead process.
+    Returns:
+        The names unlinked.
+    Thread rule: any thread; call it only once ``pid`` is dead (its names are then unused).
+    """
+    if not os.path.isdir(SHM_DIR):
+        return []
+    gone = []
+    for name in os.listdir(SHM_DIR):
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] == "xlog" and parts[2] == str(pid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                gone.append(name)
+                with contextlib.suppress(Exception):  # a tracker of another process tree does not know it
+                    resource_tracker.unregister("/" + name, "shared_memory")
+    return gone
