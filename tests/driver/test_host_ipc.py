@@ -131,9 +131,12 @@ def test_an_event_table_refuses_past_its_slots_and_frees_a_collected_streams_slo
         other = shared.create_stream(0)
         with pytest.raises(DriverError, match=f"{EVENT_SLOTS} streams"):
             table.record(other)
+        first = table.record(stream)
         stream.close()
         del stream
-        assert table.record(other).slot == 7, "a closed, collected stream's slot is handed on"
+        handed_on = table.record(other)
+        assert handed_on.slot == 7, "a closed, collected stream's slot is handed on"
+        assert handed_on.seq > first.seq and first.query(), "a late waiter on the old stream is not stranded"
         other.synchronize()
     finally:
         table.close()

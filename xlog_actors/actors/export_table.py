@@ -171,7 +171,10 @@ class ExportTable:
                     raise InvalidRequest(f"device exports {SLOTS} handles already; release some first")
                 slot = self._free.pop()
                 self._slot_of[id(ref)] = slot
-            self._pins[slot] = (ref, keep, state_word(ref.generation, STATUS_RUNNING))
+            # Every export's keep-alive stays: an importer may open an earlier export's event yet.
+            earlier = self._pins.get(slot)
+            kept = keep if earlier is None else earlier[1] + keep
+            self._pins[slot] = (ref, kept, state_word(ref.generation, STATUS_RUNNING))
             offset, length = self._slot_range()
             with self.segment.locked(offset, length):
                 self._cells[_HEADER_CELLS + 2 * slot] += 1

@@ -15,9 +15,10 @@ enqueued as a marker (it runs even when the context died meanwhile), so no waite
 that was dropped; a waiter polls with a deadline and an abort check, since no primitive of the
 standard library blocks on a flag another process sets.
 
-Invariants: a stream's counter only grows (its sequence numbers are issued in stream order); a
-slot is handed to another stream only after its stream was closed (which drains it) and
-collected, so a waiter never sees another stream's progress. The memory stays the owner's:
+Invariants: a slot's counter only grows (sequence numbers are issued in stream order, and a
+stream taking a freed slot goes on from its count); a slot is handed to another stream only
+after its stream was closed (which drains it) and collected, so every record of the earlier
+stream has been reached and a waiter never mistakes another stream's progress for its own. The memory stays the owner's:
 nothing here frees it.
 
 Thread rules: :class:`HostEventTable` is used from any thread (a lock guards the slot table);
@@ -172,8 +173,9 @@ class HostEventTable:
                     code="CUDA_ERROR_OUT_OF_MEMORY",
                 )
             slot = self._free.pop()
-            self._cells[slot] = 0
-            entry = [slot, 0]
+            # The counter goes on from the slot's last stream: a late waiter on that stream's
+            # records (all run before the slot was freed) still finds them reached.
+            entry = [slot, int(self._cells[slot])]
             self._slots[stream] = entry
             # The stream is collected only after close() drained it: every record has run.
             weakref.finalize(stream, self._give_back, slot)
