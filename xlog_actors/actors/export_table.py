@@ -45,7 +45,17 @@ from ..driver.shared_memory import SharedSegment
 from ..errors import InvalidRequest
 from .device_state import DeviceState
 
-__all__ = ["SLOTS", "STATUS_POISONED", "STATUS_RUNNING", "STATUS_STOPPED", "ExportTable", "notify", "state_word"]
+__all__ = [
+    "COUNTS_RANGE",
+    "HEADER_CELLS",
+    "SLOTS",
+    "STATUS_POISONED",
+    "STATUS_RUNNING",
+    "STATUS_STOPPED",
+    "ExportTable",
+    "notify",
+    "state_word",
+]
 
 #: Handles one device may have exported at the same time.
 SLOTS: Final = 4096
@@ -53,7 +63,10 @@ SLOTS: Final = 4096
 STATUS_RUNNING: Final = 0
 STATUS_POISONED: Final = 1
 STATUS_STOPPED: Final = 2
-_HEADER_CELLS = 2
+#: Cells before the first slot: the generation cell and the owner's pid.
+HEADER_CELLS: Final = 2
+#: The byte range of the counts, locked for every change of one.
+COUNTS_RANGE: Final = (8 * HEADER_CELLS, 16 * SLOTS)
 _STOP = b"stop"
 
 _tables: weakref.WeakKeyDictionary[DeviceState, ExportTable] = weakref.WeakKeyDictionary()
@@ -93,9 +106,9 @@ class ExportTable:
 
     def __init__(self, state: DeviceState) -> None:
         """A table mirroring ``state`` (made by :meth:`of`)."""
-        self.segment = SharedSegment.create(segment_name("refs", state.device_id), 8 * (_HEADER_CELLS + 2 * SLOTS))
+        self.segment = SharedSegment.create(segment_name("refs", state.device_id), 8 * (HEADER_CELLS + 2 * SLOTS))
         self.name = self.segment.name
-        self._cells = self.segment.int64s(0, _HEADER_CELLS + 2 * SLOTS)
+        self._cells = self.segment.int64s(0, HEADER_CELLS + 2 * SLOTS)
         self._cells[1] = os.getpid()
         self._lock = threading.Condition()
         self._pins: dict[int, tuple[Any, tuple[object, ...], int]] = {}  # slot -> (GpuRef, keep-alive, its word)
@@ -146,9 +159,6 @@ class ExportTable:
         return int(self._cells[0])
 
     # -- counts -----------------------------------------------------------------------------------
-    def _slot_range(self) -> tuple[int, int]:
-        return 8 * _HEADER_CELLS, 16 * SLOTS
-
     def pin(self, ref: Any, keep: tuple[object, ...]) -> tuple[int, int]:
         """Take one count of ``ref``'s slot for a pickle of it, pinning ``ref`` (and ``keep``)
         until the counts of the slot go back to zero.
@@ -175,15 +185,15 @@ class ExportTable:
             earlier = self._pins.get(slot)
             kept = keep if earlier is None else earlier[1] + keep
             self._pins[slot] = (ref, kept, state_word(ref.generation, STATUS_RUNNING))
-            offset, length = self._slot_range()
+            offset, length = COUNTS_RANGE
             with self.segment.locked(offset, length):
-                self._cells[_HEADER_CELLS + 2 * slot] += 1
-                serial = int(self._cells[_HEADER_CELLS + 2 * slot + 1])
+                self._cells[HEADER_CELLS + 2 * slot] += 1
+                serial = int(self._cells[HEADER_CELLS + 2 * slot + 1])
             return slot, serial
 
     def count(self, slot: int) -> int:
         """The count of ``slot``. Thread rule: any thread."""
-        return int(self._cells[_HEADER_CELLS + 2 * slot])
+        return int(self._cells[HEADER_CELLS + 2 * slot])
 
     def pinned_count(self) -> int:
         """How many handles the table pins. Thread rule: any thread."""
@@ -207,10 +217,10 @@ class ExportTable:
         """
         dropped: list[Any] = []  # the refs die after the lock is let go: their finalizers run then
         with self._lock:
-            offset, length = self._slot_range()
+            offset, length = COUNTS_RANGE
             with self.segment.locked(offset, length):
                 for slot, (_, _, word) in list(self._pins.items()):
-                    base = _HEADER_CELLS + 2 * slot
+                    base = HEADER_CELLS + 2 * slot
                     if word != self._word or self._cells[base] <= 0:
                         ref, _, _ = self._pins.pop(slot)
                         del self._slot_of[id(ref)]

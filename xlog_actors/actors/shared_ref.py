@@ -44,7 +44,16 @@ import numpy as np
 from ..driver.host.ipc import HostIpcEvent, HostMemoryExport, open_memory
 from ..driver.shared_memory import SharedSegment
 from ..errors import GpuRefStale, InvalidRequest
-from .export_table import SLOTS, STATUS_POISONED, STATUS_RUNNING, ExportTable, notify, state_word
+from .export_table import (
+    COUNTS_RANGE,
+    HEADER_CELLS,
+    SLOTS,
+    STATUS_POISONED,
+    STATUS_RUNNING,
+    ExportTable,
+    notify,
+    state_word,
+)
 from .interop import consumer_stream_handle
 
 
@@ -71,7 +80,6 @@ __all__ = ["WAIT_TIMEOUT_S", "GpuRefExport", "SharedGpuRef", "export_ref", "impo
 #: How long a read waits for the exported last write by default, in seconds.
 WAIT_TIMEOUT_S: Final = 30.0
 
-_HEADER_CELLS = 2
 _BYTES = np.dtype(np.uint8)
 _tables: dict[str, SharedSegment] = {}
 _tables_lock = threading.Lock()
@@ -121,7 +129,7 @@ def _table_cells(name: str) -> memoryview:
             if segment is None:
                 segment = SharedSegment.open(name)
                 _tables[name] = segment
-    return segment.int64s(0, _HEADER_CELLS + 2 * SLOTS)
+    return segment.int64s(0, HEADER_CELLS + 2 * SLOTS)
 
 
 def export_ref(ref: _Exportable) -> GpuRefExport:
@@ -193,8 +201,8 @@ def _give_back(table: str, slot: int, serial: int) -> None:
         if segment is None:
             return
         cells = _table_cells(table)
-        base = _HEADER_CELLS + 2 * slot
-        with segment.locked(8 * _HEADER_CELLS, 16 * SLOTS):
+        base = HEADER_CELLS + 2 * slot
+        with segment.locked(*COUNTS_RANGE):
             if cells[base + 1] != serial or cells[base] <= 0:
                 return  # the owner dropped the slot already (a new generation)
             cells[base] -= 1
@@ -226,7 +234,7 @@ class SharedGpuRef:
         self._memory: Any = None
         self._released = False
         self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial)
-        if cells[_HEADER_CELLS + 2 * export.slot + 1] != export.serial:
+        if cells[HEADER_CELLS + 2 * export.slot + 1] != export.serial:
             # The owner freed the slot before this import (a late pickle): never adopt a stranger.
             self._finalizer.detach()
             self._released = True
@@ -424,8 +432,8 @@ class SharedGpuRef:
         self.access()
         export = self._export
         cells = _table_cells(export.table)
-        base = _HEADER_CELLS + 2 * export.slot
-        with _tables[export.table].locked(8 * _HEADER_CELLS, 16 * SLOTS):
+        base = HEADER_CELLS + 2 * export.slot
+        with _tables[export.table].locked(*COUNTS_RANGE):
             if cells[base + 1] != export.serial or cells[base] <= 0:
                 raise GpuRefStale("released", export.where())
             cells[base] += 1
