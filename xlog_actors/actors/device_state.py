@@ -28,11 +28,17 @@ class DeviceState:
     after). They are held weakly (a bound method's object may go away); one that raises is
     logged and the others still run.
 
-    Thread rules: writes take a lock; reads are single attribute loads; watchers are called
-    outside the lock.
+    Mirrors (:meth:`mirror`) are told every change under the same lock, so a copy of the state
+    kept elsewhere (the shared generation cell other processes read) never lags the handles here.
+
+    Thread rules: writes take a lock; reads are single attribute loads; mirrors are called inside
+    the lock, watchers outside it.
     """
 
-    __slots__ = ("__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_poisoned", "_watchers", "token")
+    __slots__ = (
+        "__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_mirrors", "_poisoned", "_watchers",
+        "token",
+    )
 
     def __init__(self, device_id: int, generation: int = 0) -> None:
         """A state at ``generation``, accepting operations, not poisoned.
@@ -49,6 +55,24 @@ class DeviceState:
         self.token: object = object()
         self._lock = threading.Lock()
         self._watchers: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._mirrors: list[Callable[[DeviceState], None]] = []
+
+    def mirror(self, callback: Callable[[DeviceState], None]) -> None:
+        """Call ``callback(state)`` now and after every later change, under the state's lock.
+
+        Args:
+            callback: must not block nor touch this state's writers; it may read the state.
+        Thread rule: any thread.
+        """
+        with self._lock:
+            self._mirrors.append(callback)
+            callback(self)
+
+    def _changed(self) -> None:
+        # Under the lock: a new token, and every mirror told.
+        self.token = object()
+        for callback in self._mirrors:
+            callback(self)
 
     @property
     def device_id(self) -> int:
@@ -78,7 +102,7 @@ class DeviceState:
         """
         with self._lock:
             self._generation += 1
-            self.token = object()
+            self._changed()
             generation = self._generation
         self._tell_watchers()
         return generation
@@ -87,14 +111,14 @@ class DeviceState:
         """Refuse new operations for good: every handle is stale ("device shutting down")."""
         with self._lock:
             self._accepting = False
-            self.token = object()
+            self._changed()
         self._tell_watchers()
 
     def poison(self) -> None:
         """Mark the context poisoned for good: every handle is stale ("context poisoned")."""
         with self._lock:
             self._poisoned = True
-            self.token = object()
+            self._changed()
         self._tell_watchers()
 
     def add_watcher(self, method: Callable[[], None]) -> None:

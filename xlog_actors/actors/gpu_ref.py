@@ -32,7 +32,8 @@ class GpuRef(HandleCore):
       ``release()``, the free is handed to the owning ``DeviceActor`` (a pykka ``tell``): never
       a driver call from a garbage-collector thread, and never into a newer generation's context
       (the actor ignores frees of an older generation, whose memory went with its context).
-    * Copying returns the same handle; pickling is refused (a handle is process-local).
+    * Copying returns the same handle; pickling exports it to another process of the node
+      (:mod:`.shared_ref`), where it arrives as a ``SharedGpuRef`` to the same memory.
 
     Thread rule: any thread; a handle may be shared between threads and actors.
     """
@@ -66,8 +67,20 @@ class GpuRef(HandleCore):
     def __deepcopy__(self, memo: dict[int, Any]) -> GpuRef:
         return self
 
-    def __reduce__(self) -> NoReturn:
-        raise TypeError("a GpuRef is process-local and cannot be pickled")
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        """Pickling exports the handle to another process of this node: it unpickles as a
+        :class:`~xlog_actors.actors.shared_ref.SharedGpuRef` to the same memory, ordered after
+        the last write (see :mod:`xlog_actors.actors.shared_ref`).
+
+        Raises:
+            GpuRefStale: the handle cannot be used.
+            InvalidRequest: the device cannot export (a host driver made without
+                ``shared=True``).
+            DeviceUnavailable: an isolated device's child did not answer the export.
+        """
+        from .shared_ref import export_ref, import_ref  # here: shared_ref refers back to GpuRef
+
+        return import_ref, (export_ref(self),)
 
     # -- validation ---------------------------------------------------------------------------
     def _stale(self, state: DeviceState | None) -> GpuRefStale | None:

@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import pykka
 
+from ...driver.host import HostDriver
 from ...driver.open import open_driver
 from ...driver.protocol import Driver
-from ...errors import InvalidRequest
+from ...errors import GpuRefStale, InvalidRequest
 from ...kernels import Kernel
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
@@ -41,8 +42,9 @@ from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
 from ..messages import Allocate, Free, GenerationChanged, GetStats, Subscribe
 from ..pykka_internals import ask_into
+from ..shared_ref import export_ref
 from ..supervisor import Supervisor, exit_process
-from ._protocol import FAULT_KINDS, Channel, ChildFault, FreeBlock, RemoteBlock, encode_error
+from ._protocol import FAULT_KINDS, Channel, ChildFault, ExportBlock, FreeBlock, RemoteBlock, encode_error
 
 __all__ = ["serve"]
 
@@ -68,6 +70,10 @@ class _Handles:
         block = ref.block
         self._refs[block.ptr] = ref
         return RemoteBlock(block, ref.generation)
+
+    def get(self, ptr: int, generation: int) -> GpuRef | None:
+        ref = self._refs.get(ptr)
+        return ref if ref is not None and ref.generation == generation else None
 
     def take(self, ptr: int, generation: int) -> GpuRef | None:
         ref = self._refs.get(ptr)
@@ -174,6 +180,9 @@ class _Server:
             except InvalidRequest as exc:
                 reply.set_exception((type(exc), exc, None))
             return
+        if isinstance(message, ExportBlock):
+            self.export(message, reply)
+            return
         if isinstance(message, FreeBlock):
             ref = self.handles.take(message.ptr, message.generation)
             if ref is None:
@@ -181,6 +190,17 @@ class _Server:
                 return
             message = Free(ref)
         ask_into(self.device, message, reply)
+
+    def export(self, message: ExportBlock, reply: _Reply) -> None:
+        """Export the handle the parent pickled (on this thread: it only records an event and
+        takes a count)."""
+        ref = self.handles.get(message.ptr, message.generation)
+        try:
+            if ref is None:
+                raise GpuRefStale("released", f"device {self.ordinal}, block {message.ptr:#x}: freed in its process")
+            reply.set(export_ref(ref))
+        except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
+            reply.set_exception((type(exc), exc, None))
 
     def arm(self, fault: ChildFault) -> None:
         if fault.kind not in FAULT_KINDS:
@@ -242,6 +262,11 @@ def serve(conn: Connection) -> None:
     driver: Driver | None = None
     try:
         driver = open_driver(kind)
+        if driver.kind == "host":
+            # Emulated device memory in shared memory, so that the parent's handles can be sent
+            # to other processes (shared_ref); an unused private driver costs nothing to close.
+            driver.close()
+            driver = HostDriver(shared=True)
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
         device = DeviceActor.start(ordinal, driver, resource, supervisor)

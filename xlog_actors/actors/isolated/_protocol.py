@@ -47,7 +47,17 @@ from typing import Any, Literal
 from ...errors import DriverError
 from ...memory.block import DeviceBlock
 
-__all__ = ["Channel", "ChildFault", "FreeBlock", "RemoteBlock", "child_entry", "decode_error", "encode_error"]
+__all__ = [
+    "Channel",
+    "ChildFault",
+    "ExportBlock",
+    "ExportHandle",
+    "FreeBlock",
+    "RemoteBlock",
+    "child_entry",
+    "decode_error",
+    "encode_error",
+]
 
 #: What a :class:`ChildFault` can do to the child.
 FaultKind = Literal["sticky", "illegal_address", "exit", "kill"]
@@ -88,6 +98,24 @@ class RemoteBlock:
 class FreeBlock:
     """The payload of a ``Free`` asked in the parent: the child frees its handle at ``ptr`` of
     its ``generation`` (nothing when that handle is gone). Thread rule: immutable; any thread."""
+
+    ptr: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExportHandle:
+    """Asked of the proxy when a parent-side ``GpuRef`` is pickled: have the child export it
+    (answered with the child's ``GpuRefExport``). Thread rule: immutable; any thread."""
+
+    ref: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ExportBlock:
+    """The payload of an ``ExportHandle``: the child exports its handle at ``ptr`` of its
+    ``generation`` (``GpuRefStale("released")`` when that handle is gone). Thread rule:
+    immutable; any thread."""
 
     ptr: int
     generation: int

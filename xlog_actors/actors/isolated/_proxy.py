@@ -52,6 +52,7 @@ from typing import Any
 import pykka
 
 from ...driver.open import DRIVER_KINDS, env_driver_kind
+from ...driver.shared_memory import unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
 from ...memory.stack import check_description, default_description
 from .. import messages as m
@@ -60,7 +61,16 @@ from ..gpu_ref import GpuRef
 from ..pykka_internals import ResilientActor
 from ..subscribers import tell_subscribers
 from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
-from ._protocol import Channel, ChildFault, FreeBlock, RemoteBlock, child_entry, decode_error
+from ._protocol import (
+    Channel,
+    ChildFault,
+    ExportBlock,
+    ExportHandle,
+    FreeBlock,
+    RemoteBlock,
+    child_entry,
+    decode_error,
+)
 from ._remote import RemoteContext, RemoteDriverFace
 
 __all__ = ["READY_TIMEOUT_S", "ChildTimeline", "IsolatedDevice", "start_isolated"]
@@ -75,7 +85,7 @@ _STOP_TIMEOUT_S = 10.0
 _CHILD_MODULE = "xlog_actors.actors.isolated._child"
 _SPAWN = multiprocessing.get_context("spawn")
 
-_FORWARDED = (m.Allocate, m.AllocateMany, m.Free, m.GetStats, m.Rebuild, ChildFault)
+_FORWARDED = (m.Allocate, m.AllocateMany, m.Free, m.GetStats, m.Rebuild, ChildFault, ExportHandle)
 _SERVED = "Allocate, AllocateMany, Free, GetStats, Rebuild, Subscribe or Unsubscribe"
 
 _registry_lock = threading.Lock()
@@ -305,6 +315,9 @@ class _Child:
     def _died(self) -> None:
         self.proc.process.join(5.0)  # its pipe ended: the exit follows at once
         code = self.proc.process.exitcode
+        if code is not None and self.proc.process.pid is not None:
+            # A killed child cannot unlink its shared device memory; importers keep their maps.
+            unlink_segments_of(self.proc.process.pid)
         seen = time.monotonic()
         with self.lock:
             self.alive = False
@@ -537,6 +550,8 @@ class IsolatedDevice(ResilientActor):
                 if payload is None:
                     self._answer(future, None)
                     return
+            elif isinstance(message, ExportHandle):
+                payload = self._export_payload(message, child)
             if child.send_ask(payload, future, message):
                 return
             self._restart(child)
@@ -563,6 +578,17 @@ class IsolatedDevice(ResilientActor):
         if not ref._mark_released():
             return None
         return FreeBlock(ref.block.ptr, ctx.child_generation)
+
+    def _export_payload(self, message: ExportHandle, child: _Child) -> ExportBlock:
+        ref = message.ref
+        ctx = ref.context
+        if not isinstance(ctx, RemoteContext) or ctx.owner != self.actor_urn:
+            raise InvalidRequest(
+                f"export: {ref!r} belongs to another device actor, not to isolated device {self._ordinal}"
+            )
+        if not ctx.is_current() or ctx is not child.ctx:
+            raise GpuRefStale("context rebuilt", f"{ref!r}: its process or generation was replaced")
+        return ExportBlock(ref.block.ptr, ctx.child_generation)
 
     # -- children ---------------------------------------------------------------------------------
     def _serving(self) -> _Child | None:

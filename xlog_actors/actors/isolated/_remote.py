@@ -18,10 +18,18 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
+import pykka
+
+from ...errors import DeviceUnavailable
 from ...memory.block import DeviceBlock
 from ..device_context import RECLAIM_BATCH, RECLAIM_WAKE_BYTES
 from ..device_state import DeviceState
+from ._protocol import ExportHandle
+
+#: How long pickling a parent-side handle waits for its child's export, in seconds.
+EXPORT_TIMEOUT_S = 30.0
 
 __all__ = ["RemoteContext", "RemoteDriverFace"]
 
@@ -117,3 +125,29 @@ class RemoteContext:
         self._frees.append((self.child_generation, block.ptr))
         if wake or block.nbytes >= RECLAIM_WAKE_BYTES or len(self._frees) >= RECLAIM_BATCH:
             self._wake()
+
+    def export(self, ref: Any) -> Any:
+        """Have the child export ``ref`` (``shared_ref.export_ref`` calls it for a parent-side
+        handle): the child names its memory and takes the count; the caller adds the parent's
+        generation cell.
+
+        Returns:
+            The child's ``GpuRefExport``.
+        Raises:
+            GpuRefStale: the handle's child or generation was replaced, or it was freed there.
+            DeviceUnavailable: the proxy is gone, or the child did not answer in
+                :data:`EXPORT_TIMEOUT_S`.
+            InvalidRequest, DriverError: from the child's export.
+        Thread rule: any thread but the proxy's own.
+        """
+        proxy = pykka.ActorRegistry.get_by_urn(self.owner)
+        if proxy is None:
+            raise DeviceUnavailable(f"isolated device {self.ordinal}: its proxy actor is gone")
+        try:
+            return proxy.ask(ExportHandle(ref), timeout=EXPORT_TIMEOUT_S)
+        except pykka.Timeout:
+            raise DeviceUnavailable(
+                f"isolated device {self.ordinal}: the child did not export in {EXPORT_TIMEOUT_S} s"
+            ) from None
+        except pykka.ActorDeadError:
+            raise DeviceUnavailable(f"isolated device {self.ordinal}: its proxy actor stopped") from None

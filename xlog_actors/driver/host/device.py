@@ -9,6 +9,9 @@ report, so a faulting host kernel poisons the device exactly as an injected stic
 
 Thread rule: every method may be called from any thread. ``lock`` guards the allocator and the
 fault state; nothing blocks while holding it.
+
+The module runs past 400 lines because the allocator's stream-ordered reuse and the context's
+retirement are one state guarded by one lock; splitting them would split the lock's invariants.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from ...errors import ContextLost, ContextPoisoned, DriverError, OutOfMemory
+from .ipc import HostEventTable, segment_name
 from .memory import AddressSpace, DeviceArena, align_up
 from .stream import HostStream
 
@@ -51,11 +55,18 @@ class HostDevice:
     Thread rule: any thread; the fields are guarded by ``lock``.
     """
 
-    def __init__(self, ordinal: int, base: int, size: int) -> None:
-        """Device ``ordinal`` with ``size`` bytes at addresses from ``base``, context 0 live."""
+    def __init__(self, ordinal: int, base: int, size: int, shared: bool = False) -> None:
+        """Device ``ordinal`` with ``size`` bytes at addresses from ``base``, context 0 live;
+        ``shared``: each context's memory is a named shared-memory segment (see :mod:`.ipc`).
+
+        Raises:
+            DeviceUnavailable: ``shared`` where the system has no POSIX shared memory.
+        """
         self._ordinal = ordinal
         self._base = base
         self.size = size
+        self.shared = shared
+        self.events: HostEventTable | None = None
         self.lock = threading.Lock()
         self.epoch = 0
         self.closed = False
@@ -63,11 +74,24 @@ class HostDevice:
         self.poison_code = _ILLEGAL_ADDRESS
         self.fault: _Fault | None = None
         self.streams: weakref.WeakSet[HostStream] = weakref.WeakSet()
-        self.arena = DeviceArena(base, size)
+        self.arena = self._new_arena()
         self.space = AddressSpace(size)
         self.live: dict[int, tuple[int, int]] = {}
         self.deferred: dict[int, list[list[int]]] = {}
         self.deferred_bytes = 0
+
+    def _new_arena(self) -> DeviceArena:
+        return DeviceArena(self._base, self.size, segment_name("mem", self._ordinal) if self.shared else None)
+
+    def event_table(self) -> HostEventTable:
+        """The device's emulated IPC event table, made on first use.
+
+        Thread rule: any thread; takes ``lock``.
+        """
+        with self.lock:
+            if self.events is None:
+                self.events = HostEventTable(self._ordinal)
+            return self.events
 
     @property
     def ordinal(self) -> int:
@@ -247,7 +271,7 @@ class HostDevice:
             self.epoch += 1
             self.state = "ok"
             old_streams, old_arena = self._retire()
-            self.arena = DeviceArena(self._base, self.size)
+            self.arena = self._new_arena()
             self.space = AddressSpace(self.size)
             self.live = {}
             self.deferred = {}
@@ -265,9 +289,12 @@ class HostDevice:
             self.closed = True
             self.epoch += 1
             streams, arena = self._retire()
+            events, self.events = self.events, None
         for stream in streams:
             stream.close()
         arena.close()
+        if events is not None:
+            events.close()  # after the streams drained: their last records have run
 
     def _retire(self) -> tuple[list[HostStream], DeviceArena]:
         """Detach the current streams; called under ``lock``, the caller closes what it gets."""

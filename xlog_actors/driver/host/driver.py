@@ -22,8 +22,9 @@ Thread rules: every public method may be called from any thread. Each device has
 guards its allocator and fault state; stream queues have their own locks. Nothing blocks while
 holding a device lock.
 
-The module runs to about 400 lines because it is the facade of every driver call, each with its
-contract written out; the work itself lives in ``device``, ``stream``, ``memory`` and ``launch``.
+The module is long (past 500 lines) because it is the facade of every driver call (the exports
+for other processes included), each with its contract written out; the work itself lives in
+``device``, ``stream``, ``memory``, ``launch`` and ``ipc``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from typing import Literal
 
 import numpy as np
 
-from ...errors import InvalidRequest
+from ...errors import DriverError, InvalidRequest
 from ..checks import Dims, check_launch, check_microseconds, check_nbytes, check_ordinal, writable_bytes
 from ..kernel import Kernel
 from ..protocol import Buffer
 from .device import FAULT_KINDS, FaultKind, HostDevice
+from .ipc import HostIpcEvent, HostMemoryExport
 from .launch import KernelMemory, kernel_work
 from .memory import align_up
 from .pinned import HostPinnedTable
@@ -76,29 +78,43 @@ class HostDriver:
 
     kind: Literal["host"] = "host"
 
-    def __init__(self, device_count: int = 1, memory_per_device: int = 1 << 30) -> None:
+    def __init__(self, device_count: int = 1, memory_per_device: int = 1 << 30, shared: bool = False) -> None:
         """Emulate ``device_count`` devices of ``memory_per_device`` bytes each (rounded up to the
         alignment); memory is committed only when touched.
 
+        ``shared=True`` keeps each device context's memory in a named shared-memory segment, so
+        that its allocations can be exported to other processes of the node
+        (:meth:`export_memory`, :meth:`export_event`; ``GpuRef`` pickling uses them).
+
         Raises:
-            InvalidRequest: ``device_count`` is not a positive int, or ``memory_per_device`` is not
-                a positive int of at most 1 TiB.
+            InvalidRequest: ``device_count`` is not a positive int, ``memory_per_device`` is not
+                a positive int of at most 1 TiB, or ``shared`` is not a bool.
+            DeviceUnavailable: ``shared`` where the system has no POSIX shared memory.
         """
         if type(device_count) is not int or device_count < 1:
             raise InvalidRequest(f"device_count must be a positive int, got {device_count!r}")
+        if type(shared) is not bool:
+            raise InvalidRequest(f"shared must be a bool, got {shared!r}")
         check_nbytes(memory_per_device, "memory_per_device")
         if memory_per_device > _DEVICE_WINDOW:
             raise InvalidRequest(f"memory_per_device above {_DEVICE_WINDOW} bytes is not supported")
         self._memory_per_device = align_up(memory_per_device)
-        self._devices = [
-            HostDevice(i, _BASE + i * _DEVICE_WINDOW, self._memory_per_device) for i in range(device_count)
-        ]
+        self._shared = shared
+        self._devices: list[HostDevice] = []
+        try:
+            for i in range(device_count):
+                self._devices.append(HostDevice(i, _BASE + i * _DEVICE_WINDOW, self._memory_per_device, shared))
+        except BaseException:
+            for dev in self._devices:
+                dev.shutdown()
+            raise
         self._closed = False
         self._pinned = HostPinnedTable()
         _live_drivers.add(self)
 
     def __repr__(self) -> str:
-        return f"HostDriver(device_count={len(self._devices)}, memory_per_device={self._memory_per_device})"
+        shared = ", shared=True" if self._shared else ""
+        return f"HostDriver(device_count={len(self._devices)}, memory_per_device={self._memory_per_device}{shared})"
 
     def _device(self, ordinal: object) -> HostDevice:
         """Device ``ordinal`` of an open driver, no fault counted."""
@@ -475,6 +491,59 @@ class HostDriver:
         stream.enqueue(kernel_work(kernel, KernelMemory(dev.arena, dev.ordinal), grid3, block3, args))
 
     # -- context lifetime -------------------------------------------------------------------
+    # -- across processes (shared=True) -------------------------------------------------------
+    @property
+    def shared(self) -> bool:
+        """Whether device memory lives in shared memory (exportable). Thread rule: any thread."""
+        return self._shared
+
+    def export_memory(self, ordinal: int, ptr: int, nbytes: int) -> HostMemoryExport:
+        """Name ``nbytes`` bytes of the live allocation at ``ptr`` for other processes.
+
+        Args:
+            ordinal: the device.
+            ptr: the allocation's address.
+            nbytes: at most its requested size.
+        Returns:
+            The picklable export (open it with :func:`~xlog_actors.driver.host.ipc.open_memory`).
+        Raises:
+            InvalidRequest: the driver was not made with ``shared=True``, or a bad ordinal.
+            DriverError: ``CUDA_ERROR_INVALID_VALUE`` when ``ptr`` is not a live allocation of
+                at least ``nbytes`` bytes; the driver is closed.
+            ContextLost, ContextPoisoned: the context is dead.
+        Thread rule: any thread.
+        """
+        if not self._shared:
+            raise InvalidRequest("export needs device memory in shared memory: make the driver HostDriver(shared=True)")
+        dev = self._gate(ordinal)
+        with dev.lock:
+            live = dev.live.get(ptr)
+            if live is None or type(nbytes) is not int or not 0 < nbytes <= live[1]:
+                raise DriverError(
+                    f"device {ordinal}: export of {nbytes!r} bytes at {ptr!r}, not a live allocation that large",
+                    code="CUDA_ERROR_INVALID_VALUE",
+                )
+            segment = dev.arena.segment
+            assert segment is not None  # a shared device's arenas are all segments
+            return HostMemoryExport(segment.name, ptr - dev.arena.base, nbytes)
+
+    def export_event(self, stream: HostStream) -> HostIpcEvent:
+        """Record an interprocess event at the current end of ``stream`` (the
+        ``cuIpcGetEventHandle`` twin): another process can wait until ``stream`` reached it.
+
+        Returns:
+            The picklable event.
+        Raises:
+            InvalidRequest: the driver was not made with ``shared=True``.
+            DriverError: a closed stream or driver, or every event slot is taken.
+            ContextLost, ContextPoisoned: the context is dead.
+        Thread rule: any thread.
+        """
+        if not self._shared:
+            raise InvalidRequest("interprocess events need HostDriver(shared=True)")
+        dev = self._stream_device(stream)
+        return dev.event_table().record(stream)
+
     def rebuild_context(self, ordinal: int) -> None:
         """Destroy device ``ordinal``'s context (every allocation, stream and event of it) and
         make a new one.

@@ -1,7 +1,8 @@
 """Device memory of the host driver: an address-space allocator over one anonymous mapping.
 
-Each emulated device context owns one anonymous ``mmap`` of its full size (a
-:class:`DeviceArena`). Pages are committed only when touched, so a 1 GiB device costs nothing
+Each emulated device context owns one ``mmap`` of its full size (a :class:`DeviceArena`):
+anonymous, or a named shared-memory segment on a driver made with ``shared=True`` (so that other
+processes can map an allocation, :mod:`.ipc`). Pages are committed only when touched, so a 1 GiB device costs nothing
 until it is used. Device pointers are real, distinct integers ``base + offset``; the allocator
 (:class:`AddressSpace`) hands out :data:`~xlog_actors.driver.limits.ALIGNMENT`-aligned ranges,
 as the CUDA allocators do. The arena also keeps the :class:`Allocations` live on the device, in
@@ -16,6 +17,7 @@ import threading
 from typing import Final
 
 from ..limits import ALIGNMENT
+from ..shared_memory import SharedSegment
 
 __all__ = ["ALIGNMENT", "POISON_BYTE", "AddressSpace", "Allocations", "DeviceArena", "align_up"]
 
@@ -186,11 +188,18 @@ class DeviceArena:
     ``close`` once, by the driver, when the context dies.
     """
 
-    def __init__(self, base: int, size: int) -> None:
-        """A fresh, zeroed arena of ``size`` bytes whose first byte has address ``base``."""
+    def __init__(self, base: int, size: int, segment_name: str | None = None) -> None:
+        """A fresh, zeroed arena of ``size`` bytes whose first byte has address ``base``; in a
+        new shared-memory segment of that name when ``segment_name`` is given.
+
+        Raises:
+            InvalidRequest, DeviceUnavailable: the segment cannot be made (see
+                :meth:`SharedSegment.create`).
+        """
         self.base = base
         self.size = size
-        self.mm = mmap.mmap(-1, size)
+        self.segment = None if segment_name is None else SharedSegment.create(segment_name, size)
+        self.mm = mmap.mmap(-1, size) if self.segment is None else self.segment.mm
         self.allocations = Allocations()
 
     def contains(self, ptr: int, nbytes: int) -> bool:
@@ -212,6 +221,9 @@ class DeviceArena:
 
         Thread rule: the driver, once.
         """
+        if self.segment is not None:
+            self.segment.close()  # unlinks the name; importers keep their mappings
+            return
         try:
             self.mm.close()
         except BufferError:

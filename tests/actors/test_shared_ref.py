@@ -1,0 +1,396 @@
+"""Handles across processes (issue #18 step 2): a pickled ``GpuRef`` arrives as a
+``SharedGpuRef`` to the same memory, stale everywhere at once, ordered after its last write,
+alive while any process holds it and freed by its device process only.
+
+Most checks round-trip the pickle in this process (the import maps the segments a second time,
+as another process would); the cross-process ones use one spawned peer (``ipc/ipc_peer.py``)
+for the whole module, so that the spawn cost is paid once.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.actors.export_table import SLOTS, ExportTable
+from xlog_actors.actors.isolated import ChildFault
+from xlog_actors.actors.shared_ref import SharedGpuRef, export_ref, import_ref
+from xlog_actors.errors import DeviceUnavailable, GpuRefStale, InvalidRequest
+
+PEER_DIR = Path(__file__).resolve().parent / "ipc"
+REPLY_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def shared_driver() -> Iterator[xa.HostDriver]:
+    """A host driver whose device memory lives in shared memory."""
+    drv = xa.HostDriver(memory_per_device=16 << 20, shared=True)
+    yield drv
+    pykka.ActorRegistry.stop_all()
+    drv.close()
+
+
+@pytest.fixture
+def device(shared_driver: xa.HostDriver) -> pykka.ActorRef[Any]:
+    return xa.DeviceActor.start(0, shared_driver)
+
+
+def _table(ref: xa.GpuRef) -> ExportTable:
+    state = ref.context.state_ref()
+    assert state is not None
+    return ExportTable.of(state)
+
+
+def _round_trip(ref: Any) -> SharedGpuRef:
+    shared = pickle.loads(pickle.dumps(ref))
+    assert isinstance(shared, SharedGpuRef)
+    return shared
+
+
+# -- in this process ---------------------------------------------------------------------------
+def test_a_pickled_ref_is_the_same_memory(device: pykka.ActorRef[Any]) -> None:
+    copy = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(4096, tag=xa.AllocTag("acts")))
+    copy.ask(xa.Fill(ref, 7))
+    shared = _round_trip(ref)
+    assert (shared.nbytes, shared.tag, shared.generation, shared.device_id) == (4096, "acts", 0, 0)
+    assert bytes(shared.view()) == b"\x07" * 4096
+    shared.view()[:2] = b"\x01\x02"  # zero-copy both ways
+    assert copy.ask(xa.CopyToHost(ref, nbytes=3)) == b"\x01\x02\x07"
+
+
+def test_every_status_change_makes_imported_handles_stale(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+    ref = device.ask(xa.Allocate(256))
+    before = _round_trip(ref)
+    device.ask(xa.Rebuild("test"))
+    with pytest.raises(GpuRefStale) as info:
+        before.access()
+    assert info.value.reason == "context rebuilt"
+    after = _round_trip(device.ask(xa.Allocate(256)))
+    assert after.access() is after and after.generation == 1
+    shared_driver.inject_fault(0, "sticky")
+    with pytest.raises(xa.ContextPoisoned):
+        device.ask(xa.Allocate(256))
+    with pytest.raises(GpuRefStale) as info:
+        after.access()
+    assert info.value.reason == "context poisoned"
+
+
+def test_a_stopped_device_makes_imported_handles_stale(device: pykka.ActorRef[Any]) -> None:
+    shared = _round_trip(device.ask(xa.Allocate(256)))
+    device.stop()
+    with pytest.raises(GpuRefStale) as info:
+        shared.access()
+    assert info.value.reason == "device shutting down"
+
+
+def test_release_gives_the_count_back_and_forwarding_takes_one(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(256))
+    table = _table(ref)
+    first = _round_trip(ref)
+    slot = first.export.slot
+    assert table.count(slot) == 1
+    second = _round_trip(first)  # forwarded by the importer
+    assert table.count(slot) == 2
+    second.release()
+    second.release()  # idempotent
+    assert second.released and table.count(slot) == 1
+    with pytest.raises(GpuRefStale) as info:
+        second.access()
+    assert info.value.reason == "released"
+    with pytest.raises(GpuRefStale):
+        pickle.dumps(second)
+    assert table.count(slot) == 1, "a refused forward takes nothing"
+    del first
+    gc.collect()
+    assert table.wait_unpinned(10.0)
+
+
+def test_the_owner_frees_only_after_the_last_import_is_dropped(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+    ref = device.ask(xa.Allocate(1 << 20))
+    table = _table(ref)
+    shared = _round_trip(ref)
+    del ref
+    gc.collect()
+    device.ask(xa.GetStats())  # drains the frees of dropped handles: none may be this one
+    assert shared_driver.live_allocations(0) == 1
+    assert table.pinned_count() == 1
+    shared.release()
+    assert table.wait_unpinned(10.0)
+    device.ask(xa.GetStats())
+    assert shared_driver.live_allocations(0) == 0
+
+
+def test_a_late_pickle_of_a_freed_slot_adopts_nothing(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(256))
+    table = _table(ref)
+    data = pickle.dumps(ref)
+    first = pickle.loads(data)
+    first.release()
+    assert table.wait_unpinned(10.0)
+    late = pickle.loads(data)  # the same bytes again: their count was given back already
+    assert late.released
+    with pytest.raises(GpuRefStale):
+        late.access()
+    assert table.count(first.export.slot) == 0
+
+
+def test_a_device_without_shared_memory_refuses_and_pins_nothing(host_device: pykka.ActorRef[Any]) -> None:
+    ref = host_device.ask(xa.Allocate(256))
+    with pytest.raises(InvalidRequest, match="shared=True"):
+        pickle.dumps(ref)
+    assert host_device.ask(xa.GetStats()).live_blocks == 1
+    pykka.ActorRegistry.stop_all()
+
+
+def test_a_stale_or_released_ref_is_not_exported(device: pykka.ActorRef[Any]) -> None:
+    ref = device.ask(xa.Allocate(256))
+    table = _table(ref)
+    ref.release()
+    with pytest.raises(GpuRefStale):
+        export_ref(ref)
+    assert table.pinned_count() == 0
+
+
+def test_the_export_table_bounds_its_slots(device: pykka.ActorRef[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = device.ask(xa.Allocate(256))
+    table = _table(ref)
+    monkeypatch.setattr(table, "_free", [])
+    other = device.ask(xa.Allocate(256))
+    with pytest.raises(InvalidRequest, match=f"{SLOTS} handles"):
+        pickle.dumps(other)
+    assert table.pinned_count() == 0
+
+
+def test_an_import_of_a_gone_table_is_device_unavailable(device: pykka.ActorRef[Any]) -> None:
+    export = export_ref(device.ask(xa.Allocate(256)))
+    bogus = export._replace(table="xlog-refs-gone-0-0")
+    with pytest.raises(DeviceUnavailable, match="gone"):
+        import_ref(bogus)
+    import_ref(export).release()
+
+
+def test_a_wait_for_a_write_that_never_lands_times_out(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+    copy = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(256))
+    slow = ref.context.runtime.stream_pool.resolve(copy.proxy().stream_id.get())
+    shared_driver.sleep(slow, 300_000)
+    copy.ask(xa.Fill(ref, 3))
+    shared = _round_trip(ref)
+    with pytest.raises(DeviceUnavailable, match="not reached"):
+        shared.wait_write(timeout_s=0.05)
+    assert bytes(shared.view(ordered=False)[:1]) != b"\x03"
+
+
+def test_a_restart_ends_a_wait_with_stale(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+    copy = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(256))
+    slow = ref.context.runtime.stream_pool.resolve(copy.proxy().stream_id.get())
+    shared_driver.sleep(slow, 300_000)
+    copy.ask(xa.Fill(ref, 3))
+    shared = _round_trip(ref)
+    device.tell(xa.Rebuild("test"))
+    with pytest.raises(GpuRefStale) as info:
+        shared.wait_write(timeout_s=10.0)
+    assert info.value.reason == "context rebuilt"
+
+
+# -- across processes --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Connection]:
+    """One spawned peer process for the module (see ``ipc/ipc_peer.py``)."""
+    sys.path.insert(0, str(PEER_DIR))
+    try:
+        module = importlib.import_module("ipc_peer")
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        process = ctx.Process(target=module.serve, args=(theirs,), daemon=True)
+        process.start()
+    finally:
+        sys.path.remove(str(PEER_DIR))
+    theirs.close()
+    try:
+        assert _reply(mine) == "ready"
+        yield mine
+        mine.send(("stop",))
+        assert _reply(mine) == "stopped"
+    finally:
+        process.join(10.0)
+        if process.is_alive():
+            process.kill()
+            process.join(10.0)
+
+
+def _reply(conn: Connection) -> Any:
+    assert conn.poll(REPLY_TIMEOUT_S), "the peer process did not answer"
+    return conn.recv()
+
+
+@pytest.fixture
+def cuda_device() -> Iterator[tuple[Any, pykka.ActorRef[Any]]]:
+    """A device on the GPU, on the ``direct`` stack (``cuMemAlloc`` memory: legacy CUDA IPC)."""
+    drv = xa.CudaDriver()
+    device = xa.DeviceActor.start(0, drv, resource="direct")
+    yield drv, device
+    pykka.ActorRegistry.stop_all()
+    drv.close()
+
+
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)])
+def test_cross_process_slow_writer_hazard(
+    peer: Connection, device: pykka.ActorRef[Any], shared_driver: Any, ordered: bool
+) -> None:
+    """The producer's copy waits behind slow work on its stream; the consumer, in another
+    process, reads the moment the handle arrives: the right bytes through the interprocess
+    event, the old ones without it (the test proves it can fail)."""
+    _slow_writer_hazard(peer, device, shared_driver, ordered)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)])
+def test_cross_process_slow_writer_hazard_on_the_gpu(
+    peer: Connection, cuda_device: tuple[Any, pykka.ActorRef[Any]], ordered: bool
+) -> None:
+    """The same hazard through CUDA IPC: a memory handle and an interprocess event."""
+    driver, device = cuda_device
+    _slow_writer_hazard(peer, device, driver, ordered)
+
+
+@pytest.mark.gpu
+def test_gpu_exports_interfaces_staleness_and_pool_refusal(
+    peer: Connection, cuda_device: tuple[Any, pykka.ActorRef[Any]]
+) -> None:
+    """On the GPU: the peer's CUDA Array Interface and DLPack device; an import in the owner's
+    own process is the same address; a rebuild makes the peer's handle stale; a block of the
+    (not IPC-capable) stream-ordered pool is refused, pinning nothing."""
+    driver, device = cuda_device
+    ref = device.ask(xa.Allocate(4096))
+    peer.send(("interfaces", ref))
+    assert _reply(peer) == (True, "|u1", (4096,), (2, 0))
+    assert _round_trip(ref).raw_device_ptr() == ref.raw_device_ptr()
+    peer.send(("hold", ref))
+    assert _reply(peer) == ("held", "SharedGpuRef")
+    device.ask(xa.Rebuild("test"))
+    peer.send(("access",))
+    assert _reply(peer) == "context rebuilt"
+    peer.send(("drop",))
+    assert _reply(peer) == "dropped"
+    pooled = xa.DeviceActor.start(1 if driver.device_count() > 1 else 0, xa.CudaDriver(), resource="async")
+    try:
+        block = pooled.ask(xa.Allocate(4096))
+        with pytest.raises(InvalidRequest, match="not IPC-capable"):
+            pickle.dumps(block)
+        assert _table(block).pinned_count() == 0
+    finally:
+        pooled.stop()
+
+
+def _slow_writer_hazard(peer: Connection, device: pykka.ActorRef[Any], driver: Any, ordered: bool) -> None:
+    writer = xa.CopyActor.start(device)
+    reader = xa.CopyActor.start(device)
+    n = 1 << 14
+    ref = device.ask(xa.Allocate(4 * n))
+    reader.ask(xa.Fill(ref, 0))
+    reader.ask(xa.CopyToHost(ref, nbytes=4))  # the zero fill is complete
+    slow = ref.context.runtime.stream_pool.resolve(writer.proxy().stream_id.get())
+    driver.sleep(slow, 400_000)
+    writer.ask(xa.CopyToDevice(ref, np.full(n, 2.0, np.float32)))
+    peer.send(("read", ref, ordered, 4 * n))
+    got = np.frombuffer(_reply(peer), np.float32)
+    if ordered:
+        assert (got == 2.0).all()
+    else:
+        assert not (got == 2.0).all(), "without the event the consumer read before the slow copy landed"
+
+
+def test_cross_process_lifetime_and_staleness(
+    peer: Connection, device: pykka.ActorRef[Any], shared_driver: Any
+) -> None:
+    """The peer holds the only handle: the owner keeps the memory; a rebuild makes the peer's
+    handle stale; dropping it there lets the owner free (its device process, only then)."""
+    ref = device.ask(xa.Allocate(1 << 20))
+    table = _table(ref)
+    peer.send(("hold", ref))
+    assert _reply(peer) == ("held", "SharedGpuRef")
+    del ref
+    gc.collect()
+    device.ask(xa.GetStats())
+    assert shared_driver.live_allocations(0) == 1 and table.pinned_count() == 1
+    peer.send(("access",))
+    assert _reply(peer) == "ok"
+    peer.send(("drop",))
+    assert _reply(peer) == "dropped"
+    assert table.wait_unpinned(10.0)
+    device.ask(xa.GetStats())
+    assert shared_driver.live_allocations(0) == 0
+
+    peer.send(("hold", device.ask(xa.Allocate(256))))
+    assert _reply(peer) == ("held", "SharedGpuRef")
+    device.ask(xa.Rebuild("test"))
+    peer.send(("access",))
+    assert _reply(peer) == "context rebuilt"
+    peer.send(("drop",))
+    assert _reply(peer) == "dropped"
+
+
+def test_an_isolated_devices_handles_cross_to_a_third_process(peer: Connection) -> None:
+    """A parent-side handle of an isolated device, sent on: the peer sees the child's memory;
+    the child keeps it while the peer holds it (after the parent dropped its handle) and frees it
+    once the peer drops it; a SIGKILL of the child makes the handle stale in the parent and in the
+    peer at once, and the new child's handles export again."""
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    try:
+        ref = device.ask(xa.Allocate(1 << 20))
+        here = _round_trip(ref)
+        assert here.export.owner_pid != os.getpid(), "the child holds the memory and the count"
+        assert here.export.cell != here.export.table, "the parent's generation cell validates it"
+        here.view()[:4] = b"xlog"
+        peer.send(("read", ref, True, 4))
+        assert _reply(peer) == b"xlog", "parent, child and peer see the same bytes"
+
+        peer.send(("hold", ref))
+        assert _reply(peer) == ("held", "SharedGpuRef")
+        here.release()
+        del ref
+        gc.collect()
+        assert device.ask(xa.GetStats()).live_blocks == 1, "the child keeps what the peer holds"
+        peer.send(("drop",))
+        assert _reply(peer) == "dropped"
+        deadline = time.monotonic() + 10.0
+        while device.ask(xa.GetStats()).live_blocks != 0:  # the child's sweeper, then its actor
+            assert time.monotonic() < deadline, "the child never freed the block the peer dropped"
+            time.sleep(0.01)
+
+        ref = device.ask(xa.Allocate(256))
+        peer.send(("hold", ref))
+        assert _reply(peer) == ("held", "SharedGpuRef")
+        with pytest.raises(xa.DeviceUnavailable):
+            device.ask(ChildFault("kill"))
+        peer.send(("access",))
+        assert _reply(peer) == "context rebuilt"
+        with pytest.raises(GpuRefStale):
+            ref.access()
+        with pytest.raises(GpuRefStale):
+            pickle.dumps(ref)
+        peer.send(("drop",))
+        assert _reply(peer) == "dropped"
+        killed = here.export.owner_pid
+        assert not [n for n in os.listdir("/dev/shm") if f"-{killed}-" in n], "the dead child's segments are unlinked"
+        fresh = _round_trip(device.ask(xa.Allocate(256)))
+        assert fresh.access() is fresh and fresh.generation == 1
+    finally:
+        pykka.ActorRegistry.stop_all()

@@ -1,0 +1,198 @@
+"""Named shared-memory segments: what processes of one node map together (issue #18 step 2).
+
+A :class:`SharedSegment` is a POSIX shared-memory object (``/dev/shm/<name>``, Linux) mapped
+whole. The host driver keeps the emulated device memory of a shareable device in one, and the
+handle export keeps its small tables (generation cell, reference counts, event counters) in
+others. Pages are committed only when touched, so a large segment costs nothing until used.
+
+Invariants: the creating process owns the name. It registers the segment with
+``multiprocessing``'s resource tracker, so the name is unlinked even when the owner dies by
+``SIGKILL``; it unlinks the name itself on :meth:`SharedSegment.close`. A process that opens the
+segment never unlinks it. Unlinking removes only the name: every process that mapped the
+segment keeps its mapping (and the bytes) until it unmaps, so a late reader never faults.
+
+Thread rules: the mapping may be read and written from any thread (ordering is the caller's).
+:meth:`SharedSegment.locked` serializes a read-modify-write of a range across the threads of
+this process (a ``threading.Lock`` per segment name, shared by every mapping of the name in the
+process) and across processes (an ``fcntl.lockf`` record lock, which on its own does not
+exclude threads, nor two mappings, of one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
+
+from ..errors import DeviceUnavailable, InvalidRequest
+
+__all__ = ["SHM_DIR", "SharedSegment", "unlink_segments_of"]
+
+#: Where POSIX shared-memory objects live on Linux.
+SHM_DIR = "/dev/shm"
+
+_name_locks: dict[str, threading.Lock] = {}
+_name_locks_guard = threading.Lock()
+
+
+def _lock_of(name: str) -> threading.Lock:
+    with _name_locks_guard:
+        return _name_locks.setdefault(name, threading.Lock())
+
+
+class SharedSegment:
+    """One named shared-memory segment, mapped; see the module docstring.
+
+    Fields: ``name`` (without the leading slash), ``size`` (bytes), ``mm`` (the ``mmap``),
+    ``owner`` (True in the creating process).
+
+    Thread rule: see the module docstring; :meth:`close` once.
+    """
+
+    __slots__ = ("_fd", "_lock", "mm", "name", "owner", "size")
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
+        """Map ``size`` bytes of the open object ``fd`` (use :meth:`create` or :meth:`open`)."""
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._fd = fd
+        self._lock = _lock_of(name)
+        self.mm = mmap.mmap(fd, size)
+
+    @staticmethod
+    def _path(name: str) -> str:
+        if not name or "/" in name or "\0" in name:
+            raise InvalidRequest(f"a shared segment name must be a non-empty file name, got {name!r}")
+        if not os.path.isdir(SHM_DIR):
+            raise DeviceUnavailable(f"shared device memory needs POSIX shared memory at {SHM_DIR} (Linux)")
+        return os.path.join(SHM_DIR, name)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> SharedSegment:
+        """Create the segment ``name`` of ``size`` zeroed bytes, owned by this process.
+
+        Args:
+            name: a file name unique on the node (the caller puts its pid in it).
+            size: bytes, positive.
+        Returns:
+            The mapped segment.
+        Raises:
+            InvalidRequest: a bad name or size, or the name exists already.
+            DeviceUnavailable: no POSIX shared memory on this system.
+        Thread rule: any thread.
+        """
+        if type(size) is not int or size <= 0:
+            raise InvalidRequest(f"a shared segment size must be a positive int, got {size!r}")
+        path = cls._path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise InvalidRequest(f"shared segment {name!r} exists already") from None
+        try:
+            os.ftruncate(fd, size)
+            segment = cls(name, fd, size, owner=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        # The tracker unlinks the name if this process dies before close() does.
+        resource_tracker.register("/" + name, "shared_memory")
+        return segment
+
+    @classmethod
+    def open(cls, name: str) -> SharedSegment:
+        """Map the existing segment ``name`` (made by another process, or this one).
+
+        Returns:
+            The mapped segment, not owned (its close never unlinks).
+        Raises:
+            DeviceUnavailable: no segment of that name (its owner closed it, or died).
+            InvalidRequest: a bad name.
+        Thread rule: any thread.
+        """
+        path = cls._path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise DeviceUnavailable(f"shared segment {name!r} is gone: its owner closed it or ended") from None
+        try:
+            return cls(name, fd, os.fstat(fd).st_size, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def int64s(self, offset: int, count: int) -> memoryview:
+        """``count`` native int64 cells from byte ``offset`` (8-aligned), as a writable view.
+
+        A single aligned 8-byte load or store through it is what the hardware makes atomic; a
+        read-modify-write needs :meth:`locked`.
+
+        Thread rule: any thread.
+        """
+        return memoryview(self.mm)[offset : offset + 8 * count].cast("q")
+
+    @contextlib.contextmanager
+    def locked(self, offset: int, length: int) -> Iterator[None]:
+        """Hold the range ``[offset, offset + length)`` exclusively, across threads and processes.
+
+        Thread rule: any thread; never hold it across a blocking wait.
+        """
+        with self._lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
+
+    def close(self) -> None:
+        """Unmap (or leave that to the last view still exporting the mapping), close the file,
+        and, in the owner, unlink the name. Idempotent.
+
+        Thread rule: any thread, once the segment's users are done with it.
+        """
+        if self._fd < 0:
+            return
+        with contextlib.suppress(BufferError):
+            # A view still exports the mapping: it is unmapped when the last view goes.
+            self.mm.close()
+        os.close(self._fd)
+        self._fd = -1
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            resource_tracker.unregister("/" + self.name, "shared_memory")
+
+    def __repr__(self) -> str:
+        return f"SharedSegment({self.name!r}, {self.size} bytes{', owner' if self.owner else ''})"
+
+
+def unlink_segments_of(pid: int) -> list[str]:
+    """Unlink the segments a dead process of this runtime owned (named ``xlog-<what>-<pid>-...``).
+
+    The resource tracker would unlink them only when the tracking process tree ends; a parent
+    that replaces a killed child calls this so that each death does not leave its device memory
+    in ``/dev/shm`` until then. Processes that mapped a segment keep their mapping.
+
+    Args:
+        pid: the dead process.
+    Returns:
+        The names unlinked.
+    Thread rule: any thread; call it only once ``pid`` is dead (its names are then unused).
+    """
+    if not os.path.isdir(SHM_DIR):
+        return []
+    gone = []
+    for name in os.listdir(SHM_DIR):
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] == "xlog" and parts[2] == str(pid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                gone.append(name)
+                with contextlib.suppress(Exception):  # a tracker of another process tree does not know it
+                    resource_tracker.unregister("/" + name, "shared_memory")
+    return gone
