@@ -307,8 +307,12 @@ def _slow_writer_hazard(peer: Connection, device: pykka.ActorRef[Any], driver: A
     reader.ask(xa.Fill(ref, 0))
     reader.ask(xa.CopyToHost(ref, nbytes=4))  # the zero fill is complete
     slow = ref.context.runtime.stream_pool.resolve(writer.proxy().stream_id.get())
+    # A pinned source: from pageable memory CUDA may return from the copy call only once the
+    # stream reached it (after the sleep), and the hazard would never show on a GPU.
+    source = device.ask(xa.AllocatePinned(4 * n))
+    source.array(np.float32)[:] = 2.0
     driver.sleep(slow, 400_000)
-    writer.ask(xa.CopyToDevice(ref, np.full(n, 2.0, np.float32)))
+    writer.ask(xa.CopyToDevice(ref, source))
     peer.send(("read", ref, ordered, 4 * n))
     got = np.frombuffer(_reply(peer), np.float32)
     if ordered:
