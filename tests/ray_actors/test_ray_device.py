@@ -1,24 +1,18 @@
-"""A device as a Ray actor on a local simulated two-node cluster (host driver): the device on
-one node, this test process (the Ray driver) on the other; allocation through Ray, descriptors
-that travel, the cluster generation bumped by a restart and by a rebuild, bad input that changes
-nothing, a dead node.
+"""A device as a Ray actor on the session's simulated cluster (host driver, conftest.py): the
+device on node A, this test process (the Ray driver) on the head; allocation through Ray,
+descriptors that travel, the cluster generation bumped by a restart and by a rebuild, bad input
+that changes nothing (a dead node: test_ray_cluster.py).
 
-Marked ``ray``; skipped with a reason where ray is not installed. One cluster serves the module
-(about 5 s to start). Every node binds to 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's
-routable address, while any other loopback address is kept, so no traffic leaves the loopback
-range.
+Marked ``ray``; skipped with a reason where ray is not installed.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,49 +25,9 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'xlog
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(90)]
 
-#: The checkout whose xlog_actors the Ray workers must import (not an installed copy elsewhere).
-ROOT = str(Path(xa.__file__).resolve().parent.parent)
-
-
-LOOPBACK = "127.0.0.2"
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """The simulated cluster: ``head`` runs this process (the Ray driver); devices run on ``device``."""
-
-    cluster: Any
-    head: str
-    device: str
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Nodes]:
-    from ray.cluster_utils import Cluster
-
-    with pytest.MonkeyPatch.context() as mp:
-        # Workers inherit the environment of the raylets started from this process.
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        sim = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False},
-        )
-        node = sim.add_node(num_cpus=1, node_ip_address=LOOPBACK)
-        ray.init(address=sim.address, log_to_driver=False)
-        sim.wait_for_nodes()
-    try:
-        nodes = Nodes(sim, ray.get_runtime_context().get_node_id(), node.node_id)
-        assert nodes.head != nodes.device
-        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {LOOPBACK}
-        yield nodes
-    finally:
-        ray.shutdown()
-        sim.shutdown()
-
 
 @pytest.fixture
-def device(cluster: Nodes) -> Iterator[Any]:
+def device(cluster: Any) -> Iterator[Any]:
     handle = start_ray_device(0, node_id=cluster.device, max_restarts=1)
     yield handle
     ray.kill(handle, no_restart=True)
@@ -98,7 +52,7 @@ def wait_generation(handle: Any, generation: int, timeout_s: float = 30.0) -> Re
         time.sleep(0.01)
 
 
-def test_allocate_free_through_ray(cluster: Nodes, device: Any) -> None:
+def test_allocate_free_through_ray(cluster: Any, device: Any) -> None:
     generation = ray.get(device.generation.remote())
     ref = ask(device, xa.Allocate(1024, tag=xa.AllocTag("weights")))
     assert isinstance(ref, RemoteGpuRef)
@@ -203,21 +157,21 @@ def test_shutdown_retires_the_generation(device: Any) -> None:
     ray.get(device.shutdown.remote(), timeout=30)  # idempotent
 
 
-def test_descriptor_of_an_unknown_device_is_stale(cluster: Nodes) -> None:
+def test_descriptor_of_an_unknown_device_is_stale(cluster: Any) -> None:
     ref = RemoteGpuRef("f" * 56, 7, 1, 0x1000, 16, "untagged", None, 1)
     assert find_keeper(ref.node_id, ref.ordinal) is None
     with pytest.raises(GpuRefStale, match="device state dropped"):
         ref.access()
 
 
-def test_a_device_that_cannot_start_leaves_no_keeper(cluster: Nodes) -> None:
+def test_a_device_that_cannot_start_leaves_no_keeper(cluster: Any) -> None:
     device = start_ray_device(9, max_restarts=0)  # the host driver has one device
     with pytest.raises(ray.exceptions.RayActorError, match="device ordinal 9 out of range"):
         ask(device, xa.GetStats())
     assert find_keeper(ray.get_runtime_context().get_node_id(), 9) is None
 
 
-def test_a_dead_keeper_is_a_typed_error(cluster: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_keeper_is_a_typed_error(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import xlog_actors.ray.remote_ref as remote_ref
     from xlog_actors.ray import GenerationKeeper
 
@@ -239,7 +193,7 @@ class _SilentKeeper:
         return 1, True
 
 
-def test_a_keeper_that_does_not_answer_is_a_typed_error(cluster: Nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_keeper_that_does_not_answer_is_a_typed_error(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import xlog_actors.ray.remote_ref as remote_ref
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -256,24 +210,7 @@ def test_a_keeper_that_does_not_answer_is_a_typed_error(cluster: Nodes, monkeypa
     ray.kill(keeper)
 
 
-def test_a_dead_node_fails_its_handles_with_typed_errors(cluster: Nodes) -> None:
-    doomed = cluster.cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
-    cluster.cluster.wait_for_nodes()
-    device = start_ray_device(0, node_id=doomed.node_id, max_restarts=1)
-    ref = ask(device, xa.Allocate(64))
-    assert ref.node_id == doomed.node_id and ref.access() is ref
-    cluster.cluster.remove_node(doomed)
-    t0 = time.monotonic()
-    with pytest.raises(GpuRefStale, match="device state dropped"):
-        ref.access(timeout_s=5)
-    # The device cannot come back: its node affinity is hard, and the node is gone (Ray says
-    # which, with one of its own typed errors).
-    with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)):
-        ask(device, xa.Allocate(64))
-    assert time.monotonic() - t0 < 30
-
-
-def test_negative_max_restarts_is_refused(cluster: Nodes) -> None:
+def test_negative_max_restarts_is_refused(cluster: Any) -> None:
     with pytest.raises(InvalidRequest, match="max_restarts"):
         start_ray_device(0, max_restarts=-1)
 
@@ -285,7 +222,7 @@ def _driver_losing_its_context() -> xa.Driver:
     return driver
 
 
-def test_a_supervised_rebuild_bumps_the_generation(cluster: Nodes) -> None:
+def test_a_supervised_rebuild_bumps_the_generation(cluster: Any) -> None:
     # The factory is defined here, in a module the workers cannot import: ship it by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     device = start_ray_device(1, node_id=cluster.device, driver_factory=_driver_losing_its_context, max_restarts=0)
