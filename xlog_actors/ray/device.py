@@ -29,7 +29,8 @@ Invariants:
   ``InvalidRequest`` (another device), and nothing runs.
 * ``read`` copies through the hosted ``CopyActor``, whose tracking orders the copy after the
   block's last recorded write (a kernel still running on A is waited for, on the device, before
-  the bytes leave).
+  the bytes leave), into one pinned staging buffer the size of the largest read so far, held
+  until shutdown.
 * A sticky error (``ContextPoisoned``) marks the generation poisoned in the keeper before the
   asker gets the error; the relay does the same when the device reports it on its own.
 
@@ -54,7 +55,9 @@ import pykka
 from ..actors import (
     Allocate,
     AllocateMany,
+    AllocatePinned,
     CopyActor,
+    CopyDone,
     CopyToDevice,
     CopyToHost,
     DeviceActor,
@@ -73,6 +76,7 @@ from ..actors.library_messages import BufferArg
 from ..driver.open import open_driver
 from ..driver.protocol import Driver
 from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
+from ..memory import AllocTag, PinnedBuffer
 from ._require import require_ray
 from .keeper import keeper_handle
 from .remote_ref import RemoteGpuRef
@@ -81,6 +85,9 @@ __all__ = ["RayDevice", "start_ray_device"]
 
 #: The generation of a descriptor made stale at birth: keepers start at 1.
 STALE_GENERATION = 0
+
+#: The tag of the pinned buffer that reads land in (``RayDevice.read``).
+_STAGING_TAG = AllocTag("ray-fetch-staging")
 
 #: What ``RayDevice.ask`` answers; the others need a process-local object (an ``ActorRef``, a
 #: ``DeviceClient``) that cannot travel.
@@ -135,6 +142,7 @@ class RayDevice:
         self._lock = threading.Lock()
         self._refs: dict[int, GpuRef] = {}
         self._stopped = False
+        self._stage: PinnedBuffer | None = None
         driver = (driver_factory or _host_driver)()
         self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource)
         self._local_generation: int = self._device.ask(GetStats(), block=True).generation
@@ -349,12 +357,25 @@ class RayDevice:
             local = self._local("read", ref, whole=False)
             start = ref.ptr - local.block.ptr
             # CopyToHost copies from the start of the block; a carve's bytes are a suffix of that.
-            data = cast(bytes, self._copy.ask(CopyToHost(local, start + ref.nbytes)))
-            array: np.ndarray = np.frombuffer(data, dtype=np.uint8)[start:]
+            stage = self._staging(start + ref.nbytes)
+            done = cast(CopyDone, self._copy.ask(CopyToHost(local, start + ref.nbytes, out=stage)))
+            done.wait()
+            array: np.ndarray = stage.array()[start : start + ref.nbytes]
             return array
 
         array: np.ndarray = self._served(copy_out)
         return array
+
+    def _staging(self, nbytes: int) -> PinnedBuffer:
+        """The pinned buffer reads land in, grown to ``nbytes``. One is reused: Ray copies a
+        method's return value into its object store before it runs the next call of this actor
+        (one at a time), and a pinned destination saves the copy a pageable one costs."""
+        stage = self._stage
+        if stage is None or stage.nbytes < nbytes:
+            if stage is not None:
+                stage.release()
+            stage = self._stage = cast(PinnedBuffer, self._device.ask(AllocatePinned(nbytes, tag=_STAGING_TAG)))
+        return stage
 
     def write(self, ref: RemoteGpuRef, data: Any) -> None:
         """Copy host bytes to the start of a descriptor's block (``CopyToDevice``); later reads,
@@ -394,6 +415,9 @@ class RayDevice:
         with self._lock:
             self._refs.clear()
         self._stopped = True
+        if self._stage is not None:
+            self._stage.release()
+            self._stage = None
         for actor in (self._relay, self._copy, self._kernels, self._device):
             if actor.is_alive():
                 actor.stop()
