@@ -352,3 +352,19 @@ def test_a_slab_client_on_the_node_allocates_without_a_ray_call_each(cluster: An
             fetch(again[0])
     finally:
         ray.kill(worker)
+
+
+# -- the worked example ----------------------------------------------------------------------------
+def test_the_example_pipeline_survives_a_producer_restart(cluster: Any) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(xa.__file__).resolve().parent.parent / "examples" / "ray_pipeline.py"
+    spec = importlib.util.spec_from_file_location("ray_pipeline_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    lines: list[str] = []
+    out = example.run_pipeline(cluster.a, cluster.b, batches=5, nbytes=64 << 10, kill_at=2, log=lines.append)
+    assert out == {"verified": 5, "redone": 1, "generations": 1}, lines
+    assert any("killed" in line for line in lines) and any("produced again" in line for line in lines)

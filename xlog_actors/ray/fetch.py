@@ -52,7 +52,7 @@ def ray_get(pending: Any, what: str, timeout_s: float) -> Any:
     Raises:
         XlogError: the one the remote call raised, as itself.
         DeviceUnavailable: no answer within ``timeout_s``, or the remote actor, its node or the
-            object died (Ray's reason in the message).
+            object (the call's or one of its arguments') died (Ray's reason in the message).
     Thread rule: any thread of a process connected to Ray.
     """
     ray = require_ray()
@@ -63,9 +63,16 @@ def ray_get(pending: Any, what: str, timeout_s: float) -> Any:
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, XlogError):
             raise exc.cause from None
+        if isinstance(exc.cause, ray.exceptions.RayError):
+            # An argument of the call failed on the way (its actor restarted, its node died).
+            raise _unavailable(what, exc.cause) from None
         raise
     except ray.exceptions.RayError as exc:
-        raise DeviceUnavailable(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        raise _unavailable(what, exc) from None
+
+
+def _unavailable(what: str, exc: BaseException) -> DeviceUnavailable:
+    return DeviceUnavailable(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
 
 
 def fetch(ref: RemoteGpuRef, *, timeout_s: float = FETCH_TIMEOUT_S) -> np.ndarray:
