@@ -298,6 +298,28 @@ def test_a_poisoned_device_stops_its_descriptors_validating(cluster: Any) -> Non
         ray.kill(device, no_restart=True)
 
 
+def test_a_poisoned_device_can_restart_on_a_new_generation(cluster: Any) -> None:
+    device = start_ray_device(
+        1, node_id=cluster.a, driver_factory=_driver_turning_sticky, max_restarts=1, restart_on_poison=True
+    )
+    try:
+        first = ask(device, xa.Allocate(64))
+        deadline = time.monotonic() + 30
+        # The asker sees the sticky error, or the worker already gone (Ray's restart).
+        with pytest.raises((ContextPoisoned, DeviceUnavailable)):  # the loop ends at the sticky error
+            while True:
+                assert time.monotonic() < deadline, "the planted sticky error never fired"
+                ask(device, xa.Free(ask(device, xa.Allocate(64))))
+        # Poisoned before the process ended, rebuilt once the new process bumped: never valid.
+        assert _stale_reason(first) in ("context poisoned", "context rebuilt")
+        fresh = wait_generation(device, first.generation + 1)
+        assert _stale_reason(first) == "context rebuilt"
+        assert run_on(cluster.b, _stale_reason, fresh) == "valid"
+        assert ask(device, xa.GetStats()).status == "running"
+    finally:
+        ray.kill(device, no_restart=True)
+
+
 # -- the local path --------------------------------------------------------------------------------
 class _Worker:
     """A worker Ray actor on the device's node, allocating through a SlabClient."""

@@ -32,7 +32,8 @@ Invariants:
   the bytes leave), into one pinned staging buffer the size of the largest read so far, held
   until shutdown.
 * A sticky error (``ContextPoisoned``) marks the generation poisoned in the keeper before the
-  asker gets the error; the relay does the same when the device reports it on its own.
+  asker gets the error; the relay does the same when the device reports it on its own. With
+  ``restart_on_poison`` the worker process then ends, and Ray's restart serves generation + 1.
 
 Longer than ~400 lines: the message translation, the generation and the poisoning share the
 handle table and its lock, and splitting them would spread one invariant over two modules.
@@ -70,6 +71,8 @@ from ..actors import (
     Launch,
     Rebuild,
     Subscribe,
+    Supervisor,
+    exit_process,
 )
 from ..actors.device_config import ResourceSpec
 from ..actors.library_messages import BufferArg
@@ -85,6 +88,9 @@ __all__ = ["RayDevice", "start_ray_device"]
 
 #: The generation of a descriptor made stale at birth: keepers start at 1.
 STALE_GENERATION = 0
+
+#: How long the device waits for its keeper to take a poisoning, in seconds.
+_KEEPER_TIMEOUT_S = 10.0
 
 #: The tag of the pinned buffer that reads land in (``RayDevice.read``).
 _STAGING_TAG = AllocTag("ray-fetch-staging")
@@ -124,6 +130,7 @@ class RayDevice:
         ordinal: int = 0,
         driver_factory: Callable[[], Driver] | None = None,
         resource: ResourceSpec = None,
+        restart_on_poison: bool = False,
     ) -> None:
         """Bump the cluster generation of (this node, ``ordinal``), then start the device.
 
@@ -131,6 +138,9 @@ class RayDevice:
             ordinal: the device ordinal on this node.
             driver_factory: makes the driver in the worker; None for the host driver.
             resource: the device's stack, as ``DeviceActor.start``.
+            restart_on_poison: on a sticky error, mark the generation poisoned, then end the
+                worker process (``EXIT_POISONED``) so that Ray restarts the actor on a new
+                generation (within its ``max_restarts``); False: stay poisoned.
         Raises:
             InvalidRequest, DeviceUnavailable: as ``DeviceActor.start``.
         Thread rule: the Ray actor's (re)start, before any call.
@@ -144,7 +154,8 @@ class RayDevice:
         self._stopped = False
         self._stage: PinnedBuffer | None = None
         driver = (driver_factory or _host_driver)()
-        self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource)
+        supervisor = Supervisor(on_poisoned=self._exit_poisoned) if restart_on_poison else None
+        self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource, supervisor=supervisor)
         self._local_generation: int = self._device.ask(GetStats(), block=True).generation
         self._copy = CopyActor.start(self._device)
         self._kernels = KernelActor.start(self._device)
@@ -178,7 +189,17 @@ class RayDevice:
         with self._lock:
             generation = self._generation
             self._refs.clear()  # the poisoned context's memory is gone with the process
-        self._ray.get(self._keeper.poison.remote(generation))
+        self._ray.get(self._keeper.poison.remote(generation), timeout=_KEEPER_TIMEOUT_S)
+
+    def _exit_poisoned(self, device_id: int, error: BaseException) -> None:
+        """The supervisor's escalation hook under ``restart_on_poison``: the keeper first (so no
+        descriptor validates while Ray restarts the actor), then the process ends."""
+        if hasattr(self, "_keeper"):  # a poisoning during the start has no keeper to mark yet
+            try:
+                self._poison()
+            except Exception:  # noqa: BLE001 - the process ends either way; the restart bumps
+                pass
+        exit_process(device_id, error)
 
     def _served(self, call: Callable[[], Any]) -> Any:
         """``call()``; a sticky error poisons the keeper before the asker sees it."""
@@ -433,6 +454,7 @@ def start_ray_device(
     max_restarts: int = 1,
     num_gpus: float = 0,
     name: str | None = None,
+    restart_on_poison: bool = False,
 ) -> Any:
     """Start a :class:`RayDevice` as a Ray actor pinned to a node.
 
@@ -445,6 +467,8 @@ def start_ray_device(
             generation).
         num_gpus: GPUs the actor reserves; 0 for the host driver.
         name: an optional Ray actor name (in the caller's namespace).
+        restart_on_poison: a sticky error ends the worker process (after marking the generation
+            poisoned), so Ray restarts the device on a new generation; False: it stays poisoned.
     Returns:
         The Ray actor handle; call ``handle.ask.remote(message)``.
     Raises:
@@ -466,4 +490,4 @@ def start_ray_device(
     }
     if name is not None:
         options["name"] = name
-    return ray.remote(RayDevice).options(**options).remote(ordinal, driver_factory, resource)
+    return ray.remote(RayDevice).options(**options).remote(ordinal, driver_factory, resource, restart_on_poison)
