@@ -188,9 +188,9 @@ class _SilentKeeper:
     def __init__(self) -> None:
         self._answer = threading.Event()
 
-    def state(self) -> tuple[int, bool]:
+    def state(self) -> tuple[int, str | None]:
         self._answer.wait(30)  # never set: the keeper does not answer in time
-        return 1, True
+        return 1, None
 
 
 def test_a_keeper_that_does_not_answer_is_a_typed_error(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
