@@ -53,11 +53,11 @@ def wait_generation(handle: Any, generation: int, timeout_s: float = 30.0) -> Re
 
 
 def test_allocate_free_through_ray(cluster: Any, device: Any) -> None:
-    generation = ray.get(device.generation.remote())
+    generation = ray.get(device.generation.remote(), timeout=30)
     ref = ask(device, xa.Allocate(1024, tag=xa.AllocTag("weights")))
     assert isinstance(ref, RemoteGpuRef)
     assert (ref.ordinal, ref.generation, ref.nbytes, ref.tag) == (0, generation, 1024, "weights")
-    assert ref.node_id == cluster.device == ray.get(device.node_id.remote())
+    assert ref.node_id == cluster.device == ray.get(device.node_id.remote(), timeout=30)
     assert ref.access() is ref
     assert ask(device, xa.GetStats()).live_blocks == 1
     many = ask(device, xa.AllocateMany([64, 128]))
@@ -87,7 +87,7 @@ def test_restart_bumps_the_generation_and_stales_old_descriptors(device: Any) ->
     old = ask(device, xa.Allocate(1024))
     ray.kill(device, no_restart=False)
     fresh = wait_generation(device, old.generation + 1)
-    assert ray.get(device.generation.remote()) == old.generation + 1
+    assert ray.get(device.generation.remote(), timeout=30) == old.generation + 1
     with pytest.raises(GpuRefStale, match="context rebuilt") as info:
         old.access()
     assert info.value.reason == "context rebuilt"
@@ -112,9 +112,9 @@ def test_rebuild_bumps_the_generation_once(device: Any) -> None:
     old = ask(device, xa.Allocate(64))
     ask(device, xa.Rebuild())
     # The relay hears the same rebuild's GenerationChanged: still exactly one bump.
-    assert ray.get(device.generation.remote()) == old.generation + 1
+    assert ray.get(device.generation.remote(), timeout=30) == old.generation + 1
     ask(device, xa.GetStats())  # a round trip after the relay's tell
-    assert ray.get(device.generation.remote()) == old.generation + 1
+    assert ray.get(device.generation.remote(), timeout=30) == old.generation + 1
     with pytest.raises(GpuRefStale, match="context rebuilt"):
         old.access()
     assert ask(device, xa.Free(old)) is None
@@ -127,7 +127,7 @@ def test_rebuild_bumps_the_generation_once(device: Any) -> None:
 def test_bad_input_changes_nothing(device: Any) -> None:
     ref = ask(device, xa.Allocate(256))
     before = ask(device, xa.GetStats())
-    generation = ray.get(device.generation.remote())
+    generation = ray.get(device.generation.remote(), timeout=30)
     foreign = RemoteGpuRef(ref.node_id, 5, ref.generation, ref.ptr, ref.nbytes, ref.tag, None, ref.serial)
     other_node = RemoteGpuRef("0" * 56, 0, ref.generation, ref.ptr, ref.nbytes, ref.tag, None, ref.serial)
     for bad, match in [
@@ -142,7 +142,7 @@ def test_bad_input_changes_nothing(device: Any) -> None:
             ask(device, bad)
     after = ask(device, xa.GetStats())
     assert (after.live_blocks, after.bytes_outstanding) == (before.live_blocks, before.bytes_outstanding)
-    assert ray.get(device.generation.remote()) == generation
+    assert ray.get(device.generation.remote(), timeout=30) == generation
     assert ref.access() is ref
     assert ask(device, xa.Free(ref)) is None
 
@@ -176,7 +176,7 @@ def test_a_dead_keeper_is_a_typed_error(cluster: Any, monkeypatch: pytest.Monkey
     from xlog_actors.ray import GenerationKeeper
 
     keeper = ray.remote(GenerationKeeper).options(num_cpus=0).remote()
-    generation = ray.get(keeper.bump.remote())
+    generation = ray.get(keeper.bump.remote(), timeout=30)
     ray.kill(keeper)
     ref = RemoteGpuRef("e" * 56, 0, generation, 0x1000, 16, "untagged", None, 1)
     monkeypatch.setattr(remote_ref, "find_keeper", lambda node_id, ordinal: keeper)
@@ -231,13 +231,13 @@ def test_a_supervised_rebuild_bumps_the_generation(cluster: Any) -> None:
         deadline = time.monotonic() + 30
         # The relay bumps the keeper when the device tells its GenerationChanged: no event reaches
         # this process, so it polls the keeper until a deadline.
-        while ray.get(device.generation.remote()) == first.generation:
+        while ray.get(device.generation.remote(), timeout=30) == first.generation:
             assert time.monotonic() < deadline, "the supervisor's rebuild never bumped the generation"
             try:
                 ask(device, xa.Free(ask(device, xa.Allocate(64))))
             except xa.ContextLost:
                 pass
-        assert ray.get(device.generation.remote()) == first.generation + 1
+        assert ray.get(device.generation.remote(), timeout=30) == first.generation + 1
         assert ask(device, xa.GetStats()).restarts == 1
         with pytest.raises(GpuRefStale, match="context rebuilt"):
             first.access()

@@ -89,7 +89,7 @@ __all__ = ["RayDevice", "start_ray_device"]
 #: The generation of a descriptor made stale at birth: keepers start at 1.
 STALE_GENERATION = 0
 
-#: How long the device waits for its keeper to take a poisoning, in seconds.
+#: How long the device waits for its keeper (a bump, a retirement, a poisoning), in seconds.
 _KEEPER_TIMEOUT_S = 10.0
 
 #: The tag of the pinned buffer that reads land in (``RayDevice.read``).
@@ -163,7 +163,8 @@ class RayDevice:
         self._keeper = keeper_handle(self._node_id, ordinal)
         # Bumped after the device is up and before __init__ returns: Ray lets no call in before.
         # The keeper keeps this actor's handle, so a descriptor's holder can find its bytes.
-        self._generation: int = ray.get(self._keeper.bump.remote(ray.get_runtime_context().current_actor))
+        me = ray.get_runtime_context().current_actor
+        self._generation: int = ray.get(self._keeper.bump.remote(me), timeout=_KEEPER_TIMEOUT_S)
         self._relay = _GenerationRelay.start(self._on_generation_changed)
         self._device.ask(Subscribe(self._relay))
 
@@ -174,7 +175,7 @@ class RayDevice:
             if local_generation == self._local_generation:
                 return
             self._local_generation = local_generation
-            self._generation = self._ray.get(self._keeper.bump.remote())
+            self._generation = self._ray.get(self._keeper.bump.remote(), timeout=_KEEPER_TIMEOUT_S)
             # The old context took their memory; their frees would be ignored anyway.
             self._refs.clear()
 
@@ -442,7 +443,7 @@ class RayDevice:
         for actor in (self._relay, self._copy, self._kernels, self._device):
             if actor.is_alive():
                 actor.stop()
-        self._ray.get(self._keeper.retire.remote())
+        self._ray.get(self._keeper.retire.remote(), timeout=_KEEPER_TIMEOUT_S)
 
 
 def start_ray_device(
