@@ -3,8 +3,9 @@ cluster (head + A + B, every node on 127.0.0.2; about 10 s to start) with host-d
 its workers, whatever driver the rest of the run uses (Ray does not run on the GPU machine).
 
 Rows: the local path (a ``SlabClient`` beside a local ``DeviceClient``), a cross-node fetch of
-64 MiB beside a plain Ray object transfer of the same bytes, and a killed device actor's restart
-to its first allocation. Where ray is not installed every row is skipped with the reason.
+64 MiB beside a plain Ray object transfer of the same bytes (into B's device, and to the caller),
+and a killed device actor's restart to its first allocation. Where ray is not installed every row
+is skipped with the reason.
 
 Invariants: the cluster, its devices and actors exist only inside the group's base setup and are
 shut down when it is left. Thread rule: the bench's thread.
@@ -176,6 +177,29 @@ def _plain_transfer(f: _Cluster | None) -> Op:
     return twin
 
 
+def _fetch_here(f: _Cluster | None) -> Op:
+    from ...ray import fetch
+
+    c = _need(f)
+
+    def ours(n: int) -> None:
+        for _ in range(n):
+            fetch(c.src)
+
+    return ours
+
+
+def _plain_get(f: _Cluster | None) -> Op:
+    c = _need(f)
+    get = c.ray.get
+
+    def twin(n: int) -> None:
+        for _ in range(n):
+            get(c.producer.give.remote(), timeout=60)
+
+    return twin
+
+
 def _fetched_right(f: _Cluster | None) -> None:
     from ...ray import fetch
 
@@ -232,6 +256,10 @@ RAY = Group("ray (simulated cluster, --ray)", (
         lambda p: (5 if p.min_samples <= 5 else 12, 1), reference="plain Ray transfer: an actor on A returns "
         "64 MiB, an actor on B takes it", kind="rate", bytes_per_op=FETCH_BYTES,
         target=Target("ratio", ">=", 0.8), check=_fetched_right),
+    Row("ray fetch 64 MiB to the caller", "fetch: A's block to this process on the head node (keeper lookup, read "
+        "after the last write, the object store A -> head); no copy into a device", given, _fetch_here, _plain_get,
+        lambda p: (5 if p.min_samples <= 5 else 12, 1), reference="plain ray.get of 64 MiB an actor on A returns",
+        kind="rate", bytes_per_op=FETCH_BYTES, note="informational: the fetch row without the consumer's device copy"),
     Row("ray restart to first Allocate", "ray.kill(no_restart=False) of a RayDevice to its first allocation on "
         "generation + 1", given, None, None, lambda p: (1, 1), measure=_restarts,
         reference="in-process Rebuild round trip", target=Target("median", "<=", 3e6), note=_restart_note),
