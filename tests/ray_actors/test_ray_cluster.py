@@ -10,11 +10,13 @@ Marked ``ray``; skipped with a reason where ray is not installed. Every Ray wait
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import pykka
 import pytest
 
 import xlog_actors as xa
@@ -153,6 +155,37 @@ def test_fetch_into_a_local_block_of_the_consumer(cluster: Any, device_a: Any) -
     src = ask(device_a, xa.Allocate(4096))
     ask(device_a, xa.CopyToDevice(src, bytes(range(256)) * 16))
     assert run_on(cluster.b, _fetch_into_a_local_device, src) == bytes(range(256)) * 16
+    ask(device_a, xa.Free(src))
+
+
+class _SilentCopy(pykka.ThreadingActor):
+    """Takes a message and never answers it: a consumer's copy actor that hangs."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+
+    def on_receive(self, message: Any) -> None:
+        self.release.wait(30)
+
+
+def test_fetch_into_a_copy_actor_that_does_not_answer_is_a_typed_error(device_a: Any) -> None:
+    src = ask(device_a, xa.Allocate(256))
+    release = threading.Event()
+    silent = _SilentCopy.start(release)
+    driver = xa.HostDriver()
+    local = xa.DeviceActor.start(0, driver)
+    try:
+        dst = local.ask(xa.Allocate(256))
+        t0 = time.monotonic()
+        with pytest.raises(DeviceUnavailable, match="did not take the bytes in 0.5 s"):
+            fetch_into(src, silent, dst, timeout_s=0.5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        release.set()
+        silent.stop()
+        local.stop()
+        driver.close()
     ask(device_a, xa.Free(src))
 
 

@@ -131,13 +131,17 @@ def fetch_into(
         dst: the local handle, at least ``ref.nbytes`` long.
         timeout_s: the bound on each Ray wait and on the copy actor's answer, in seconds.
     Raises:
-        GpuRefStale, DeviceUnavailable: as :func:`fetch`; ``GpuRefStale`` for a stale ``dst``.
+        GpuRefStale, DeviceUnavailable: as :func:`fetch`; ``GpuRefStale`` for a stale ``dst``;
+            ``DeviceUnavailable`` also when ``copy`` does not answer within ``timeout_s``.
         InvalidRequest: ``dst`` too small or of another device than ``copy``'s.
         ImportError: ray is not installed.
     Thread rule: any thread of a process connected to Ray, not ``copy``'s own.
     """
     data = fetch(ref, timeout_s=timeout_s)
-    copy.ask(CopyToDevice(dst, data), timeout=timeout_s)
+    try:
+        copy.ask(CopyToDevice(dst, data), timeout=timeout_s)
+    except pykka.Timeout:
+        raise DeviceUnavailable(f"{ref.where()}: the CopyActor did not take the bytes in {timeout_s} s") from None
 
 
 def _producer(ref: RemoteGpuRef, timeout_s: float) -> Any:
