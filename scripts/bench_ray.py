@@ -52,7 +52,7 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.2", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.2", log_to_driver=False)
     print(f"ray.init: {time.perf_counter() - t0:.2f} s (ray {ray.__version__})")
 
     local = xa.DeviceActor.start(ordinal=0, driver=xa.HostDriver())

@@ -35,8 +35,22 @@ class XlogError(Exception):
     """Base of every error raised by xlog_actors.
 
     Every error is an immutable report: raised on one thread, it may be handed to another (an
-    actor's asker) as it is. Thread rule: any thread.
+    actor's asker) as it is. It pickles as it is too (a process or a Ray worker hands it on),
+    whatever its ``__init__`` takes. Thread rule: any thread.
     """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without calling __init__, whose signature differs per subclass: the message
+        # (args) and the context attributes come back as they were.
+        return (_rebuild_error, (type(self), self.args, self.__dict__))
+
+
+def _rebuild_error(cls: type[XlogError], args: tuple[Any, ...], state: dict[str, Any]) -> XlogError:
+    # BaseException's: MemoryError's own __new__ refuses subclasses (OutOfMemory is one).
+    error = BaseException.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ResourceError(XlogError):

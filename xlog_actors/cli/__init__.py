@@ -74,6 +74,10 @@ def _parser() -> OneLineParser:
     bench.add_argument(
         "--only", metavar="NAME", action="append", default=None, help="run only rows whose name contains NAME"
     )
+    bench.add_argument(
+        "--ray", action="store_true",
+        help="also the Ray rows, on a simulated three-node cluster (needs the ray extra; ~1 min more)",
+    )
     memory = sub.add_parser("memory", help="render a memory snapshot as one self-contained HTML timeline")
     memory.add_argument("path", metavar="PATH", help="a pickled memory snapshot (MemoryHistory.dump)")
     memory.add_argument(

@@ -1,9 +1,13 @@
 """``RayDevice``: a device as a Ray actor, its generation held cluster-wide.
 
-The Ray actor hosts a local ``DeviceActor`` (pykka) in its worker process and answers the SPEC's
-messages through one method, ``ask(message)``: ``Allocate``/``AllocateMany`` reply with
-:class:`~xlog_actors.ray.remote_ref.RemoteGpuRef` descriptors (a ``GpuRef`` is process-local and
-stays in the worker), ``Free`` takes a descriptor, ``GetStats`` and ``Rebuild`` pass through.
+The Ray actor hosts a local ``DeviceActor`` (pykka), a ``CopyActor`` and a ``KernelActor`` in its
+worker process and answers the SPEC's messages through one method, ``ask(message)``:
+``Allocate``/``AllocateMany`` reply with :class:`~xlog_actors.ray.remote_ref.RemoteGpuRef`
+descriptors (a ``GpuRef`` is process-local and stays in the worker), ``Free`` takes a descriptor,
+``GetStats`` and ``Rebuild`` pass through, and the library messages (``CopyToDevice``,
+``CopyToHost``, ``Fill``, ``Launch``) take descriptors where they take handles. ``read`` and
+``write`` move a descriptor's bytes as numpy arrays, which is what a cross-node fetch
+(:mod:`xlog_actors.ray.fetch`) sends through Ray's object store.
 
 Invariants:
 
@@ -19,7 +23,20 @@ Invariants:
   keeper ever holds), so it never validates.
 * The worker holds every ``GpuRef`` it handed out as a descriptor until a ``Free`` of that
   descriptor or a new generation; a descriptor dropped elsewhere does not free (no distributed
-  reference counting in step 1).
+  reference counting).
+* A descriptor is served only if it names this device, the generation it serves and a block it
+  still holds; otherwise ``GpuRefStale`` (another generation, a freed block) or
+  ``InvalidRequest`` (another device), and nothing runs.
+* ``read`` copies through the hosted ``CopyActor``, whose tracking orders the copy after the
+  block's last recorded write (a kernel still running on A is waited for, on the device, before
+  the bytes leave), into one pinned staging buffer the size of the largest read so far, held
+  until shutdown.
+* A sticky error (``ContextPoisoned``) marks the generation poisoned in the keeper before the
+  asker gets the error; the relay does the same when the device reports it on its own. With
+  ``restart_on_poison`` the worker process then ends, and Ray's restart serves generation + 1.
+
+Longer than ~400 lines: the message translation, the generation and the poisoning share the
+handle table and its lock, and splitting them would spread one invariant over two modules.
 
 Thread rule: Ray runs the actor's methods one at a time (``max_concurrency`` 1); the relay that
 hears ``GenerationChanged`` runs on a pykka thread and shares only the generations and the handle
@@ -28,17 +45,41 @@ table, under a lock.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import pykka
 
-from ..actors import Allocate, AllocateMany, DeviceActor, Free, GenerationChanged, GetStats, GpuRef, Rebuild, Subscribe
+from ..actors import (
+    Allocate,
+    AllocateMany,
+    AllocatePinned,
+    CopyActor,
+    CopyDone,
+    CopyToDevice,
+    CopyToHost,
+    DeviceActor,
+    Fill,
+    Free,
+    GenerationChanged,
+    GetStats,
+    GpuRef,
+    KernelActor,
+    Launch,
+    Rebuild,
+    Subscribe,
+    Supervisor,
+    exit_process,
+)
 from ..actors.device_config import ResourceSpec
+from ..actors.library_messages import BufferArg
 from ..driver.open import open_driver
 from ..driver.protocol import Driver
-from ..errors import DeviceUnavailable, InvalidRequest
+from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
+from ..memory import AllocTag, PinnedBuffer
 from ._require import require_ray
 from .keeper import keeper_handle
 from .remote_ref import RemoteGpuRef
@@ -48,9 +89,18 @@ __all__ = ["RayDevice", "start_ray_device"]
 #: The generation of a descriptor made stale at birth: keepers start at 1.
 STALE_GENERATION = 0
 
+#: How long the device waits for its keeper (a bump, a retirement, a poisoning), in seconds.
+_KEEPER_TIMEOUT_S = 10.0
+
+#: The tag of the pinned buffer that reads land in (``RayDevice.read``).
+_STAGING_TAG = AllocTag("ray-fetch-staging")
+
 #: What ``RayDevice.ask`` answers; the others need a process-local object (an ``ActorRef``, a
 #: ``DeviceClient``) that cannot travel.
-_RAY_MESSAGES = "Allocate, AllocateMany, Free (of a RemoteGpuRef), GetStats or Rebuild"
+_RAY_MESSAGES = (
+    "Allocate, AllocateMany, Free (of a RemoteGpuRef), GetStats, Rebuild, "
+    "CopyToDevice, CopyToHost, Fill or Launch (of RemoteGpuRefs)"
+)
 
 
 def _host_driver() -> Driver:
@@ -80,6 +130,7 @@ class RayDevice:
         ordinal: int = 0,
         driver_factory: Callable[[], Driver] | None = None,
         resource: ResourceSpec = None,
+        restart_on_poison: bool = False,
     ) -> None:
         """Bump the cluster generation of (this node, ``ordinal``), then start the device.
 
@@ -87,6 +138,9 @@ class RayDevice:
             ordinal: the device ordinal on this node.
             driver_factory: makes the driver in the worker; None for the host driver.
             resource: the device's stack, as ``DeviceActor.start``.
+            restart_on_poison: on a sticky error, mark the generation poisoned, then end the
+                worker process (``EXIT_POISONED``) so that Ray restarts the actor on a new
+                generation (within its ``max_restarts``); False: stay poisoned.
         Raises:
             InvalidRequest, DeviceUnavailable: as ``DeviceActor.start``.
         Thread rule: the Ray actor's (re)start, before any call.
@@ -98,13 +152,19 @@ class RayDevice:
         self._lock = threading.Lock()
         self._refs: dict[int, GpuRef] = {}
         self._stopped = False
+        self._stage: PinnedBuffer | None = None
         driver = (driver_factory or _host_driver)()
-        self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource)
+        supervisor = Supervisor(on_poisoned=self._exit_poisoned) if restart_on_poison else None
+        self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource, supervisor=supervisor)
         self._local_generation: int = self._device.ask(GetStats(), block=True).generation
+        self._copy = CopyActor.start(self._device)
+        self._kernels = KernelActor.start(self._device)
         # Made only once the device started: a start that fails leaves no keeper behind.
         self._keeper = keeper_handle(self._node_id, ordinal)
         # Bumped after the device is up and before __init__ returns: Ray lets no call in before.
-        self._generation: int = ray.get(self._keeper.bump.remote())
+        # The keeper keeps this actor's handle, so a descriptor's holder can find its bytes.
+        me = ray.get_runtime_context().current_actor
+        self._generation: int = ray.get(self._keeper.bump.remote(me), timeout=_KEEPER_TIMEOUT_S)
         self._relay = _GenerationRelay.start(self._on_generation_changed)
         self._device.ask(Subscribe(self._relay))
 
@@ -115,13 +175,40 @@ class RayDevice:
             if local_generation == self._local_generation:
                 return
             self._local_generation = local_generation
-            self._generation = self._ray.get(self._keeper.bump.remote())
+            self._generation = self._ray.get(self._keeper.bump.remote(), timeout=_KEEPER_TIMEOUT_S)
             # The old context took their memory; their frees would be ignored anyway.
             self._refs.clear()
 
     def _on_generation_changed(self, message: GenerationChanged) -> None:
         if message.status == "running":
             self._sync_generation(message.generation)
+        elif message.status == "poisoned":
+            self._poison()
+
+    def _poison(self) -> None:
+        """Mark the generation poisoned in the keeper (idempotent): its descriptors stop validating."""
+        with self._lock:
+            generation = self._generation
+            self._refs.clear()  # the poisoned context's memory is gone with the process
+        self._ray.get(self._keeper.poison.remote(generation), timeout=_KEEPER_TIMEOUT_S)
+
+    def _exit_poisoned(self, device_id: int, error: BaseException) -> None:
+        """The supervisor's escalation hook under ``restart_on_poison``: the keeper first (so no
+        descriptor validates while Ray restarts the actor), then the process ends."""
+        if hasattr(self, "_keeper"):  # a poisoning during the start has no keeper to mark yet
+            try:
+                self._poison()
+            except Exception:  # noqa: BLE001 - the process ends either way; the restart bumps
+                pass
+        exit_process(device_id, error)
+
+    def _served(self, call: Callable[[], Any]) -> Any:
+        """``call()``; a sticky error poisons the keeper before the asker sees it."""
+        try:
+            return call()
+        except ContextPoisoned:
+            self._poison()
+            raise
 
     def generation(self) -> int:
         """The cluster generation this device serves.
@@ -165,48 +252,99 @@ class RayDevice:
             serial=int(block.generation),
         )
 
-    def _free(self, ref: RemoteGpuRef) -> None:
+    def _check_device(self, what: str, ref: Any) -> RemoteGpuRef:
+        if not isinstance(ref, RemoteGpuRef):
+            raise InvalidRequest(f"{what} through Ray takes a RemoteGpuRef, not {type(ref).__name__}")
         if ref.node_id != self._node_id or ref.ordinal != self._ordinal:
             raise InvalidRequest(
-                f"Free: {ref.where()} is not of this device (node {self._node_id[:12]}, device {self._ordinal})"
+                f"{what}: {ref.where()} is not of this device (node {self._node_id[:12]}, device {self._ordinal})"
             )
+        return ref
+
+    def _local(self, what: str, ref: Any, *, whole: bool = True) -> GpuRef:
+        """The handle a descriptor names, checked: this device, this generation, still held;
+        ``whole``: the descriptor is the whole block (not a carve of a slab)."""
+        ref = self._check_device(what, ref)
+        with self._lock:
+            generation = self._generation
+            local = self._refs.get(ref.serial) if ref.generation == generation else None
+        if ref.generation != generation:
+            raise GpuRefStale("context rebuilt", f"{ref.where()}; the device serves generation {generation}")
+        if local is None:
+            raise GpuRefStale("released", ref.where())
+        block = local.block
+        inside = block.ptr <= ref.ptr and ref.ptr + ref.nbytes <= block.ptr + block.nbytes
+        if not inside or (whole and (ref.carve or (ref.ptr, ref.nbytes) != (block.ptr, block.nbytes))):
+            raise InvalidRequest(
+                f"{what}: {ref.where()}, {ref.nbytes} bytes, is not "
+                + ("the whole block" if inside else "inside the block")
+                + f" of serial {ref.serial} ({block.ptr:#x}, {block.nbytes} bytes)"
+            )
+        return local
+
+    def _free(self, ref: Any) -> None:
+        ref = self._check_device("Free", ref)
         with self._lock:
             if ref.generation != self._generation:
                 return  # an older generation's memory went with its context: a no-op, as Free says
             local = self._refs.get(ref.serial)
         if local is None:
             return  # already freed: Free is idempotent
+        if ref.carve or (ref.ptr, ref.nbytes) != (local.block.ptr, local.block.nbytes):
+            raise InvalidRequest(f"Free: {ref.where()} is a carve of a slab, not a block: free it where it was carved")
         self._device.ask(Free(local))
         with self._lock:
             self._refs.pop(ref.serial, None)
+
+    def _library(self, message: Any) -> Any:
+        """A library message with descriptors, served with the handles they name."""
+        if isinstance(message, Launch):
+            if not isinstance(message.args, (list, tuple)):
+                raise InvalidRequest(f"Launch.args must be a list or tuple, not {type(message.args).__name__}")
+            args = [
+                BufferArg(self._local(f"Launch.args[{i}]", a.ref), a.access) if isinstance(a, BufferArg) else a
+                for i, a in enumerate(message.args)
+            ]
+            return self._kernels.ask(dataclasses.replace(message, args=args))
+        name = type(message).__name__
+        return self._copy.ask(dataclasses.replace(message, ref=self._local(name, message.ref)))
 
     def ask(self, message: Any) -> Any:
         """Answer one of the SPEC's messages.
 
         Args:
             message: ``Allocate``, ``AllocateMany``, ``Free`` (its ``ref`` a
-                :class:`RemoteGpuRef` of this device), ``GetStats`` or ``Rebuild``.
+                :class:`RemoteGpuRef` of this device), ``GetStats``, ``Rebuild``, or
+                ``CopyToDevice``, ``CopyToHost``, ``Fill``, ``Launch`` with descriptors of this
+                device (whole blocks) where they take handles.
         Returns:
             ``Allocate``: a :class:`RemoteGpuRef`; ``AllocateMany``: a list of them; ``Free``:
             None; ``GetStats``: the hosted device's ``DeviceStats`` (its ``generation`` is the
-            local one; :meth:`generation` is the cluster's); ``Rebuild``: as the device.
+            local one; :meth:`generation` is the cluster's); ``Rebuild``: as the device; the
+            library messages: as the hosted ``CopyActor``/``KernelActor`` reply.
         Raises:
-            InvalidRequest: another message, or a ``Free`` of a handle of another device;
-                nothing changes.
+            InvalidRequest: another message, a descriptor of another device, or a carve where a
+                block is needed; nothing changes.
+            GpuRefStale: a descriptor of another generation or of a freed block; nothing runs.
             DeviceUnavailable: the device was shut down.
-            XlogError: the device's typed errors, as ``DeviceActor`` raises them.
+            XlogError: the device's typed errors, as ``DeviceActor`` raises them;
+                ``ContextPoisoned`` after marking the generation poisoned in the keeper.
         Thread rule: a Ray call.
         """
+        self._check_running()
+        return self._served(lambda: self._answer(message))
+
+    def _check_running(self) -> None:
         if self._stopped:
             raise DeviceUnavailable(f"device {self._ordinal} on node {self._node_id[:12]} was shut down")
+
+    def _answer(self, message: Any) -> Any:
         if isinstance(message, Allocate):
             return self._describe(self._device.ask(message, block=True))
         if isinstance(message, AllocateMany):
             refs: Sequence[GpuRef] = self._device.ask(message, block=True)
             return [self._describe(r) for r in refs]
         if isinstance(message, Free):
-            if not isinstance(message.ref, RemoteGpuRef):
-                raise InvalidRequest(f"Free through Ray takes a RemoteGpuRef, not {type(message.ref).__name__}")
             self._free(message.ref)
             return None
         if isinstance(message, GetStats):
@@ -215,7 +353,80 @@ class RayDevice:
             reply = self._device.ask(message)
             self._sync_generation(self._device.ask(GetStats(), block=True).generation)
             return reply
+        if isinstance(message, (CopyToDevice, CopyToHost, Fill, Launch)):
+            return self._library(message)
         raise InvalidRequest(f"a RayDevice answers {_RAY_MESSAGES}, not {type(message).__name__}")
+
+    def read(self, ref: RemoteGpuRef) -> np.ndarray:
+        """The bytes of a descriptor (a block, or a carve of one), once every write recorded on
+        the block before this call has run on the device.
+
+        Args:
+            ref: a descriptor of this device and generation, still held.
+        Returns:
+            A read-only ``uint8`` array of ``ref.nbytes`` bytes (what Ray's object store sends).
+        Raises:
+            GpuRefStale: another generation (``"context rebuilt"``), or a freed block
+                (``"released"``); nothing is copied.
+            InvalidRequest: not a descriptor of this device, or not inside its block.
+            DeviceUnavailable: the device was shut down.
+            XlogError: the copy's typed errors (``ContextPoisoned`` poisons the keeper first).
+        Thread rule: a Ray call.
+        """
+        self._check_running()
+
+        def copy_out() -> np.ndarray:
+            local = self._local("read", ref, whole=False)
+            start = ref.ptr - local.block.ptr
+            # CopyToHost copies from the start of the block; a carve's bytes are a suffix of that.
+            stage = self._staging(start + ref.nbytes)
+            done = cast(CopyDone, self._copy.ask(CopyToHost(local, start + ref.nbytes, out=stage)))
+            done.wait()
+            array: np.ndarray = stage.array()[start : start + ref.nbytes]
+            return array
+
+        array: np.ndarray = self._served(copy_out)
+        return array
+
+    def _staging(self, nbytes: int) -> PinnedBuffer:
+        """The pinned buffer reads land in, grown to ``nbytes``. One is reused: Ray copies a
+        method's return value into its object store before it runs the next call of this actor
+        (one at a time), and a pinned destination saves the copy a pageable one costs."""
+        stage = self._stage
+        if stage is None or stage.nbytes < nbytes:
+            if stage is not None:
+                stage.release()
+            stage = self._stage = cast(PinnedBuffer, self._device.ask(AllocatePinned(nbytes, tag=_STAGING_TAG)))
+        return stage
+
+    def write(self, ref: RemoteGpuRef, data: Any) -> None:
+        """Copy host bytes to the start of a descriptor's block (``CopyToDevice``); later reads,
+        copies and kernels of this device are ordered after it.
+
+        Args:
+            ref: a whole-block descriptor of this device and generation, still held.
+            data: a buffer of 1 to ``ref.nbytes`` bytes (a numpy array from the object store).
+        Raises:
+            GpuRefStale, InvalidRequest, DeviceUnavailable, XlogError: as :meth:`read`, and
+                ``CopyToDevice``'s (a buffer that does not fit); nothing is written then.
+        Thread rule: a Ray call.
+        """
+        self._check_running()
+        self._served(lambda: self._copy.ask(CopyToDevice(self._local("write", ref), data)))
+
+    def free_many(self, refs: Sequence[RemoteGpuRef]) -> None:
+        """``Free`` each descriptor, in one Ray call (a slab client gives its slabs back so).
+
+        Args:
+            refs: whole-block descriptors of this device.
+        Raises:
+            InvalidRequest: one is not of this device or is a carve; those before it are freed.
+            DeviceUnavailable: the device was shut down.
+        Thread rule: a Ray call.
+        """
+        self._check_running()
+        for ref in refs:
+            self._free(ref)
 
     def shutdown(self) -> None:
         """Stop the hosted device for good and mark its generation retired (every descriptor then
@@ -226,11 +437,13 @@ class RayDevice:
         with self._lock:
             self._refs.clear()
         self._stopped = True
-        if self._relay.is_alive():
-            self._relay.stop()
-        if self._device.is_alive():
-            self._device.stop()
-        self._ray.get(self._keeper.retire.remote())
+        if self._stage is not None:
+            self._stage.release()
+            self._stage = None
+        for actor in (self._relay, self._copy, self._kernels, self._device):
+            if actor.is_alive():
+                actor.stop()
+        self._ray.get(self._keeper.retire.remote(), timeout=_KEEPER_TIMEOUT_S)
 
 
 def start_ray_device(
@@ -242,6 +455,7 @@ def start_ray_device(
     max_restarts: int = 1,
     num_gpus: float = 0,
     name: str | None = None,
+    restart_on_poison: bool = False,
 ) -> Any:
     """Start a :class:`RayDevice` as a Ray actor pinned to a node.
 
@@ -254,6 +468,8 @@ def start_ray_device(
             generation).
         num_gpus: GPUs the actor reserves; 0 for the host driver.
         name: an optional Ray actor name (in the caller's namespace).
+        restart_on_poison: a sticky error ends the worker process (after marking the generation
+            poisoned), so Ray restarts the device on a new generation; False: it stays poisoned.
     Returns:
         The Ray actor handle; call ``handle.ask.remote(message)``.
     Raises:
@@ -275,4 +491,4 @@ def start_ray_device(
     }
     if name is not None:
         options["name"] = name
-    return ray.remote(RayDevice).options(**options).remote(ordinal, driver_factory, resource)
+    return ray.remote(RayDevice).options(**options).remote(ordinal, driver_factory, resource, restart_on_poison)

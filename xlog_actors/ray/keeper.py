@@ -5,8 +5,12 @@ One named, detached Ray actor per (node, ordinal), named by :func:`keeper_name`,
 a :class:`~xlog_actors.ray.device.RayDevice` bumps it on every (re)start before it serves, and
 after every context rebuild of the device it hosts.
 
-Invariants: the generation only grows (``bump`` is the only writer besides ``retire``, which
-leaves it unchanged); ``accepting`` is False only after ``retire`` and until the next ``bump``.
+The keeper also holds the Ray actor handle of the device that serves its generation, so a process
+holding only a descriptor finds the device that owns its bytes (:func:`~xlog_actors.ray.fetch.fetch`).
+
+Invariants: the generation only grows (``bump`` is the only writer of it); the stale reason is
+None only between a ``bump`` and the next ``retire`` or ``poison``; a ``poison`` of an older
+generation changes nothing (a late report of a device that already restarted).
 The keeper lives on the device's node, so a dead node takes its keeper with it and handles of that
 device fail with a typed error (``GpuRefStale("device state dropped")``) rather than hang.
 
@@ -20,7 +24,12 @@ from typing import Any
 
 from ._require import NAMESPACE, require_ray
 
-__all__ = ["GenerationKeeper", "find_keeper", "keeper_handle", "keeper_name"]
+__all__ = ["POISONED", "SHUTTING_DOWN", "GenerationKeeper", "find_keeper", "keeper_handle", "keeper_name"]
+
+#: The ``GpuRefStale`` reason of a retired generation (the device was shut down).
+SHUTTING_DOWN = "device shutting down"
+#: The ``GpuRefStale`` reason of a poisoned generation (a sticky error; a new process must serve).
+POISONED = "context poisoned"
 
 
 class GenerationKeeper:
@@ -31,17 +40,22 @@ class GenerationKeeper:
 
     def __init__(self) -> None:
         self._generation = 0
-        self._accepting = False
+        self._stale: str | None = SHUTTING_DOWN
+        self._device: Any = None
 
-    def bump(self) -> int:
+    def bump(self, device: Any = None) -> int:
         """Start a new generation (a device (re)started or rebuilt its context) and accept again.
 
+        Args:
+            device: the Ray actor handle of the device that serves it; None keeps the one held.
         Returns:
             The new generation.
         Thread rule: the keeper's Ray actor.
         """
         self._generation += 1
-        self._accepting = True
+        self._stale = None
+        if device is not None:
+            self._device = device
         return self._generation
 
     def retire(self) -> None:
@@ -50,16 +64,37 @@ class GenerationKeeper:
 
         Thread rule: the keeper's Ray actor.
         """
-        self._accepting = False
+        self._stale = SHUTTING_DOWN
 
-    def state(self) -> tuple[int, bool]:
-        """``(generation, accepting)``.
+    def poison(self, generation: int) -> None:
+        """The device of ``generation`` met a sticky error: its handles then fail with
+        ``GpuRefStale("context poisoned")`` until a new device (a restarted process) bumps.
 
-        Returns:
-            The current generation and whether a device serves it.
+        Args:
+            generation: the cluster generation the device served; an older one changes nothing.
         Thread rule: the keeper's Ray actor.
         """
-        return self._generation, self._accepting
+        if generation == self._generation:
+            self._stale = POISONED
+
+    def state(self) -> tuple[int, str | None]:
+        """``(generation, stale)``.
+
+        Returns:
+            The current generation, and None while a device serves it, else the ``GpuRefStale``
+            reason every handle gets (``"device shutting down"``, ``"context poisoned"``).
+        Thread rule: the keeper's Ray actor.
+        """
+        return self._generation, self._stale
+
+    def locate(self) -> tuple[int, str | None, Any]:
+        """``state()`` and the serving device's Ray actor handle (None: no device ever bumped).
+
+        Returns:
+            ``(generation, stale, device)``.
+        Thread rule: the keeper's Ray actor.
+        """
+        return self._generation, self._stale, self._device
 
 
 def keeper_name(node_id: str, ordinal: int) -> str:

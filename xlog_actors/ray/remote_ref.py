@@ -18,6 +18,7 @@ Thread rule: any thread; a descriptor is immutable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import DeviceUnavailable, GpuRefStale
 from ._require import require_ray
@@ -36,7 +37,8 @@ class RemoteGpuRef:
     Fields: ``node_id`` (the Ray node of the device), ``ordinal``, ``generation`` (the cluster
     generation it was made in), ``ptr``, ``nbytes``, ``tag``, ``last_write`` (the ``StreamId``
     value of the last recorded write when the descriptor was made; None: none yet), ``serial``
-    (the block's process-wide allocation serial).
+    (the block's process-wide allocation serial), ``carve`` (0: the whole block; else a
+    :class:`~xlog_actors.ray.slab.SlabClient`'s serial of a carve of that block, its ABA guard).
 
     Thread rule: any thread.
     """
@@ -49,6 +51,7 @@ class RemoteGpuRef:
     tag: str
     last_write: int | None
     serial: int
+    carve: int = 0
 
     def where(self) -> str:
         """Context for an error message: node, ordinal, block, generation.
@@ -68,24 +71,46 @@ class RemoteGpuRef:
             ``self``, still valid at the time of the answer.
         Raises:
             GpuRefStale: ``"context rebuilt"`` (the device restarted or rebuilt since),
-                ``"device shutting down"`` (the device was stopped), ``"device state dropped"``
+                ``"device shutting down"`` (the device was stopped), ``"context poisoned"`` (a
+                sticky error; a restarted device serves a new generation), ``"device state dropped"``
                 (no keeper: its node died, or the device never ran on this cluster).
             DeviceUnavailable: the keeper did not answer within ``timeout_s``.
             ImportError: ray is not installed.
         Thread rule: any thread of a process connected to Ray.
         """
+        self._keeper_says("state", timeout_s)
+        return self
+
+    def owner(self, timeout_s: float = ACCESS_TIMEOUT_S) -> Any:
+        """Validate the descriptor as :meth:`access` does, in the same one Ray call, and find the
+        device that serves it.
+
+        Args:
+            timeout_s: how long to wait for the keeper, in seconds.
+        Returns:
+            The Ray actor handle of the :class:`~xlog_actors.ray.device.RayDevice` holding the
+            bytes (what :func:`~xlog_actors.ray.fetch.fetch` reads them from).
+        Raises:
+            GpuRefStale, DeviceUnavailable, ImportError: as :meth:`access`.
+        Thread rule: any thread of a process connected to Ray.
+        """
+        return self._keeper_says("locate", timeout_s)[2]
+
+    def _keeper_says(self, method: str, timeout_s: float) -> tuple[Any, ...]:
+        """The keeper's answer to ``method`` (``state`` or ``locate``), checked against this descriptor."""
         ray = require_ray()
         keeper = find_keeper(self.node_id, self.ordinal)
         if keeper is None:
             raise GpuRefStale("device state dropped", f"{self.where()}; no generation keeper")
         try:
-            generation, accepting = ray.get(keeper.state.remote(), timeout=timeout_s)
+            answer: tuple[Any, ...] = ray.get(getattr(keeper, method).remote(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise DeviceUnavailable(f"{self.where()}: the generation keeper did not answer in {timeout_s} s") from None
         except ray.exceptions.RayActorError:
             raise GpuRefStale("device state dropped", f"{self.where()}; the generation keeper died") from None
+        generation, stale = answer[0], answer[1]
         if generation != self.generation:
             raise GpuRefStale("context rebuilt", f"{self.where()}; the device is at generation {generation}")
-        if not accepting:
-            raise GpuRefStale("device shutting down", self.where())
-        return self
+        if stale is not None:
+            raise GpuRefStale(stale, self.where())
+        return answer

@@ -26,6 +26,7 @@ from .plan import Plan, make_plan
 from .report import Progress, collect, render_table
 from .result import RowResult, Skipped, Target, percentile
 from .rows import GROUPS, row_names
+from .rows_ray import RAY
 
 __all__ = [
     "GROUPS",
@@ -76,7 +77,8 @@ def run_bench(args: argparse.Namespace) -> int:
     document to ``--json`` (whose directory the parser checked).
 
     Args:
-        args: the parsed ``bench`` flags (``driver``, ``quick``, ``json``, ``only``).
+        args: the parsed ``bench`` flags (``driver``, ``quick``, ``json``, ``only``, ``ray``: also
+            the Ray rows of :mod:`.rows_ray`).
     Returns:
         0, or 1 when a group of rows failed with an error.
     Raises:
@@ -85,8 +87,9 @@ def run_bench(args: argparse.Namespace) -> int:
     Thread rule: the command's main thread.
     """
     only = getattr(args, "only", None)
+    groups = GROUPS + ((RAY,) if getattr(args, "ray", False) else ())
     if only:
-        known = list(row_names())
+        known = [name for group in groups for name in group.names]
         unknown = [o for o in only if not any(o.lower() in n.lower() for n in known)]
         if unknown:
             raise UsageError(f"--only {', '.join(map(repr, unknown))} matches no row; rows: {', '.join(known)}")
@@ -98,7 +101,7 @@ def run_bench(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        doc = collect(driver, args.quick, only, progress)
+        doc = collect(driver, args.quick, only, progress, groups)
     finally:
         progress.done()
         driver.close()
