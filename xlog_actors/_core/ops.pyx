@@ -10,7 +10,9 @@
   ``CudaStream._enter``, with the stream's (and event's) device, epoch and liveness read as one
   identity, ``_live is device.epoch_token``. The device's side of them (epoch, token, poisoned flag, pool, live
   sets) is cached and re-read only when the device's ``stamp`` moved (see ``CudaDevice``), so a
-  call reads the stamp, the thread's context token and three attributes of the stream. Anything else (a closed stream, a
+  call reads the stamp, the thread's context token (one dict lookup: the calling thread's own
+  dict of the thread-local marker is kept for the last thread that called) and the stream's
+  ``_live`` (the last stream's handle is kept too). Anything else (a closed stream, a
   rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
   raises the precise error or makes the context current. A failed CUDA call is mapped by the
   device's own ``fail``, exactly as the Python driver maps it.
