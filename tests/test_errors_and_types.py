@@ -96,6 +96,17 @@ def test_generation_is_strictly_increasing_across_threads() -> None:
     assert Generation.next() > max(everything)
 
 
+def test_generations_are_made_by_the_cheap_copy_and_behave_as_ints() -> None:
+    # The compiled core builds a Generation by copying an int's body into the subclass (see
+    # blocks.pyx); it checks itself against the type call on import and would fall back.
+    from xlog_actors._core import blocks
+
+    assert blocks._GENERATION_BY_COPY, "the copy disagreed with the type call on this Python"
+    g = Generation.next()
+    assert type(g) is Generation and repr(g) == f"Generation({int(g)})"
+    assert Generation.next() > g and hash(g) == hash(int(g)) and {g: 1}[int(g)] == 1
+
+
 def _block(**over: Any) -> DeviceBlock:
     fields: dict[str, Any] = {
         "ptr": 0x1000,

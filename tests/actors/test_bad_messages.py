@@ -331,6 +331,9 @@ def test_a_poisoned_devices_answers_are_the_bare_errors_and_count_no_restart(hos
 def test_a_stopped_devices_answers_keep_their_cause(host_driver: xa.HostDriver) -> None:
     device = xa.DeviceActor.start(0, driver=host_driver, supervisor=xa.Supervisor(max_restarts=0))
     try:
+        # The first context is built in on_start, on the actor's thread: a fault planted before
+        # it would be met by that build, whose rebuild (not counted) clears it.
+        assert device.ask(xa.GetStats(), timeout=TIMEOUT).status == "running"
         host_driver.inject_fault(0, "context_lost")
         with pytest.raises((xa.ContextLost, xa.DeviceUnavailable)):
             device.ask(xa.Allocate(64), timeout=TIMEOUT)

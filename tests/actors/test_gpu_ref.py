@@ -287,3 +287,51 @@ def test_dropping_the_last_reference_frees_through_the_device(
     assert stats.bytes_outstanding == 0
     assert host_driver.live_allocations(0) == 0
     assert host_driver.mem_info(0)[0] == host_driver.mem_info(0)[1]
+
+
+def test_a_handle_is_made_only_of_a_handle_class(device: pykka.ActorRef[Any]) -> None:
+    # The compiled constructor calls the base's allocator directly; it must refuse any other type.
+    from xlog_actors._core.handles import make_handle
+
+    ref = device.ask(xa.Allocate(64))
+    with pytest.raises(TypeError, match="not a subclass of HandleCore"):
+        make_handle(int, ref.block, ref.context)  # type: ignore[arg-type]
+    twin = make_handle(xa.GpuRef, ref.block, ref.context)
+    assert type(twin) is xa.GpuRef and twin.generation == ref.generation and twin.access() is ref.block
+    twin._mark_released()  # one free for the block: the original's
+
+
+class _SlotLifecycle:
+    __slots__ = ("_context",)
+
+    def __init__(self) -> None:
+        self._context = None
+
+    @property
+    def context(self) -> None:
+        raise AssertionError("the client reads the slot, not the property")
+
+
+class _PropertyLifecycle:
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @property
+    def context(self) -> None:
+        self.reads += 1
+        return None
+
+
+@pytest.mark.parametrize("lifecycle_type", [_SlotLifecycle, _PropertyLifecycle])
+def test_the_client_reads_the_running_context_of_either_lifecycle_shape(lifecycle_type: type) -> None:
+    from xlog_actors._core.client_core import ClientCore
+
+    class Client(ClientCore):
+        def _allocate_slow(self, nbytes: int, stream: Any, tag: Any) -> str:
+            return "slow"
+
+    lifecycle = lifecycle_type()
+    cell = type("Cell", (), {"lifecycle": lifecycle})()
+    assert Client(cell, xa.GpuRef).allocate(64) == "slow", "no running context: the slow path"
+    if isinstance(lifecycle, _PropertyLifecycle):
+        assert lifecycle.reads == 1

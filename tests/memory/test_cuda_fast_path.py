@@ -264,3 +264,87 @@ def test_direct_allocation_takes_the_c_path_and_claims_its_pointer(rig: Any) -> 
     rig.driver._closed = True
     res.deallocate(res.allocate(64))
     assert rig.driver.slow == ["alloc", "free"], "a closed driver answers through its Python methods"
+
+
+def _in_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    return out[0]
+
+
+class _LocalWithDefault(threading.local):
+    token: object = None  # a class attribute: read through getattr, not the thread's dict
+
+
+@pytest.mark.parametrize("local_type", [threading.local, _LocalWithDefault])
+def test_the_current_context_check_follows_each_thread(rig: Any, local_type: type) -> None:
+    # The core keeps the last calling thread's dict of the thread-local marker; every other
+    # thread, and every change in this one, must still be seen.
+    tls = local_type()
+    tls.token = rig.dev.token
+    rig.driver.tls = tls
+    res = AsyncCudaResource(rig.driver, 0, rig.res.stream_pool)
+    res.deallocate(res.allocate(64))
+    assert rig.driver.slow == []
+    _in_thread(lambda: res.deallocate(res.allocate(64)))  # the context is not current there
+    assert rig.driver.slow == ["alloc_async", "free_async"]
+
+    def current_there() -> None:
+        tls.token = rig.dev.token
+        res.deallocate(res.allocate(64))
+
+    _in_thread(current_there)
+    res.deallocate(res.allocate(64))  # back in this thread, whose dict the core re-reads
+    assert rig.driver.slow == ["alloc_async", "free_async"]
+    tls.token = None  # as CudaDevice.fail after CUDA_ERROR_INVALID_CONTEXT
+    res.deallocate(res.allocate(64))
+    assert rig.driver.slow == ["alloc_async", "free_async"] * 2
+
+
+def test_calls_on_alternating_streams_pass_each_its_own_handle(rig: Any) -> None:
+    # The core keeps the last stream's handle; a call on another stream object reads its own.
+    b0 = rig.res.allocate(64, StreamId(0))
+    b1 = rig.res.allocate(64, StreamId(1))
+    rig.res.deallocate(b0)
+    s2 = FakeStream(rig.dev, 0x5200, 3)  # another stream object under the same id
+    rig.res.stream_pool.streams[StreamId(1)] = s2
+    rig.res.deallocate(b1)
+    assert [(e[0], e[-1]) for e in rig.cuda.log] == [
+        ("alloc_from_pool", 0x5000), ("alloc_from_pool", 0x5100), ("free_async", 0x5000), ("free_async", 0x5200)
+    ]
+    assert rig.driver.slow == []
+
+
+@pytest.mark.timeout(60)
+def test_threads_taking_turns_on_one_resource_each_get_their_own_context_check(driver: Any) -> None:
+    # On CUDA: the core keeps one thread's dict of the context marker at a time; threads that take
+    # turns (a new thread's context is not current until its first call's slow path makes it so)
+    # must each be checked against their own. Every pair must succeed and the counters add up.
+    import xlog_actors as xa
+
+    pool = xa.StreamPool(driver, 0)
+    res = AsyncCudaResource(driver, 0, pool)
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            barrier.wait(timeout=30)
+            for _ in range(200):
+                res.deallocate(res.allocate(4096))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert res.live_bytes() == 0 and res.pending_free_bytes() == 800 * 4096
+    res.reap_pending()
+    assert res.bytes_outstanding() == 0
+    pool.close()

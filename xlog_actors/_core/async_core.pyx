@@ -28,6 +28,9 @@ and the tracking hooks all move the same per-block entries under the same lock, 
 above are checkable only when read in one place.
 """
 
+cimport cython
+from cpython.dict cimport PyDict_GetItem, PyDict_SetDefault
+from cpython.object cimport PyObject
 from posix.time cimport clock_gettime, timespec
 
 from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
@@ -118,6 +121,17 @@ cdef class EventPool:
         self._free.append(event)
 
 
+@cython.final
+cdef class _Pending:
+    """Bytes whose free is queued on one stream and not yet reaped: a C counter, so a free adds
+    to it without making an ``int`` or storing one back into the map."""
+
+    cdef long long nbytes
+
+
+# Allocation makes one entry and free drops it: a free list spares the memory allocator both.
+@cython.freelist(64)
+@cython.final
 cdef class _Entry:
     """Tracking state of one live block."""
 
@@ -169,7 +183,7 @@ cdef class AsyncCore(ResourceCore):
     cdef EventPool _events
     cdef dict _live
     cdef long long _live_bytes
-    cdef dict _pending
+    cdef dict _pending  # stream id -> _Pending
     cdef long long _pending_bytes
 
     def __init__(self, driver, ordinal, stream_pool):
@@ -233,7 +247,7 @@ cdef class AsyncCore(ResourceCore):
         """
         lock_acquire(self._lock)
         try:
-            return sum(self._pending.values())
+            return sum([(<_Pending>p).nbytes for p in self._pending.values()])
         finally:
             lock_release(self._lock)
 
@@ -309,6 +323,7 @@ cdef class AsyncCore(ResourceCore):
         cdef _Entry entry
         cdef DeviceBlock block
         cdef bint collision
+        cdef PyObject* found
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
         cu_stream = self._stream_of(stream)
@@ -324,9 +339,10 @@ cdef class AsyncCore(ResourceCore):
         entry.created = _now()
         block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
         lock_acquire(self._lock)
-        collision = ptr in self._live
+        # One lookup: the entry goes in unless the pointer is live already.
+        found = PyDict_SetDefault(self._live, ptr, entry)
+        collision = found != <PyObject*>entry
         if not collision:
-            self._live[ptr] = entry
             self._live_bytes += entry.nbytes
         lock_release(self._lock)
         if not collision:
@@ -356,6 +372,8 @@ cdef class AsyncCore(ResourceCore):
         Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
         """
         cdef _Entry entry
+        cdef _Pending pending
+        cdef PyObject* found
         if _ordinal_of(block) != self._ordinal:
             check_device("AsyncCudaResource.deallocate", self._ordinal, block)
         ptr = _ptr_of(block)
@@ -380,7 +398,13 @@ cdef class AsyncCore(ResourceCore):
             self._ops.free_async(ptr, alloc_stream)
             del self._live[ptr]
             self._live_bytes -= entry.nbytes
-            self._pending[alloc_sid] = self._pending.get(alloc_sid, 0) + entry.nbytes
+            found = PyDict_GetItem(self._pending, alloc_sid)
+            if found == NULL:
+                pending = _Pending.__new__(_Pending)
+                self._pending[alloc_sid] = pending
+            else:
+                pending = <_Pending>found
+            pending.nbytes += entry.nbytes
             self._pending_bytes += entry.nbytes
             if lw_event is not None:
                 self._events._free.append(lw_event)
@@ -427,6 +451,8 @@ cdef class AsyncCore(ResourceCore):
         """
         cdef long long synced = 0
         cdef Py_ssize_t failed_at, i
+        cdef _Pending pending
+        cdef PyObject* found
         lock_acquire(self._lock)
         drained = self._pending
         if not drained:
@@ -438,17 +464,22 @@ cdef class AsyncCore(ResourceCore):
         failed_at = len(items)
         error = None
         for i in range(len(items)):
-            stream_id, nbytes = items[i]
+            stream_id, counted = items[i]
             try:
                 sync_stream(stream_id)
             except BaseException as exc:  # re-raised below once state is restored
                 failed_at = i
                 error = exc
                 break
-            synced += nbytes
+            synced += (<_Pending>counted).nbytes
         lock_acquire(self._lock)
-        for stream_id, nbytes in items[failed_at:]:
-            self._pending[stream_id] = self._pending.get(stream_id, 0) + nbytes
+        for stream_id, counted in items[failed_at:]:
+            found = PyDict_GetItem(self._pending, stream_id)
+            if found == NULL:
+                self._pending[stream_id] = counted  # nobody else holds the drained counter
+            else:
+                pending = <_Pending>found
+                pending.nbytes += (<_Pending>counted).nbytes
         self._pending_bytes -= synced
         lock_release(self._lock)
         if error is not None:

@@ -13,6 +13,8 @@ __all__ = [
     "make_block",
 ]
 
+_GENERATION_BY_COPY: bool
+
 class StreamId(int):
     DEFAULT: ClassVar[StreamId]
 

@@ -18,7 +18,7 @@ Thread rule: ``allocate``/``free``/``is_current``/``reclaim`` may run on any thr
 
 from collections import deque
 
-from .handles cimport new_handle
+from .handles cimport new_handle_with
 
 from ..driver.checks import check_nbytes
 from ..errors import CorruptionDetected, InvalidRequest, OutOfMemory
@@ -97,7 +97,7 @@ cdef class ContextCore:
         except OutOfMemory as exc:
             raise self._out_of_memory(exc) from None
         self.blocks[block.ptr] = block
-        return new_handle(self._handle_type, block, self)
+        return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token)
 
     def allocate_many(self, sizes, stream, tag):
         """Allocate one block per size, all or none, and wrap each in a handle.
@@ -133,9 +133,10 @@ cdef class ContextCore:
             raise
         table = self.blocks
         handles = []
+        cls, generation, state_ref, token = self._handle_type, self.generation, self.state_ref, self.token
         for block in blocks:
             table[block.ptr] = block
-            handles.append(new_handle(self._handle_type, block, self))
+            handles.append(new_handle_with(cls, block, self, generation, state_ref, token))
         return handles
 
     def free(self, block):

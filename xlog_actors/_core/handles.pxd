@@ -11,3 +11,5 @@ cdef class HandleCore:
     cdef object __weakref__
 
 cdef HandleCore new_handle(type cls, object block, object context)
+cdef HandleCore new_handle_with(type cls, object block, object context, object generation, object state_ref,
+                                object token)

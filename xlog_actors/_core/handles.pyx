@@ -16,6 +16,7 @@ Thread rule: any thread. ``_mark_released`` reads and writes the flag with the G
 Python code in between, so of many threads releasing one handle exactly one wins, without a lock.
 """
 
+from cpython.type cimport PyType_IsSubtype
 from cpython.weakref cimport PyWeakref_GetObject
 
 from .blocks import StreamId
@@ -86,13 +87,36 @@ cdef class HandleCore:
                 pass  # at interpreter exit pykka may be gone: nothing leaks then, the process ends
 
 
+cdef extern from *:
+    """
+    /* An instance of `cls`, a subclass of `base`, made by `base`'s own tp_new (the C allocator,
+       which bypasses the subclass's refusing __new__): what `base.__new__(cls)` does, without
+       looking `__new__` up and calling it through Python (about 800 instructions). The caller
+       checked that `cls` is a subclass of `base`. */
+    static PyObject *xa_new_as(PyObject *base, PyObject *cls, PyObject *no_args) {
+        return ((PyTypeObject *)base)->tp_new((PyTypeObject *)cls, no_args, NULL);
+    }
+    """
+    object xa_new_as(object base, object cls, object no_args)
+
+
+cdef tuple _NO_ARGS = ()
+
+
 cdef HandleCore new_handle(type cls, object block, object context):
-    # HandleCore.__new__ is the C allocator: it bypasses the subclass's refusing ``__new__``.
-    cdef HandleCore ref = HandleCore.__new__(cls)
+    return new_handle_with(cls, block, context, context.generation, context.state_ref, context.token)
+
+
+cdef HandleCore new_handle_with(type cls, object block, object context, object generation, object state_ref,
+                                object token):
+    cdef HandleCore ref
+    if not PyType_IsSubtype(cls, HandleCore):
+        raise TypeError(f"make_handle: {cls.__name__} is not a subclass of HandleCore")
+    ref = <HandleCore>xa_new_as(HandleCore, cls, _NO_ARGS)
     ref._block = block
-    ref._generation = context.generation
-    ref._state = context.state_ref
-    ref._token = context.token
+    ref._generation = generation
+    ref._state = state_ref
+    ref._token = token
     ref._context = context
     ref._last_write = None
     ref._released = False

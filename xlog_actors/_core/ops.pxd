@@ -29,6 +29,11 @@ cdef class DriverOps:
 cdef class CudaOps(DriverOps):
     cdef object _dev
     cdef object _tls
+    cdef bint _tls_plain
+    cdef object _tls_dict
+    cdef unsigned long long _tls_thread
+    cdef object _last_stream
+    cdef CUstream _last_handle
     cdef object _stream_type
     cdef object _event_type
     cdef object _cuda_result
@@ -47,7 +52,9 @@ cdef class CudaOps(DriverOps):
     cdef MemAlloc_t _mem_alloc
     cdef MemFree_t _mem_free
     cdef bint _current(self)
+    cdef object _thread_token(self)
     cdef bint _stream_ok(self, object s)
+    cdef CUstream _handle_of(self, object s) except? NULL
 
 
 cpdef DriverOps ops_for(object driver, object ordinal)

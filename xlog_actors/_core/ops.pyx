@@ -10,7 +10,9 @@
   ``CudaStream._enter``, with the stream's (and event's) device, epoch and liveness read as one
   identity, ``_live is device.epoch_token``. The device's side of them (epoch, token, poisoned flag, pool, live
   sets) is cached and re-read only when the device's ``stamp`` moved (see ``CudaDevice``), so a
-  call reads the stamp, the thread's context token and three attributes of the stream. Anything else (a closed stream, a
+  call reads the stamp, the thread's context token (one dict lookup: the calling thread's own
+  dict of the thread-local marker is kept for the last thread that called) and the stream's
+  ``_live`` (the last stream's handle is kept too). Anything else (a closed stream, a
   rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
   raises the precise error or makes the context current. A failed CUDA call is mapped by the
   device's own ``fail``, exactly as the Python driver maps it.
@@ -27,7 +29,21 @@ Thread rule: any thread; an ops object's only mutable state is its cached view o
 read and written with the GIL held.
 """
 
+from cpython.dict cimport PyDict_GetItem
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromUnsignedLongLong
+from cpython.object cimport PyObject
+from cpython.pystate cimport PyThreadState, PyThreadState_Get
+
+import threading
+
+
+cdef extern from "Python.h":
+    # Unique per thread state for the interpreter's life (never reused), so a cached id cannot
+    # match a thread state that died and was replaced.
+    unsigned long long PyThreadState_GetID(PyThreadState* tstate)
+
+
+cdef object _PlainLocal = threading.local
 
 __all__ = ["CudaOps", "DriverOps", "ops_for"]
 
@@ -93,6 +109,11 @@ cdef class CudaOps(DriverOps):
         DriverOps.__init__(self, driver, ordinal)
         self._dev = device
         self._tls = tls
+        self._tls_plain = type(tls) is _PlainLocal
+        self._tls_dict = None
+        self._tls_thread = 0  # no thread state has id 0
+        self._last_stream = None
+        self._last_handle = NULL
         self._stream_type = stream_type
         self._event_type = event_type
         self._cuda_result = cuda_result
@@ -124,12 +145,47 @@ cdef class CudaOps(DriverOps):
             self._pool_live = dev.pool_live
             self._direct_live = dev.direct_live
             self._stamp = stamp
-        return self._live and getattr(self._tls, "token", None) is self._token
+        return self._live and self._thread_token() is self._token
+
+    cdef object _thread_token(self):
+        """``getattr(tls, "token", None)`` in the calling thread. A plain ``threading.local``'s
+        attribute read costs a thread-state dict lookup, a type lookup and the attribute's dict
+        lookup (about 430 instructions); the calling thread's own dict of ``tls`` is cached here
+        for the last thread state that asked, so a repeated call from it is one dict lookup.
+        That dict is the one ``tls`` reads and writes in that thread for as long as the thread
+        state lives (``threading.local``'s ``__dict__`` cannot be replaced), and a thread state's
+        id is never reused, so a cached dict is never another thread's."""
+        cdef unsigned long long tid
+        cdef PyObject* found
+        if not self._tls_plain:
+            return getattr(self._tls, "token", None)
+        tid = PyThreadState_GetID(PyThreadState_Get())
+        if tid != self._tls_thread:
+            # Keep the old dict referenced until both fields are set: dropping it could run a
+            # finalizer, and another thread must never see this thread's id beside its dict.
+            old = self._tls_dict
+            self._tls_dict = self._tls.__dict__
+            self._tls_thread = tid
+            del old
+        found = PyDict_GetItem(self._tls_dict, "token")
+        return <object>found if found != NULL else None
 
     cdef bint _stream_ok(self, object s):
         """``s`` is a live stream of this device's current epoch (call after ``_current``): its
         ``_live`` is the device's ``epoch_token`` exactly while that holds (see ``CudaStream``)."""
         return type(s) is self._stream_type and s._live is self._live_token
+
+    cdef CUstream _handle_of(self, object s) except? NULL:
+        """The CUDA handle of stream ``s``. A stream's ``_handle`` never changes, so the last
+        stream's is kept here (the stream itself held, so its identity cannot be reused) and a
+        run of calls on one stream reads no attribute for it."""
+        if s is not self._last_stream:
+            # Both fields set before the old stream is let go: dropping it could run Python code.
+            old = self._last_stream
+            self._last_handle = PyLong_AsVoidPtr(s._handle)
+            self._last_stream = s
+            del old
+        return self._last_handle
 
     cdef object alloc_async(self, object nbytes, object stream):
         cdef CUdeviceptr ptr = 0
@@ -137,7 +193,7 @@ cdef class CudaOps(DriverOps):
         if (not self._current() or self._pool_obj is None or not self._stream_ok(stream)
                 or type(nbytes) is not int or nbytes <= 0):
             return DriverOps.alloc_async(self, nbytes, stream)
-        err = self._alloc_from_pool(&ptr, <size_t>nbytes, self._pool, PyLong_AsVoidPtr(stream._handle))
+        err = self._alloc_from_pool(&ptr, <size_t>nbytes, self._pool, self._handle_of(stream))
         if err != 0:
             self._dev.fail(self._cuda_result(err),
                            f"cuMemAllocFromPoolAsync({nbytes} bytes, stream {stream._id})", nbytes)
@@ -150,7 +206,7 @@ cdef class CudaOps(DriverOps):
         if not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0:
             DriverOps.free_async(self, ptr, stream)
             return
-        err = self._free_async(<CUdeviceptr>ptr, PyLong_AsVoidPtr(stream._handle))
+        err = self._free_async(<CUdeviceptr>ptr, self._handle_of(stream))
         if err != 0:
             self._dev.fail(self._cuda_result(err), f"cuMemFreeAsync({ptr:#x}, stream {stream._id})")
         self._pool_live.discard(ptr)
@@ -161,7 +217,7 @@ cdef class CudaOps(DriverOps):
                 or event._live is not self._live_token):
             DriverOps.record(self, event, stream)
             return
-        err = self._event_record(PyLong_AsVoidPtr(event._h), PyLong_AsVoidPtr(stream._handle))
+        err = self._event_record(PyLong_AsVoidPtr(event._h), self._handle_of(stream))
         if err != 0:
             self._dev.fail(self._cuda_result(err), f"cuEventRecord(stream {stream._id})")
 
@@ -171,7 +227,7 @@ cdef class CudaOps(DriverOps):
                 or event._live is not self._live_token):
             DriverOps.wait(self, stream, event)
             return
-        err = self._stream_wait_event(PyLong_AsVoidPtr(stream._handle), PyLong_AsVoidPtr(event._h), 0)
+        err = self._stream_wait_event(self._handle_of(stream), PyLong_AsVoidPtr(event._h), 0)
         if err != 0:
             self._dev.fail(self._cuda_result(err), f"cuStreamWaitEvent(stream {stream._id})")
 
