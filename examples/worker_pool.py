@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import pickle
-import queue
 import sys
 import time
 from collections import deque
@@ -51,6 +50,7 @@ def batch_input(batch: int) -> np.ndarray:
 
 def read(handle: Any) -> np.ndarray:
     """The handle's values, after its last exported write (a ``SharedGpuRef``, either driver)."""
+    values: np.ndarray
     if handle.export.driver == "host":
         values = np.frombuffer(handle.view(timeout_s=TIMEOUT_S), np.float32).copy()
     else:
@@ -79,49 +79,58 @@ def write(handle: Any, values: np.ndarray) -> None:
 
 
 def worker(tasks: Any, results: Any) -> None:
-    """A worker process: take ``(batch, handle)`` until ``None``; check, double, answer."""
+    """A worker process: take ``(batch, pickled handle)`` until ``None``; check, double, answer."""
     while (task := tasks.get(timeout=TIMEOUT_S)) is not None:
-        batch, handle = task  # unpickled as a SharedGpuRef: the device process's memory
+        batch, pickled = task
+        handle = None
         try:
+            handle = pickle.loads(pickled)  # a SharedGpuRef: the device process's memory
             values = read(handle)
             if not np.array_equal(values, batch_input(batch)):
                 results.put((batch, "bad input"))
                 continue
             write(handle, values * 2)
             results.put((batch, "ok"))
-        except xa.GpuRefStale as exc:  # the device restarted: the parent redoes the batch
-            results.put((batch, exc.reason))
+        except (xa.GpuRefStale, xa.DeviceUnavailable) as exc:  # the device process died: redo
+            results.put((batch, type(exc).__name__))
         finally:
-            handle.release()  # the device process may free it once no process holds it
+            if handle is not None:
+                handle.release()  # the device process may free it once no process holds it
 
 
-def open_here(ref: xa.GpuRef) -> Any:
+def open_here(ref: Any) -> Any:
     """The parent's own view of the memory: a handle of an isolated device, imported here."""
     return pickle.loads(pickle.dumps(ref))
 
 
 def run(driver: str, batches: int, fault_after: int) -> dict[str, Any]:
     resource = "direct" if driver == "cuda" else None  # the GPU's default pool is not IPC-capable
-    device = xa.DeviceActor.start(0, driver, resource=resource, isolate=True)
+    device: Any = xa.DeviceActor.start(0, driver, resource=resource, isolate=True)  # its ask answers Any
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     tasks, results = ctx.Queue(), ctx.Queue()
     workers = [ctx.Process(target=worker, args=(tasks, results), name=f"worker-{i}") for i in range(2)]
     for w in workers:
         w.start()
-    pending, in_flight = deque(range(batches)), {}
+    pending, in_flight = deque(range(batches)), dict[int, tuple[Any, Any]]()
     verified, redone, restart_s = 0, 0, None
     fault_at: float | None = None
     try:
         while verified < batches:
             while pending and len(in_flight) < WINDOW:
                 batch = pending.popleft()
-                ref = device.ask(xa.Allocate(4 * N, tag=xa.AllocTag("batch")), timeout=TIMEOUT_S)
-                if fault_at is not None and restart_s is None:
-                    restart_s = time.monotonic() - fault_at  # the first allocation of the new process
-                here = open_here(ref)
-                write(here, batch_input(batch))
+                try:
+                    ref = device.ask(xa.Allocate(4 * N, tag=xa.AllocTag("batch")), timeout=TIMEOUT_S)
+                    if fault_at is not None and restart_s is None:
+                        restart_s = time.monotonic() - fault_at  # the first allocation of the new process
+                    here = open_here(ref)
+                    write(here, batch_input(batch))
+                    # Pickled here, not in the queue's feeder thread: a handle that went stale
+                    # meanwhile would be dropped there with only a traceback on stderr.
+                    tasks.put((batch, pickle.dumps(ref)))
+                except xa.GpuRefStale:  # the device process died under this batch: retry it
+                    pending.appendleft(batch)
+                    continue
                 in_flight[batch] = (ref, here)
-                tasks.put((batch, ref))
             batch, outcome = results.get(timeout=TIMEOUT_S)
             ref, here = in_flight.pop(batch)
             try:
