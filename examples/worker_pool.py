@@ -111,7 +111,8 @@ def run(driver: str, batches: int, fault_after: int) -> dict[str, Any]:
     workers = [ctx.Process(target=worker, args=(tasks, results), name=f"worker-{i}") for i in range(2)]
     for w in workers:
         w.start()
-    pending, in_flight = deque(range(batches)), dict[int, tuple[Any, Any]]()
+    pending = deque(range(batches))
+    in_flight: dict[int, tuple[Any, Any]] = {}  # batch -> (its GpuRef, the parent's import of it)
     verified, redone, restart_s = 0, 0, None
     fault_at: float | None = None
     try:
