@@ -36,7 +36,7 @@ from .result import Target
 
 __all__ = ["TRAINING", "run_half"]
 
-_STREAM = 0x51  # a foreign stream handle for the bridge's cache key (never used as a stream on the host)
+_HOST_STREAM = 0x51  # a foreign stream handle for the bridge's cache key (the host driver never uses it)
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 _NO_CUDA = 3  # training_loop's exit status when torch cannot use CUDA
@@ -89,6 +89,7 @@ class _Bridge:
     allocator: DeviceAllocator
     alloc: Any  # the exported functions, typed as torch declares them
     free: Any
+    stream: int  # the foreign stream handle the pairs name
 
 
 @contextlib.contextmanager
@@ -96,6 +97,9 @@ def _bridge(ctx: Context) -> Iterator[_Bridge]:
     if alloc_bridge.registered(0) is not None:
         raise SkipRow("CUDA device 0 already routes its allocations through the bridge in this process")
     device = DeviceActor.start(0, ctx.driver)
+    # On CUDA the allocator orders the foreign stream around each block (events on it): it must
+    # be a real stream (an invented handle crashed the process on an H200).
+    foreign = ctx.driver.create_stream(0) if ctx.driver.kind == "cuda" else None
     try:
         allocator = DeviceAllocator(as_client(device), "bench")
         lib = ctypes.CDLL(alloc_bridge.library_path())
@@ -107,30 +111,33 @@ def _bridge(ctx: Context) -> Iterator[_Bridge]:
         free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         alloc_bridge.register(0, allocator)
         try:
-            yield _Bridge(allocator, alloc, free)
+            yield _Bridge(allocator, alloc, free, _HOST_STREAM if foreign is None else int(foreign.handle))
         finally:
             alloc_bridge.unregister(0, allocator)
             allocator.close()
     finally:
         device.stop()
+        if foreign is not None:
+            foreign.synchronize()
+            foreign.close()
 
 
 def _cache_hit_pair(f: _Bridge) -> Op:
-    alloc, free = f.alloc, f.free
+    alloc, free, stream = f.alloc, f.free, f.stream
 
     def ours(n: int) -> None:
         for _ in range(n):
-            free(alloc(SIZE, 0, _STREAM), SIZE, 0, _STREAM)
+            free(alloc(SIZE, 0, stream), SIZE, 0, stream)
 
     return ours
 
 
 def _python_pair(f: _Bridge) -> Op:
-    allocate, free = f.allocator.allocate, f.allocator.free
+    allocate, free, stream = f.allocator.allocate, f.allocator.free, f.stream
 
     def ref(n: int) -> None:
         for _ in range(n):
-            free(allocate(SIZE, _STREAM), SIZE, _STREAM)
+            free(allocate(SIZE, stream), SIZE, stream)
 
     return ref
 
