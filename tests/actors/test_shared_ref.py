@@ -300,21 +300,27 @@ def test_gpu_exports_interfaces_staleness_and_pool_refusal(
 
 
 def _slow_writer_hazard(peer: Connection, device: pykka.ActorRef[Any], driver: Any, ordered: bool) -> None:
-    writer = xa.CopyActor.start(device)
+    # The write goes through the driver on a stream of the device's pool, recorded on the handle
+    # as a library actor records it: a CopyActor on the ``direct`` stack (the one legacy CUDA IPC
+    # exports) synchronizes its stream before it replies, so the consumer could never race it.
     reader = xa.CopyActor.start(device)
     n = 1 << 14
     ref = device.ask(xa.Allocate(4 * n))
     reader.ask(xa.Fill(ref, 0))
     reader.ask(xa.CopyToHost(ref, nbytes=4))  # the zero fill is complete
-    slow = ref.context.runtime.stream_pool.resolve(writer.proxy().stream_id.get())
     # A pinned source: from pageable memory CUDA may return from the copy call only once the
     # stream reached it (after the sleep), and the hazard would never show on a GPU.
     source = device.ask(xa.AllocatePinned(4 * n))
     source.array(np.float32)[:] = 2.0
+    pool = ref.context.runtime.stream_pool
+    stream_id = pool.acquire()
+    slow = pool.resolve(stream_id)
     driver.sleep(slow, 400_000)
-    writer.ask(xa.CopyToDevice(ref, source))
+    driver.copy_to_device(ref.raw_device_ptr(), source.view(), slow)
+    ref.record_write(stream_id)
     peer.send(("read", ref, ordered, 4 * n))
     got = np.frombuffer(_reply(peer), np.float32)
+    slow.synchronize()
     if ordered:
         assert (got == 2.0).all()
     else:
