@@ -205,3 +205,20 @@ def test_a_failed_rebuild_ends_the_run_with_its_error(driver: xa.Driver, monkeyp
     result = run_pipeline(driver, PipelineConfig(batches=8, batch_bytes=1 << 12, rebuild_at=2, timeout_s=60))
     assert not result.ok and result.generation == 0
     assert len(result.errors) == 1 and result.errors[0].startswith("rebuild at batch 2: InvalidRequest"), result.errors
+
+
+def test_a_run_that_fails_before_it_starts_leaves_no_landing_thread(
+    driver: xa.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure the run does not turn into a result (here in its warm-up) propagates, and the
+    landing thread of that run ends with it instead of waiting forever."""
+    import threading
+
+    def broken(self: object) -> None:
+        raise RuntimeError("warm-up broke")
+
+    monkeypatch.setattr(pipeline._Run, "warm_up", broken)
+    before = sum(t.name == "demo-landing" for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match="warm-up broke"):
+        run_pipeline(driver, PipelineConfig(batches=2, batch_bytes=1 << 12))
+    assert sum(t.name == "demo-landing" for t in threading.enumerate()) == before

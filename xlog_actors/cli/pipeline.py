@@ -209,9 +209,10 @@ class _Landing:
         self._todo.put((batch, reply))
 
     def close(self) -> None:
-        """Stop once every watched copy is reported."""
-        self._todo.put(None)
-        self._thread.join()
+        """Stop once every watched copy is reported. Idempotent."""
+        if self._thread.is_alive():
+            self._todo.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         while (item := self._todo.get()) is not None:
@@ -483,6 +484,7 @@ def run_pipeline(
     if device is None:
         device = DeviceActor.start(ordinal, driver)
     started: list[pykka.ActorRef[Any]] = []
+    run: _Run | None = None
     try:
         # depth + 1 distinct inputs: a ring slot never gets the input it held before, so a kernel
         # that reads its input too early (tracking off) reads the wrong numbers.
@@ -506,6 +508,8 @@ def run_pipeline(
         seconds = _drive(run, cfg, progress)
         stats = device.ask(GetStats(), block=True)
     finally:
+        if run is not None:
+            run.landing.close()  # done by _drive; here for a failure before it (a thread per run otherwise)
         for ref in reversed(started):
             ref.stop()
         if own_device:
