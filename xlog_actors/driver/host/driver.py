@@ -47,6 +47,7 @@ from .ipc import HostIpcEvent, HostMemoryExport
 from .launch import KernelMemory, kernel_work
 from .memory import align_up
 from .pinned import HostPinnedTable
+from .staging import StagingPool
 from .stream import HostEvent, HostStream
 
 __all__ = ["HostDriver"]
@@ -110,6 +111,7 @@ class HostDriver:
             raise
         self._closed = False
         self._pinned = HostPinnedTable()
+        self._staging = StagingPool()
         _live_drivers.add(self)
 
     def __repr__(self) -> str:
@@ -321,21 +323,38 @@ class HostDriver:
         """Enqueue a copy of ``data`` to ``ptr``: snapshotted now, as CUDA stages pageable memory,
         or read when the copy runs where ``data`` lies in pinned memory (as CUDA reads it).
 
+        A large snapshot lands in a staging buffer reused from earlier copies (warm pages, no
+        fresh allocation); the copy into device memory is one ``memcpy``.
+
         Raises:
             DriverError: ``CUDA_ERROR_INVALID_VALUE`` for a range outside device memory; and
                 whatever the gate raises.
         Thread rule: any thread; the bytes of a pinned ``data`` must stay put until the copy ran.
         """
         view = memoryview(data).cast("B")
-        # Pinned bytes are read when the copy runs; the queued work holds the view (and so the
-        # pinned memory's owner) until then.
-        snapshot: bytes | memoryview = view if self._pinned.holds(view) else bytes(view)
+        nbytes = len(view)
         dev = self._stream_device(stream)
-        offset = dev.offset_of(ptr, len(snapshot), "copy to device")
+        offset = dev.offset_of(ptr, nbytes, "copy to device")
         arena = dev.arena
+        if self._pinned.holds(view):
+            # Pinned bytes are read when the copy runs; the queued work holds the view (and so
+            # the pinned memory's owner) until then.
+            source: memoryview = view
+            lent = None
+        elif nbytes < self._staging.min_bytes:
+            source = memoryview(bytes(view))
+            lent = None
+        else:
+            lent = self._staging.take(nbytes)
+            source = lent.data[:nbytes]
+            source[:] = view
+        staging = self._staging
 
         def run() -> None:
-            arena.mm[offset : offset + len(snapshot)] = snapshot
+            with memoryview(arena.mm) as whole, whole[offset : offset + nbytes] as target:
+                target[:] = source
+            if lent is not None:
+                staging.give(lent)
 
         stream.enqueue(run)
 
@@ -368,7 +387,9 @@ class HostDriver:
         arena = dev.arena
 
         def run() -> None:
-            target[:] = arena.mm[offset : offset + nbytes]
+            # A view of the mapping, not a slice of it: one memcpy, no temporary bytes object.
+            with memoryview(arena.mm) as whole, whole[offset : offset + nbytes] as source:
+                target[:] = source
 
         stream.enqueue(run)
 
@@ -387,7 +408,8 @@ class HostDriver:
         arena = dev.arena
 
         def run() -> None:
-            arena.mm[dst_off : dst_off + nbytes] = arena.mm[src_off : src_off + nbytes]
+            with memoryview(arena.mm) as whole, whole[src_off : src_off + nbytes] as source:
+                arena.mm[dst_off : dst_off + nbytes] = source
 
         stream.enqueue(run)
 
@@ -452,7 +474,8 @@ class HostDriver:
             # The stream's own context is checked by the stream (``HostDevice.guarded``); the
             # other device's memory is gone if its context was rebuilt since.
             if other.epoch == other_epoch:
-                dst_arena.mm[dst_off : dst_off + nbytes] = src_arena.mm[src_off : src_off + nbytes]
+                with memoryview(src_arena.mm) as whole, whole[src_off : src_off + nbytes] as source:
+                    dst_arena.mm[dst_off : dst_off + nbytes] = source
 
         stream.enqueue(run)
 
@@ -566,6 +589,7 @@ class HostDriver:
         for dev in self._devices:
             dev.shutdown()
         self._pinned.clear()
+        self._staging.clear()
         _live_drivers.discard(self)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown

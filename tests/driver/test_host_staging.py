@@ -1,0 +1,140 @@
+"""The host driver's large copies: one memcpy through views of the arena, pageable snapshots in
+reused staging buffers, and the stream-order and pageable-snapshot semantics kept.
+
+Ordering is checked through data: a sleep on a stream only keeps the copy queued while the test
+changes the source, never as synchronization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.driver.host.staging import MIN_POOLED_BYTES, StagingPool
+
+BIG = 2 * MIN_POOLED_BYTES  # pooled
+SLOW_US = 100_000
+
+
+@pytest.fixture
+def drv() -> Iterator[xa.HostDriver]:
+    d = xa.HostDriver(device_count=1, memory_per_device=64 << 20)
+    yield d
+    d.close()
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_pool_reuses_a_buffer_that_fits_and_not_a_much_larger_one() -> None:
+    pool = StagingPool(max_bytes=8 * BIG, min_bytes=1)
+    a = pool.take(BIG)
+    pool.give(a)
+    assert pool.held_bytes == BIG
+    assert pool.take(BIG - 1) is a  # fits, at most twice the size
+    assert pool.held_bytes == 0
+    pool.give(a)
+    b = pool.take(BIG // 4)  # a is more than twice that: a new buffer, a stays pooled
+    assert b is not a and b.nbytes == BIG // 4
+    assert pool.held_bytes == BIG
+
+
+def test_pool_drops_what_exceeds_its_cap_and_clear_empties_it() -> None:
+    pool = StagingPool(max_bytes=BIG, min_bytes=1)
+    a, b = pool.take(BIG), pool.take(BIG)
+    pool.give(a)
+    pool.give(b)  # past the cap: dropped
+    assert pool.held_bytes == BIG
+    assert pool.take(BIG) is a
+    assert pool.take(BIG) is not b
+    pool.give(a)
+    pool.clear()
+    assert pool.held_bytes == 0
+    assert pool.take(BIG) is not a
+
+
+@pytest.mark.parametrize("nbytes", [100, BIG])  # a plain snapshot, a pooled one
+def test_a_pageable_copy_is_snapshotted_at_enqueue(drv: xa.HostDriver, nbytes: int) -> None:
+    s = drv.create_stream(0)
+    ptr = drv.alloc(0, nbytes)
+    src = _pattern(nbytes, 1)
+    expected = src.copy()
+    drv.sleep(s, SLOW_US)  # the copy stays queued while the source changes
+    drv.copy_to_device(ptr, src, s)
+    src[:] = 0
+    out = np.zeros(nbytes, np.uint8)
+    drv.copy_to_host_into(ptr, out, s)
+    s.synchronize()
+    assert np.array_equal(out, expected)
+
+
+def test_back_to_back_pageable_copies_each_keep_their_own_snapshot(drv: xa.HostDriver) -> None:
+    s = drv.create_stream(0)
+    a, b = drv.alloc(0, BIG), drv.alloc(0, BIG)
+    src = _pattern(BIG, 2)
+    first = src.copy()
+    drv.sleep(s, SLOW_US)
+    drv.copy_to_device(a, src, s)
+    src[:] = 7
+    drv.copy_to_device(b, src, s)  # both queued: two staging buffers lent at once
+    got_a, got_b = drv.copy_to_host(a, BIG, s), drv.copy_to_host(b, BIG, s)
+    s.synchronize()
+    assert bytes(got_a) == first.tobytes() and bytes(got_b) == bytes([7]) * BIG
+    assert drv._staging.held_bytes == 2 * BIG  # both given back once they ran
+    drv.sleep(s, SLOW_US)
+    drv.copy_to_device(a, src, s)  # a warm buffer again, lent until the copy ran
+    assert drv._staging.held_bytes == BIG
+    got_a, got_b = drv.copy_to_host(a, BIG, s), drv.copy_to_host(b, BIG, s)
+    s.synchronize()
+    assert bytes(got_a) == bytes(got_b) == src.tobytes()
+
+
+def test_copy_to_host_into_reads_after_the_stream_order_and_copies_a_suffix(drv: xa.HostDriver) -> None:
+    s = drv.create_stream(0)
+    ptr = drv.alloc(0, BIG)
+    data = _pattern(BIG, 3)
+    drv.sleep(s, SLOW_US)
+    drv.copy_to_device(ptr, data, s)
+    out = np.zeros(BIG // 2, np.uint8)
+    drv.copy_to_host_into(ptr + BIG // 2, out, s)  # queued behind the write
+    s.synchronize()
+    assert np.array_equal(out, data[BIG // 2 :])
+
+
+def test_device_and_peer_copies_move_the_bytes(drv: xa.HostDriver) -> None:
+    two = xa.HostDriver(device_count=2, memory_per_device=16 << 20)
+    try:
+        s0 = two.create_stream(0)
+        a, b = two.alloc(0, BIG), two.alloc(0, BIG)
+        c = two.alloc(1, BIG)
+        data = _pattern(BIG, 4)
+        two.copy_to_device(a, data, s0)
+        two.copy_device_to_device(b, a, BIG, s0)
+        two.copy_peer(1, c, 0, b, BIG, s0)
+        s0.synchronize()
+        s1 = two.create_stream(1)
+        got = two.copy_to_host(c, BIG, s1)
+        s1.synchronize()
+        assert bytes(got) == data.tobytes()
+    finally:
+        two.close()
+
+
+def test_a_copy_dropped_by_a_rebuild_leaves_the_new_context_usable(drv: xa.HostDriver) -> None:
+    s = drv.create_stream(0)
+    ptr = drv.alloc(0, BIG)
+    drv.sleep(s, SLOW_US)
+    drv.copy_to_device(ptr, _pattern(BIG, 5), s)  # dropped: its context goes first
+    drv.rebuild_context(0)
+    s2 = drv.create_stream(0)
+    ptr2 = drv.alloc(0, BIG)
+    data = _pattern(BIG, 6)
+    drv.copy_to_device(ptr2, data, s2)
+    out = np.empty(BIG, np.uint8)
+    drv.copy_to_host_into(ptr2, out, s2)
+    s2.synchronize()
+    assert np.array_equal(out, data)
