@@ -76,6 +76,7 @@ from ..actors import (
 )
 from ..actors.device_config import ResourceSpec
 from ..actors.library_messages import BufferArg
+from ..driver.host import HostDriver
 from ..driver.open import open_driver
 from ..driver.protocol import Driver
 from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
@@ -105,6 +106,18 @@ _RAY_MESSAGES = (
 
 def _host_driver() -> Driver:
     return open_driver("host")
+
+
+def _read_only_view(data: Any) -> memoryview | None:
+    """``data`` as a read-only, C-contiguous, non-empty byte view; None when it is not one (then
+    ``CopyToDevice`` judges it)."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        return None
+    if not view.readonly or not view.c_contiguous or view.nbytes == 0 or "O" in view.format:
+        return None
+    return view.cast("B")
 
 
 class _GenerationRelay(pykka.ThreadingActor):
@@ -378,15 +391,30 @@ class RayDevice:
         def copy_out() -> np.ndarray:
             local = self._local("read", ref, whole=False)
             start = ref.ptr - local.block.ptr
+            driver = local.context.driver
+            if isinstance(driver, HostDriver):
+                # A copy of one byte, ordered after the block's last write, says the writes ran;
+                # the bytes then leave through a view of device memory, copied once, by Ray's
+                # serializer (no later work reaches this block before that: Ray runs this
+                # actor's next call only once the return value is in its object store).
+                self._after_last_write(local, 1)
+                view = driver.device_view(local.context.ordinal, ref.ptr, ref.nbytes)
+                return np.frombuffer(view, dtype=np.uint8)
             # CopyToHost copies from the start of the block; a carve's bytes are a suffix of that.
-            stage = self._staging(start + ref.nbytes)
-            done = cast(CopyDone, self._copy.ask(CopyToHost(local, start + ref.nbytes, out=stage)))
-            done.wait()
+            stage = self._after_last_write(local, start + ref.nbytes)
             array: np.ndarray = stage.array()[start : start + ref.nbytes]
             return array
 
         array: np.ndarray = self._served(copy_out)
         return array
+
+    def _after_last_write(self, local: GpuRef, nbytes: int) -> PinnedBuffer:
+        """Copy the first ``nbytes`` of ``local``'s block to the staging buffer, ordered after
+        the block's last recorded write, and wait until the copy ran; returns the buffer."""
+        stage = self._staging(nbytes)
+        done = cast(CopyDone, self._copy.ask(CopyToHost(local, nbytes, out=stage)))
+        done.wait()
+        return stage
 
     def _staging(self, nbytes: int) -> PinnedBuffer:
         """The pinned buffer reads land in, grown to ``nbytes``. One is reused: Ray copies a
@@ -412,7 +440,25 @@ class RayDevice:
         Thread rule: a Ray call.
         """
         self._check_running()
-        self._served(lambda: self._copy.ask(CopyToDevice(self._local("write", ref), data)))
+
+        def copy_in() -> None:
+            local = self._local("write", ref)
+            driver = local.context.driver
+            view = _read_only_view(data)
+            if not isinstance(driver, HostDriver) or view is None:
+                self._copy.ask(CopyToDevice(local, data))
+                return
+            # A read-only argument is Ray's view of its object store, whose bytes never change
+            # while referenced: registered, it is read when the copy runs (one copy, no
+            # snapshot); the queued copy holds it until then.
+            ordinal = local.context.ordinal
+            key = driver.register_host(ordinal, view)
+            try:
+                self._copy.ask(CopyToDevice(local, view))
+            finally:
+                driver.unregister_host(ordinal, key)
+
+        self._served(copy_in)
 
     def free_many(self, refs: Sequence[RemoteGpuRef]) -> None:
         """``Free`` each descriptor, in one Ray call (a slab client gives its slabs back so).

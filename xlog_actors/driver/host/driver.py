@@ -318,6 +318,72 @@ class HostDriver:
         """
         return self._pinned.view(ptr, nbytes)
 
+    def register_host(self, ordinal: int, data: Buffer) -> int:
+        """Register the caller's buffer as page-locked (``cuMemHostRegister``): until
+        :meth:`unregister_host`, a ``copy_to_device`` from it reads it when the copy runs, with no
+        snapshot. For a buffer whose bytes cannot change while it is referenced (an object in
+        Ray's store, say), that saves the snapshot's copy.
+
+        Args:
+            ordinal: the device it is registered through.
+            data: a non-empty C-contiguous buffer; the caller keeps its bytes unchanged until
+                every copy from it ran (the queued copy keeps the buffer itself alive).
+        Returns:
+            Its host address, the key for :meth:`unregister_host`.
+        Raises:
+            InvalidRequest: a bad ordinal, or ``data`` not a non-empty C-contiguous buffer.
+            DriverError: ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` when it overlaps a
+                registered buffer or a pinned allocation; whatever the gate raises. Nothing
+                changes then.
+        Thread rule: any thread.
+        """
+        self._gate(ordinal)
+        return self._pinned.register(ordinal, data)
+
+    def unregister_host(self, ordinal: int, ptr: int) -> None:
+        """Undo :meth:`register_host` (``cuMemHostUnregister``); copies already enqueued from the
+        buffer still read it when they run.
+
+        Raises:
+            InvalidRequest: a bad ordinal.
+            DriverError: ``CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`` for a pointer not registered
+                through device ``ordinal`` (nothing changes).
+        Thread rule: any thread.
+        """
+        self._device(ordinal)
+        self._pinned.unregister(ordinal, ptr)
+
+    def device_view(self, ordinal: int, ptr: int, nbytes: int) -> memoryview:
+        """A read-only view of ``nbytes`` bytes of device memory at ``ptr``, as a host kernel sees
+        them: no copy, no stream order. Ordering is the caller's: the view shows whatever the
+        streams wrote by the time it is read, so read it only after the work that writes the
+        range is known to have run and before any later work on the range is enqueued.
+
+        Args:
+            ordinal: the device.
+            ptr: an address inside one live allocation of that device.
+            nbytes: a positive byte count, the range inside that allocation.
+        Returns:
+            The view; while it lives, the memory it shows stays mapped (a rebuild of the context
+            unmaps it only when the last view goes).
+        Raises:
+            InvalidRequest: a bad ordinal or ``nbytes``.
+            DriverError: ``CUDA_ERROR_INVALID_VALUE`` when the range is not inside one live
+                allocation; whatever the gate raises.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes, "view size")
+        dev = self._gate(ordinal)
+        offset = dev.offset_of(ptr, nbytes, "device view")
+        arena = dev.arena
+        if not arena.allocations.covers(ptr, nbytes):
+            raise DriverError(
+                f"device {ordinal}: view of {nbytes} bytes at {ptr:#x} is not inside one live allocation",
+                code="CUDA_ERROR_INVALID_VALUE",
+            )
+        with memoryview(arena.mm) as whole:
+            return whole[offset : offset + nbytes].toreadonly()
+
     # -- copies and work --------------------------------------------------------------------
     def copy_to_device(self, ptr: int, data: Buffer, stream: HostStream) -> None:
         """Enqueue a copy of ``data`` to ``ptr``: snapshotted now, as CUDA stages pageable memory,
