@@ -138,3 +138,78 @@ def test_a_copy_dropped_by_a_rebuild_leaves_the_new_context_usable(drv: xa.HostD
     drv.copy_to_host_into(ptr2, out, s2)
     s2.synchronize()
     assert np.array_equal(out, data)
+
+
+# -- registered host buffers and device views (the Ray fetch's one-copy paths) --------------------
+def test_a_registered_buffer_is_read_when_the_copy_runs_until_unregistered(drv: xa.HostDriver) -> None:
+    s = drv.create_stream(0)
+    ptr = drv.alloc(0, BIG)
+    src = _pattern(BIG, 7)
+    key = drv.register_host(0, src)
+    assert key == src.ctypes.data
+    drv.sleep(s, SLOW_US)
+    drv.copy_to_device(ptr, src, s)  # no snapshot: the change below is what lands
+    src[:] = 9
+    s.synchronize()
+    assert bytes(drv.device_view(0, ptr, BIG)) == bytes([9]) * BIG
+    drv.unregister_host(0, key)
+    drv.sleep(s, SLOW_US)
+    drv.copy_to_device(ptr, src, s)  # snapshotted again
+    src[:] = 1
+    s.synchronize()
+    assert bytes(drv.device_view(0, ptr, BIG)) == bytes([9]) * BIG
+
+
+def test_register_refuses_bad_buffers_and_overlaps_and_changes_nothing(drv: xa.HostDriver) -> None:
+    buf = np.zeros(4096, np.uint8)
+    with pytest.raises(xa.errors.InvalidRequest, match="empty"):
+        drv.register_host(0, b"")
+    with pytest.raises(xa.errors.InvalidRequest, match="C-contiguous"):
+        drv.register_host(0, np.zeros((8, 8), np.uint8)[:, ::2])
+    with pytest.raises(xa.errors.InvalidRequest):
+        drv.register_host(5, buf)
+    key = drv.register_host(0, buf)
+    with pytest.raises(xa.errors.DriverError, match="overlaps") as info:
+        drv.register_host(0, buf[100:200])
+    assert info.value.code == "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"
+    pinned = drv.alloc_pinned(0, 4096)
+    with pytest.raises(xa.errors.DriverError, match="overlaps"):
+        drv.register_host(0, drv.pinned_view(pinned, 4096))
+    with pytest.raises(xa.errors.DriverError) as info:
+        drv.unregister_host(0, key + 1)
+    assert info.value.code == "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"
+    drv.unregister_host(0, key)
+    with pytest.raises(xa.errors.DriverError, match="not a buffer registered"):
+        drv.unregister_host(0, key)  # twice
+    assert drv.register_host(0, buf[100:200]) == key + 100  # the first registration is gone
+    drv.free_pinned(0, pinned)
+
+
+def test_register_on_a_closed_driver_is_a_typed_error() -> None:
+    d = xa.HostDriver(device_count=1, memory_per_device=1 << 20)
+    d.close()
+    with pytest.raises(xa.errors.DriverError):
+        d.register_host(0, np.zeros(16, np.uint8))
+
+
+def test_a_device_view_is_read_only_and_only_of_a_live_allocation(drv: xa.HostDriver) -> None:
+    s = drv.create_stream(0)
+    ptr = drv.alloc(0, 4096)
+    drv.fill(ptr, 3, 4096, s)
+    s.synchronize()
+    view = drv.device_view(0, ptr + 96, 64)
+    assert view.readonly and bytes(view) == bytes([3]) * 64
+    with pytest.raises(TypeError):
+        view[0] = 1
+    with pytest.raises(xa.errors.DriverError, match="not inside one live allocation") as info:
+        drv.device_view(0, ptr + 4000, 200)
+    assert info.value.code == "CUDA_ERROR_INVALID_VALUE"
+    with pytest.raises(xa.errors.DriverError, match="outside device memory"):
+        drv.device_view(0, 12, 8)
+    with pytest.raises(xa.errors.InvalidRequest):
+        drv.device_view(0, ptr, 0)
+    drv.free(0, ptr)
+    with pytest.raises(xa.errors.DriverError, match="not inside one live allocation"):
+        drv.device_view(0, ptr, 64)
+    drv.rebuild_context(0)  # the view still held keeps the old mapping readable
+    assert len(bytes(view)) == 64

@@ -27,10 +27,15 @@ Invariants:
 * A descriptor is served only if it names this device, the generation it serves and a block it
   still holds; otherwise ``GpuRefStale`` (another generation, a freed block) or
   ``InvalidRequest`` (another device), and nothing runs.
-* ``read`` copies through the hosted ``CopyActor``, whose tracking orders the copy after the
-  block's last recorded write (a kernel still running on A is waited for, on the device, before
-  the bytes leave), into one pinned staging buffer the size of the largest read so far, held
-  until shutdown.
+* ``read`` is ordered after the block's last recorded write by the hosted ``CopyActor``'s
+  tracking (a kernel still running on A is waited for, on the device, before the bytes leave).
+  On the host driver a copy of one byte so ordered is waited for, and the method returns a
+  read-only view of device memory, which Ray's serializer copies once into its object store
+  before the actor runs its next call; on another driver the block is copied into one pinned
+  staging buffer the size of the largest read so far, held until shutdown.
+* ``write`` on the host driver registers a read-only argument (Ray's view of its object store,
+  whose bytes never change while referenced) with the driver, so the copy into the block reads it
+  when it runs: one copy, no snapshot; anything else goes through ``CopyToDevice`` as it is.
 * A sticky error (``ContextPoisoned``) marks the generation poisoned in the keeper before the
   asker gets the error; the relay does the same when the device reports it on its own. With
   ``restart_on_poison`` the worker process then ends, and Ray's restart serves generation + 1.
@@ -83,6 +88,7 @@ from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidReq
 from ..memory import AllocTag, PinnedBuffer
 from ._require import require_ray
 from .keeper import keeper_handle
+from .landing import land
 from .remote_ref import RemoteGpuRef
 
 __all__ = ["RayDevice", "start_ray_device"]
@@ -106,18 +112,6 @@ _RAY_MESSAGES = (
 
 def _host_driver() -> Driver:
     return open_driver("host")
-
-
-def _read_only_view(data: Any) -> memoryview | None:
-    """``data`` as a read-only, C-contiguous, non-empty byte view; None when it is not one (then
-    ``CopyToDevice`` judges it)."""
-    try:
-        view = memoryview(data)
-    except TypeError:
-        return None
-    if not view.readonly or not view.c_contiguous or view.nbytes == 0 or "O" in view.format:
-        return None
-    return view.cast("B")
 
 
 class _GenerationRelay(pykka.ThreadingActor):
@@ -433,7 +427,8 @@ class RayDevice:
 
         Args:
             ref: a whole-block descriptor of this device and generation, still held.
-            data: a buffer of 1 to ``ref.nbytes`` bytes (a numpy array from the object store).
+            data: a buffer of 1 to ``ref.nbytes`` bytes (a numpy array from the object store); a
+                read-only one must not change until the copy ran (Ray's never does).
         Raises:
             GpuRefStale, InvalidRequest, DeviceUnavailable, XlogError: as :meth:`read`, and
                 ``CopyToDevice``'s (a buffer that does not fit); nothing is written then.
@@ -442,21 +437,7 @@ class RayDevice:
         self._check_running()
 
         def copy_in() -> None:
-            local = self._local("write", ref)
-            driver = local.context.driver
-            view = _read_only_view(data)
-            if not isinstance(driver, HostDriver) or view is None:
-                self._copy.ask(CopyToDevice(local, data))
-                return
-            # A read-only argument is Ray's view of its object store, whose bytes never change
-            # while referenced: registered, it is read when the copy runs (one copy, no
-            # snapshot); the queued copy holds it until then.
-            ordinal = local.context.ordinal
-            key = driver.register_host(ordinal, view)
-            try:
-                self._copy.ask(CopyToDevice(local, view))
-            finally:
-                driver.unregister_host(ordinal, key)
+            land(self._copy, self._local("write", ref), data)
 
         self._served(copy_in)
 
