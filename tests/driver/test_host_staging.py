@@ -213,3 +213,11 @@ def test_a_device_view_is_read_only_and_only_of_a_live_allocation(drv: xa.HostDr
         drv.device_view(0, ptr, 64)
     drv.rebuild_context(0)  # the view still held keeps the old mapping readable
     assert len(bytes(view)) == 64
+
+
+def test_a_staging_buffer_the_host_cannot_give_is_out_of_memory() -> None:
+    pool = StagingPool()
+    with pytest.raises(xa.errors.OutOfMemory) as info:
+        pool.take(1 << 62)
+    assert info.value.requested == 1 << 62
+    assert pool.held_bytes == 0

@@ -395,6 +395,7 @@ class HostDriver:
         Raises:
             DriverError: ``CUDA_ERROR_INVALID_VALUE`` for a range outside device memory; and
                 whatever the gate raises.
+            OutOfMemory: the host cannot give the snapshot's staging buffer (nothing enqueued).
         Thread rule: any thread; the bytes of a pinned ``data`` must stay put until the copy ran.
         """
         view = memoryview(data).cast("B")

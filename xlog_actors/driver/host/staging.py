@@ -26,6 +26,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from ...errors import OutOfMemory
+
 __all__ = ["MAX_POOLED_BYTES", "MIN_POOLED_BYTES", "StagingPool"]
 
 #: The most bytes a pool keeps between copies (a few large snapshots in flight at once).
@@ -67,7 +69,7 @@ class StagingPool:
         Returns:
             A contiguous ``uint8`` array; its first ``nbytes`` bytes are the caller's.
         Raises:
-            MemoryError: the host cannot give a new buffer.
+            OutOfMemory: the host cannot give a new buffer (``.requested`` says how many bytes).
         Thread rule: any thread.
         """
         with self._lock:
@@ -76,7 +78,10 @@ class StagingPool:
                 size, _serial, buf = self._free.pop(i)
                 self._held -= size
                 return buf
-        return np.empty(nbytes, dtype=np.uint8)
+        try:
+            return np.empty(nbytes, dtype=np.uint8)
+        except (MemoryError, ValueError) as exc:
+            raise OutOfMemory(f"host staging buffer of {nbytes} bytes failed: {exc}", requested=nbytes) from None
 
     def give(self, buf: npt.NDArray[np.uint8]) -> None:
         """Return a buffer lent by :meth:`take`; dropped when the pool would exceed ``max_bytes``.
