@@ -135,6 +135,23 @@ def test_a_handle_from_a_reads_the_right_bytes_on_b_behind_a_slow_kernel(
     ask(device_b, xa.Free(dst))
 
 
+def test_write_lands_after_the_blocks_last_write_from_a_read_only_or_a_writable_buffer(
+    cluster: Any, device_a: Any
+) -> None:
+    n = 1 << 16
+    dst = ask(device_a, xa.Allocate(4 * n))
+    # Arrays arrive as Ray's read-only views of its object store (registered, read when the copy
+    # runs); a bytearray arrives writable (snapshotted).
+    for data in [np.full(n, 2.0, np.float32), np.full((n // 4, 4), 5.0, np.float32), bytearray(b"\x01") * (4 * n)]:
+        # The kernel still spins when the write arrives: the write must land after it (WAW).
+        ask(device_a, xa.Launch(SLOW_FILL_F32, 1, 1, [xa.Out(dst), -7.0, n]))
+        ray.get(device_a.write.remote(dst, data), timeout=30)
+        assert bytes(fetch(dst)) == bytes(data)
+    with pytest.raises(InvalidRequest, match="do not fit"):
+        ray.get(device_a.write.remote(dst, np.zeros(4 * n + 1, np.uint8)), timeout=30)
+    ask(device_a, xa.Free(dst))
+
+
 def _fetch_into_a_local_device(ref: RemoteGpuRef) -> bytes:
     """On B: a local (pykka) device and copy actor, the bytes fetched into one of its blocks."""
     driver = xa.HostDriver()

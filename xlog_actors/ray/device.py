@@ -27,10 +27,15 @@ Invariants:
 * A descriptor is served only if it names this device, the generation it serves and a block it
   still holds; otherwise ``GpuRefStale`` (another generation, a freed block) or
   ``InvalidRequest`` (another device), and nothing runs.
-* ``read`` copies through the hosted ``CopyActor``, whose tracking orders the copy after the
-  block's last recorded write (a kernel still running on A is waited for, on the device, before
-  the bytes leave), into one pinned staging buffer the size of the largest read so far, held
-  until shutdown.
+* ``read`` is ordered after the block's last recorded write by the hosted ``CopyActor``'s
+  tracking (a kernel still running on A is waited for, on the device, before the bytes leave).
+  On the host driver a copy of one byte so ordered is waited for, and the method returns a
+  read-only view of device memory, which Ray's serializer copies once into its object store
+  before the actor runs its next call; on another driver the block is copied into one pinned
+  staging buffer the size of the largest read so far, held until shutdown.
+* ``write`` on the host driver registers a read-only argument (Ray's view of its object store,
+  whose bytes never change while referenced) with the driver, so the copy into the block reads it
+  when it runs: one copy, no snapshot; anything else goes through ``CopyToDevice`` as it is.
 * A sticky error (``ContextPoisoned``) marks the generation poisoned in the keeper before the
   asker gets the error; the relay does the same when the device reports it on its own. With
   ``restart_on_poison`` the worker process then ends, and Ray's restart serves generation + 1.
@@ -76,12 +81,14 @@ from ..actors import (
 )
 from ..actors.device_config import ResourceSpec
 from ..actors.library_messages import BufferArg
+from ..driver.host import HostDriver
 from ..driver.open import open_driver
 from ..driver.protocol import Driver
 from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
 from ..memory import AllocTag, PinnedBuffer
 from ._require import require_ray
 from .keeper import keeper_handle
+from .landing import land
 from .remote_ref import RemoteGpuRef
 
 __all__ = ["RayDevice", "start_ray_device"]
@@ -378,15 +385,30 @@ class RayDevice:
         def copy_out() -> np.ndarray:
             local = self._local("read", ref, whole=False)
             start = ref.ptr - local.block.ptr
+            driver = local.context.driver
+            if isinstance(driver, HostDriver):
+                # A copy of one byte, ordered after the block's last write, says the writes ran;
+                # the bytes then leave through a view of device memory, copied once, by Ray's
+                # serializer (no later work reaches this block before that: Ray runs this
+                # actor's next call only once the return value is in its object store).
+                self._after_last_write(local, 1)
+                view = driver.device_view(local.context.ordinal, ref.ptr, ref.nbytes)
+                return np.frombuffer(view, dtype=np.uint8)
             # CopyToHost copies from the start of the block; a carve's bytes are a suffix of that.
-            stage = self._staging(start + ref.nbytes)
-            done = cast(CopyDone, self._copy.ask(CopyToHost(local, start + ref.nbytes, out=stage)))
-            done.wait()
+            stage = self._after_last_write(local, start + ref.nbytes)
             array: np.ndarray = stage.array()[start : start + ref.nbytes]
             return array
 
         array: np.ndarray = self._served(copy_out)
         return array
+
+    def _after_last_write(self, local: GpuRef, nbytes: int) -> PinnedBuffer:
+        """Copy the first ``nbytes`` of ``local``'s block to the staging buffer, ordered after
+        the block's last recorded write, and wait until the copy ran; returns the buffer."""
+        stage = self._staging(nbytes)
+        done = cast(CopyDone, self._copy.ask(CopyToHost(local, nbytes, out=stage)))
+        done.wait()
+        return stage
 
     def _staging(self, nbytes: int) -> PinnedBuffer:
         """The pinned buffer reads land in, grown to ``nbytes``. One is reused: Ray copies a
@@ -405,14 +427,19 @@ class RayDevice:
 
         Args:
             ref: a whole-block descriptor of this device and generation, still held.
-            data: a buffer of 1 to ``ref.nbytes`` bytes (a numpy array from the object store).
+            data: a buffer of 1 to ``ref.nbytes`` bytes (a numpy array from the object store); a
+                read-only one must not change until the copy ran (Ray's never does).
         Raises:
             GpuRefStale, InvalidRequest, DeviceUnavailable, XlogError: as :meth:`read`, and
                 ``CopyToDevice``'s (a buffer that does not fit); nothing is written then.
         Thread rule: a Ray call.
         """
         self._check_running()
-        self._served(lambda: self._copy.ask(CopyToDevice(self._local("write", ref), data)))
+
+        def copy_in() -> None:
+            land(self._copy, self._local("write", ref), data)
+
+        self._served(copy_in)
 
     def free_many(self, refs: Sequence[RemoteGpuRef]) -> None:
         """``Free`` each descriptor, in one Ray call (a slab client gives its slabs back so).

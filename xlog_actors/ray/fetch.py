@@ -4,7 +4,8 @@ A :class:`~xlog_actors.ray.remote_ref.RemoteGpuRef` names memory on one node. :f
 its bytes to the caller, :func:`fetch_to` into a block of another ``RayDevice`` (the bytes go from
 the producer's node to the consumer's, never through the caller), :func:`fetch_into` into a local
 ``GpuRef`` through the caller's ``CopyActor``. No socket code of ours: the producer's
-``RayDevice.read`` returns a numpy array, which Ray's object store carries.
+``RayDevice.read`` returns a numpy array, which Ray's object store carries; the consumer lands
+Ray's read-only view of it with one copy (:mod:`.landing`).
 
 Invariants:
 
@@ -29,9 +30,10 @@ from typing import Any
 import numpy as np
 import pykka
 
-from ..actors import CopyToDevice, GpuRef
+from ..actors import GpuRef
 from ..errors import DeviceUnavailable, InvalidRequest, XlogError
 from ._require import require_ray
+from .landing import land
 from .remote_ref import RemoteGpuRef
 
 __all__ = ["FETCH_TIMEOUT_S", "fetch", "fetch_into", "fetch_to", "ray_get"]
@@ -139,7 +141,7 @@ def fetch_into(
     """
     data = fetch(ref, timeout_s=timeout_s)
     try:
-        copy.ask(CopyToDevice(dst, data), timeout=timeout_s)
+        land(copy, dst, data, timeout_s)
     except pykka.Timeout:
         raise DeviceUnavailable(f"{ref.where()}: the CopyActor did not take the bytes in {timeout_s} s") from None
 

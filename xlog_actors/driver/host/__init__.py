@@ -3,7 +3,8 @@
 One concept per module: :mod:`.driver` (:class:`HostDriver`, the facade, and fault injection),
 :mod:`.device` (one emulated device: context state, the gates, the allocator), :mod:`.stream`
 (:class:`HostStream`, :class:`HostEvent` and their worker threads), :mod:`.memory` (the emulated
-device memory) and :mod:`.launch` (the checked memory view a host kernel gets).
+device memory), :mod:`.pinned` (pinned and registered host memory), :mod:`.staging` (the reused
+snapshots of pageable copies) and :mod:`.launch` (the checked memory view a host kernel gets).
 
 Thread rule: see each class; every public method of the driver may be called from any thread.
 """

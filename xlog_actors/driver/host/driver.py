@@ -47,6 +47,7 @@ from .ipc import HostIpcEvent, HostMemoryExport
 from .launch import KernelMemory, kernel_work
 from .memory import align_up
 from .pinned import HostPinnedTable
+from .staging import StagingPool
 from .stream import HostEvent, HostStream
 
 __all__ = ["HostDriver"]
@@ -110,6 +111,7 @@ class HostDriver:
             raise
         self._closed = False
         self._pinned = HostPinnedTable()
+        self._staging = StagingPool()
         _live_drivers.add(self)
 
     def __repr__(self) -> str:
@@ -316,26 +318,110 @@ class HostDriver:
         """
         return self._pinned.view(ptr, nbytes)
 
+    def register_host(self, ordinal: int, data: Buffer) -> int:
+        """Register the caller's buffer as page-locked (``cuMemHostRegister``): until
+        :meth:`unregister_host`, a ``copy_to_device`` from it reads it when the copy runs, with no
+        snapshot. For a buffer whose bytes cannot change while it is referenced (an object in
+        Ray's store, say), that saves the snapshot's copy.
+
+        Args:
+            ordinal: the device it is registered through.
+            data: a non-empty C-contiguous buffer; the caller keeps its bytes unchanged until
+                every copy from it ran (the queued copy keeps the buffer itself alive).
+        Returns:
+            Its host address, the key for :meth:`unregister_host`.
+        Raises:
+            InvalidRequest: a bad ordinal, or ``data`` not a non-empty C-contiguous buffer.
+            DriverError: ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` when it overlaps a
+                registered buffer or a pinned allocation; whatever the gate raises. Nothing
+                changes then.
+        Thread rule: any thread.
+        """
+        self._gate(ordinal)
+        return self._pinned.register(ordinal, data)
+
+    def unregister_host(self, ordinal: int, ptr: int) -> None:
+        """Undo :meth:`register_host` (``cuMemHostUnregister``); copies already enqueued from the
+        buffer still read it when they run.
+
+        Raises:
+            InvalidRequest: a bad ordinal.
+            DriverError: ``CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`` for a pointer not registered
+                through device ``ordinal`` (nothing changes).
+        Thread rule: any thread.
+        """
+        self._device(ordinal)
+        self._pinned.unregister(ordinal, ptr)
+
+    def device_view(self, ordinal: int, ptr: int, nbytes: int) -> memoryview:
+        """A read-only view of ``nbytes`` bytes of device memory at ``ptr``, as a host kernel sees
+        them: no copy, no stream order. Ordering is the caller's: the view shows whatever the
+        streams wrote by the time it is read, so read it only after the work that writes the
+        range is known to have run and before any later work on the range is enqueued.
+
+        Args:
+            ordinal: the device.
+            ptr: an address inside one live allocation of that device.
+            nbytes: a positive byte count, the range inside that allocation.
+        Returns:
+            The view; while it lives, the memory it shows stays mapped (a rebuild of the context
+            unmaps it only when the last view goes).
+        Raises:
+            InvalidRequest: a bad ordinal or ``nbytes``.
+            DriverError: ``CUDA_ERROR_INVALID_VALUE`` when the range is not inside one live
+                allocation; whatever the gate raises.
+        Thread rule: any thread.
+        """
+        nbytes = check_nbytes(nbytes, "view size")
+        dev = self._gate(ordinal)
+        offset = dev.offset_of(ptr, nbytes, "device view")
+        arena = dev.arena
+        if not arena.allocations.covers(ptr, nbytes):
+            raise DriverError(
+                f"device {ordinal}: view of {nbytes} bytes at {ptr:#x} is not inside one live allocation",
+                code="CUDA_ERROR_INVALID_VALUE",
+            )
+        with memoryview(arena.mm) as whole:
+            return whole[offset : offset + nbytes].toreadonly()
+
     # -- copies and work --------------------------------------------------------------------
     def copy_to_device(self, ptr: int, data: Buffer, stream: HostStream) -> None:
         """Enqueue a copy of ``data`` to ``ptr``: snapshotted now, as CUDA stages pageable memory,
         or read when the copy runs where ``data`` lies in pinned memory (as CUDA reads it).
 
+        A large snapshot lands in a staging buffer reused from earlier copies (warm pages, no
+        fresh allocation); the copy into device memory is one ``memcpy``.
+
         Raises:
             DriverError: ``CUDA_ERROR_INVALID_VALUE`` for a range outside device memory; and
                 whatever the gate raises.
+            OutOfMemory: the host cannot give the snapshot's staging buffer (nothing enqueued).
         Thread rule: any thread; the bytes of a pinned ``data`` must stay put until the copy ran.
         """
         view = memoryview(data).cast("B")
-        # Pinned bytes are read when the copy runs; the queued work holds the view (and so the
-        # pinned memory's owner) until then.
-        snapshot: bytes | memoryview = view if self._pinned.holds(view) else bytes(view)
+        nbytes = len(view)
         dev = self._stream_device(stream)
-        offset = dev.offset_of(ptr, len(snapshot), "copy to device")
+        offset = dev.offset_of(ptr, nbytes, "copy to device")
         arena = dev.arena
+        if self._pinned.holds(view):
+            # Pinned bytes are read when the copy runs; the queued work holds the view (and so
+            # the pinned memory's owner) until then.
+            source: memoryview = view
+            lent = None
+        elif nbytes < self._staging.min_bytes:
+            source = memoryview(bytes(view))
+            lent = None
+        else:
+            lent = self._staging.take(nbytes)
+            source = lent.data[:nbytes]
+            source[:] = view
+        staging = self._staging
 
         def run() -> None:
-            arena.mm[offset : offset + len(snapshot)] = snapshot
+            with memoryview(arena.mm) as whole, whole[offset : offset + nbytes] as target:
+                target[:] = source
+            if lent is not None:
+                staging.give(lent)
 
         stream.enqueue(run)
 
@@ -368,7 +454,9 @@ class HostDriver:
         arena = dev.arena
 
         def run() -> None:
-            target[:] = arena.mm[offset : offset + nbytes]
+            # A view of the mapping, not a slice of it: one memcpy, no temporary bytes object.
+            with memoryview(arena.mm) as whole, whole[offset : offset + nbytes] as source:
+                target[:] = source
 
         stream.enqueue(run)
 
@@ -387,7 +475,8 @@ class HostDriver:
         arena = dev.arena
 
         def run() -> None:
-            arena.mm[dst_off : dst_off + nbytes] = arena.mm[src_off : src_off + nbytes]
+            with memoryview(arena.mm) as whole, whole[src_off : src_off + nbytes] as source:
+                arena.mm[dst_off : dst_off + nbytes] = source
 
         stream.enqueue(run)
 
@@ -452,7 +541,8 @@ class HostDriver:
             # The stream's own context is checked by the stream (``HostDevice.guarded``); the
             # other device's memory is gone if its context was rebuilt since.
             if other.epoch == other_epoch:
-                dst_arena.mm[dst_off : dst_off + nbytes] = src_arena.mm[src_off : src_off + nbytes]
+                with memoryview(src_arena.mm) as whole, whole[src_off : src_off + nbytes] as source:
+                    dst_arena.mm[dst_off : dst_off + nbytes] = source
 
         stream.enqueue(run)
 
@@ -566,6 +656,7 @@ class HostDriver:
         for dev in self._devices:
             dev.shutdown()
         self._pinned.clear()
+        self._staging.clear()
         _live_drivers.discard(self)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown

@@ -5,7 +5,9 @@ means to its callers: a real, aligned host address; a table of the live allocati
 second free or a foreign pointer is refused and changes nothing; and copies from it with no
 staging snapshot (the caller leaves the bytes alone until the copy ran, as with CUDA). The
 allocations belong to the driver, not to a device's context: a rebuild leaves them alone, and
-the driver's close drops what is left.
+the driver's close drops what is left. A caller's own buffer can be registered too (the
+``cuMemHostRegister`` twin): copies from it are then read when they run, with no snapshot, until
+it is unregistered.
 
 Thread rule: any thread; one private lock guards the table, and nothing runs under it but dict
 operations (a free may come from a finalizer on any thread, so nothing under the lock can
@@ -20,7 +22,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ...errors import DriverError, OutOfMemory
+from ...errors import DriverError, InvalidRequest, OutOfMemory
 from ..checks import check_nbytes
 
 __all__ = ["PINNED_ALIGNMENT", "HostPinnedTable"]
@@ -42,6 +44,7 @@ class HostPinnedTable:
         """An empty table."""
         self._lock = threading.Lock()
         self._live: dict[int, tuple[int, npt.NDArray[np.uint8]]] = {}
+        self._registered: dict[int, tuple[int, npt.NDArray[np.uint8]]] = {}
 
     def alloc(self, ordinal: int, nbytes: int) -> int:
         """Allocate ``nbytes`` aligned host bytes for device ``ordinal``.
@@ -114,19 +117,78 @@ class HostPinnedTable:
         return entry[1][:nbytes].data
 
     def holds(self, view: memoryview) -> bool:
-        """Whether the bytes of ``view`` lie inside one live pinned allocation.
+        """Whether the bytes of ``view`` lie inside one live pinned allocation or one registered
+        buffer.
 
         Thread rule: any thread.
         """
-        if not self._live or len(view) == 0:
+        if not (self._live or self._registered) or len(view) == 0:
             return False
         start = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         end = start + len(view)
         with self._lock:
-            return any(ptr <= start and end <= ptr + buf.nbytes for ptr, (_o, buf) in self._live.items())
+            entries = [*self._live.items(), *self._registered.items()]
+        return any(ptr <= start and end <= ptr + buf.nbytes for ptr, (_o, buf) in entries)
+
+    def register(self, ordinal: int, data: object) -> int:
+        """Treat the caller's buffer ``data`` as pinned until :meth:`unregister`.
+
+        Args:
+            ordinal: the (checked) device ordinal it is registered through.
+            data: a C-contiguous buffer of at least one byte; the caller keeps it alive and its
+                bytes unchanged until every copy from it ran.
+        Returns:
+            Its address, the key for :meth:`unregister`.
+        Raises:
+            InvalidRequest: ``data`` is not a non-empty C-contiguous buffer.
+            DriverError: ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` when it overlaps a
+                registered buffer or a pinned allocation (nothing changes then).
+        Thread rule: any thread.
+        """
+        try:
+            buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"host register: a C-contiguous buffer, got {type(data).__name__} ({exc})") from None
+        if buf.nbytes == 0:
+            raise InvalidRequest("host register: the buffer is empty")
+        ptr = int(buf.ctypes.data)
+        end = ptr + buf.nbytes
+        with self._lock:
+            clash = [
+                p for p, (_o, b) in (*self._live.items(), *self._registered.items()) if p < end and ptr < p + b.nbytes
+            ]
+            if not clash:
+                self._registered[ptr] = (ordinal, buf)
+        if clash:
+            raise DriverError(
+                f"device {ordinal}: host register of {buf.nbytes} bytes at {ptr:#x}: overlaps memory already "
+                f"pinned or registered at {clash[0]:#x}",
+                code="CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+            )
+        return ptr
+
+    def unregister(self, ordinal: int, ptr: int) -> None:
+        """Forget a buffer :meth:`register` took; copies enqueued from it still read it when they
+        run (they hold it).
+
+        Raises:
+            DriverError: ``CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`` when ``ptr`` is no buffer
+                registered through device ``ordinal`` (nothing changes then).
+        Thread rule: any thread.
+        """
+        with self._lock:
+            entry = self._registered.get(ptr) if type(ptr) is int else None
+            if entry is not None and entry[0] == ordinal:
+                del self._registered[ptr]
+        if entry is None or entry[0] != ordinal:
+            raise DriverError(
+                f"device {ordinal}: host unregister of {ptr!r}, which is not a buffer registered through this device",
+                code="CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+            )
 
     def clear(self) -> None:
         """Forget every allocation (the driver closes). Thread rule: any thread."""
         with self._lock:
             live, self._live = self._live, {}
+            self._registered = {}
         live.clear()
