@@ -229,6 +229,7 @@ def test_stop_ends_the_child_and_its_reserve_without_a_zombie() -> None:
     assert stale_reason(ref) == "device shutting down"
 
 
+@pytest.mark.timeout(120)
 def test_sigkill_mid_allocation_twenty_times_answers_every_caller() -> None:
     device, events = start(max_restarts=100)
     answers: list[object] = []
@@ -254,7 +255,9 @@ def test_sigkill_mid_allocation_twenty_times_answers_every_caller() -> None:
         for thread in threads:
             thread.join(30)
     assert not any(thread.is_alive() for thread in threads), "an asker hangs"
-    assert time.monotonic() - started < 20
+    # A bound against a hang, not a speed target (restart times are the bench's): each restart
+    # spawns a Python process, several seconds on a loaded 2-core machine.
+    assert time.monotonic() - started < 90
     handles = [a for a in answers if isinstance(a, xa.GpuRef)]
     assert handles and len(handles) < len(answers)  # served, and some were in flight at a kill
     assert all(isinstance(a, (xa.GpuRef, xa.DeviceUnavailable)) for a in answers)
