@@ -98,8 +98,17 @@ def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
                 f"CopyToDevice.data: a PinnedBuffer cannot cross to isolated device {ordinal}'s process; "
                 "pass bytes or a numpy array"
             )
-        if isinstance(message.data, memoryview) and message.data.c_contiguous and "O" not in message.data.format:
-            message = dataclasses.replace(message, data=message.data.tobytes())  # a view cannot be pickled
+        try:
+            view = memoryview(message.data)
+        except TypeError:
+            pass  # not a buffer: the library actor refuses it
+        else:
+            if not view.c_contiguous:  # pickling would make it contiguous: refuse it as the actor does
+                raise InvalidRequest(
+                    f"CopyToDevice.data must be a C-contiguous buffer, got {type(message.data).__name__} (not contiguous)"
+                )
+            if isinstance(message.data, memoryview):
+                message = dataclasses.replace(message, data=view.tobytes())  # a view cannot be pickled
     if isinstance(message, CopyToHost) and message.out is not None:
         raise InvalidRequest(
             f"CopyToHost.out: pinned memory cannot cross to isolated device {ordinal}'s process; "
