@@ -174,7 +174,7 @@ def slow_kernels() -> Iterator[Any]:
     """``ipc/slow_kernels.py``, importable in the device processes spawned meanwhile."""
     sys.path.insert(0, str(IPC_DIR))
     try:
-        import slow_kernels  # noqa: PLC0415 - only on this path
+        import slow_kernels  # only importable with the path above
 
         yield slow_kernels
     finally:
@@ -196,3 +196,19 @@ def test_a_copy_in_the_child_waits_for_a_slow_kernel_of_another_actor(slow_kerne
         assert seen == b"\x09" * 4096  # ordered behind the kernel's write
     else:
         assert seen == bytes(4096)  # the control: without tracking it reads before the write
+
+
+@pytest.mark.gpu
+def test_copies_and_kernels_run_in_the_gpu_device_process(slow_kernels: Any) -> None:
+    device = xa.DeviceActor.start(0, "cuda", isolate=True)
+    kernels, copier = xa.KernelActor.start(device), xa.CopyActor.start(device)
+    x, y = device.ask(xa.Allocate(1 << 20)), device.ask(xa.Allocate(1 << 20))
+    values = np.arange(1 << 18, dtype=np.float32)
+    copier.ask(xa.CopyToDevice(x, values))
+    kernels.ask(xa.Launch(SCALE_ADD_F32, 1024, 256, [xa.Out(y), xa.In(x), 2.0, 1.0, 1 << 18]))
+    assert np.array_equal(f32(copier.ask(xa.CopyToHost(y))), values * 2 + 1)
+    # One thread writes 1 MiB: slow enough that a copy not ordered behind it would see zeros.
+    copier.ask(xa.Fill(x, 0))
+    kernels.ask(xa.Launch(slow_kernels.SLOW_FILL_U8, 1, 1, [xa.Out(x), 9, 1 << 20]))
+    assert copier.ask(xa.CopyToHost(x)) == b"\x09" * (1 << 20)
+    assert device.ask(xa.GetStats()).driver == "cuda"

@@ -53,7 +53,7 @@ class LibraryActor(ResilientActor):
     expected_messages: str = ""
 
     @classmethod
-    def start(cls, *args: Any, **kwargs: Any) -> pykka.ActorRef[Any]:  # type: ignore[override]
+    def start(cls, *args: Any, **kwargs: Any) -> pykka.ActorRef[Any]:
         """Start the actor on ``device`` (see ``__init__``) and return its ``ActorRef``.
 
         On the ``ActorRef`` of an isolated device (``DeviceActor.start(..., isolate=True)``) the

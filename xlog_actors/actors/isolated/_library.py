@@ -105,7 +105,8 @@ def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
         else:
             if not view.c_contiguous:  # pickling would make it contiguous: refuse it as the actor does
                 raise InvalidRequest(
-                    f"CopyToDevice.data must be a C-contiguous buffer, got {type(message.data).__name__} (not contiguous)"
+                    f"CopyToDevice.data must be a C-contiguous buffer, got a non-contiguous "
+                    f"{type(message.data).__name__}"
                 )
             if isinstance(message.data, memoryview):
                 message = dataclasses.replace(message, data=view.tobytes())  # a view cannot be pickled

@@ -144,7 +144,7 @@ class LibraryWork:
     ``message`` is a :class:`RemoteHandle`. Thread rule: immutable; any thread."""
 
     library: str
-    actor_class: type
+    actor_class: type[Any]
     track: bool
     message: Any
 
