@@ -159,7 +159,9 @@ def test_a_stopped_device_answers_with_a_typed_error(device: pykka.ActorRef[Any]
         xa.KernelActor.start(device)
 
 
-def test_past_the_restart_intensity_library_work_answers_device_unavailable() -> None:
+def test_past_the_restart_intensity_library_work_answers_device_unavailable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     device = xa.DeviceActor.start(0, "host", supervisor=xa.Supervisor(max_restarts=0), isolate=True)
     copier = xa.CopyActor.start(device)
     ref = device.ask(xa.Allocate(64))
@@ -167,6 +169,10 @@ def test_past_the_restart_intensity_library_work_answers_device_unavailable() ->
         device.ask(ChildFault("exit"))
     with pytest.raises(xa.DeviceUnavailable, match="stopped for good"):
         copier.ask(xa.Fill(ref, 1))
+    caplog.clear()
+    copier.stop()  # its stop, told to a device stopped for good, is nothing to complain of
+    device.ask(xa.GetStats())  # the told stop was served before this
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
 
 
 @pytest.fixture

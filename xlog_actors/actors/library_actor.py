@@ -70,8 +70,7 @@ class LibraryActor(ResilientActor):
         Thread rule: any thread.
         """
         device = args[0] if args else kwargs.get("device")
-        if is_actor_ref_of(device, IsolatedDevice):
-            assert isinstance(device, pykka.ActorRef)
+        if isinstance(device, pykka.ActorRef) and device.actor_class is IsolatedDevice and device.is_alive():
             rest = {k: v for k, v in kwargs.items() if k != "device"}
             if len(args) > 1 or set(rest) - {"track"}:
                 raise InvalidRequest(f"{cls.__name__}.start takes device and track, got {args!r} {kwargs!r}")

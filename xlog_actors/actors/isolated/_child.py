@@ -12,6 +12,12 @@ until the parent drops or frees it, so the memory lives while the parent holds t
 handle of an older generation of the child's own context (an in-process rebuild) is dropped when
 the child's device tells its subscribers of the rebuild; its memory went with that context.
 
+Library actors: the work of a parent-side ``CopyActor``/``KernelActor`` (a ``LibraryWork``) is
+served by a real one here, started on the child's device on first use and kept by the parent
+actor's URN until a ``LibraryStop``; the parent's handles in it are replaced by the ones in
+:class:`_Handles` (``GpuRefStale("released")`` when one is gone), so writes are recorded on the
+child's handles, where the tracking of every library actor here, and an export, see them.
+
 Thread rules: frames are read on the child's main thread; replies are sent by the device
 actor's thread, through a future whose ``set`` sends them (no extra thread hop); generation
 frames by a listener actor. :class:`~._protocol.Channel` keeps concurrent frames whole.

@@ -554,6 +554,9 @@ class IsolatedDevice(ResilientActor):
                 if isinstance(message, m.GetStats):
                     self._answer(future, self._stopped_stats())
                     return
+                if isinstance(message, LibraryStop):
+                    self._answer(future, None)  # the child, and its library actors, are gone
+                    return
                 assert self._stopped is not None
                 raise DeviceUnavailable(str(self._stopped))
             child.flush_frees()
