@@ -2,8 +2,9 @@
 
 ``DeviceActor.start(ordinal, ..., isolate=True)`` starts one. Its ``ActorRef`` stays valid across
 child restarts. It forwards ``Allocate``, ``AllocateMany``, ``Free``, ``GetStats`` and ``Rebuild``
-to the child (and the ``ChildFault`` test hook); ``Subscribe``/``Unsubscribe`` live in the
-parent.
+to the child (and the ``ChildFault`` test hook), and the work of the device's parent-side library
+actors (``LibraryWork``, its handles mapped to the child's by :func:`._library.to_child`);
+``Subscribe``/``Unsubscribe`` live in the parent.
 
 Invariants:
 
