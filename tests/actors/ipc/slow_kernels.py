@@ -13,7 +13,7 @@ import numpy as np
 from xlog_actors.driver.kernel import Kernel
 
 #: How long ``SLOW_FILL_U8`` takes on the host driver, in seconds.
-SLOW_S = 0.3
+SLOW_S = 0.5
 
 
 def _slow_fill_host(mem: Any, _grid: Any, _block: Any, out: int, byte: int, n: int) -> None:
