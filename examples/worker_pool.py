@@ -6,17 +6,19 @@ walk-through; docs/user-guide.md, "Surviving a sticky error").
 Three kinds of process: the parent (this one) holds an isolated device's ``ActorRef``; the device
 process (its child, started by ``DeviceActor.start(0, ..., isolate=True)``) holds the memory;
 two spawned workers take batches. Per batch the parent allocates a ``GpuRef``, writes the
-batch's input into it and puts the handle on a ``multiprocessing`` queue; a worker opens it (a
-``SharedGpuRef``: the same memory, no copy), checks the input, doubles it in place and answers;
-the parent then checks the doubled values. After ``--fault-after`` verified batches the parent
+batch's input into it through the device's ``CopyActor`` (which runs in the device process, next
+to the memory) and puts the handle on a ``multiprocessing`` queue; a worker opens it (a
+``SharedGpuRef``: the same memory, no copy; the copy's write travels with it, so the worker waits
+for exactly that write), checks the input, doubles it in place and answers; the parent then reads
+the doubled values back through the ``CopyActor`` and checks them. After ``--fault-after`` verified batches the parent
 has a kernel write an illegal address in the device process: that process dies, a new one
 serves generation 1, every handle of generation 0 raises ``GpuRefStale`` wherever it is, and the
 batches that were in flight are redone on new handles. Exit status 0 when every batch was
 verified; the last line is the summary.
 
-The parent and the workers touch the bytes through an imported handle: on the host driver its
-``view()``, on the GPU its address with ``cuMemcpy`` (an isolated device's ``CopyActor`` is not
-available yet). On the GPU the device runs the ``direct`` stack, whose memory is IPC-capable.
+The workers touch the bytes through an imported handle: on the host driver its ``view()``, on
+the GPU its address with ``cuMemcpy``. On the GPU the device runs the ``direct`` stack, whose
+memory is IPC-capable.
 """
 
 from __future__ import annotations
@@ -98,21 +100,17 @@ def worker(tasks: Any, results: Any) -> None:
                 handle.release()  # the device process may free it once no process holds it
 
 
-def open_here(ref: Any) -> Any:
-    """The parent's own view of the memory: a handle of an isolated device, imported here."""
-    return pickle.loads(pickle.dumps(ref))
-
-
 def run(driver: str, batches: int, fault_after: int) -> dict[str, Any]:
     resource = "direct" if driver == "cuda" else None  # the GPU's default pool is not IPC-capable
     device: Any = xa.DeviceActor.start(0, driver, resource=resource, isolate=True)  # its ask answers Any
+    copier: Any = xa.CopyActor.start(device)  # runs in the device process
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     tasks, results = ctx.Queue(), ctx.Queue()
     workers = [ctx.Process(target=worker, args=(tasks, results), name=f"worker-{i}") for i in range(2)]
     for w in workers:
         w.start()
     pending = deque(range(batches))
-    in_flight: dict[int, tuple[Any, Any]] = {}  # batch -> (its GpuRef, the parent's import of it)
+    in_flight: dict[int, Any] = {}  # batch -> its GpuRef
     verified, redone, restart_s = 0, 0, None
     fault_at: float | None = None
     try:
@@ -123,24 +121,25 @@ def run(driver: str, batches: int, fault_after: int) -> dict[str, Any]:
                     ref = device.ask(xa.Allocate(4 * N, tag=xa.AllocTag("batch")), timeout=TIMEOUT_S)
                     if fault_at is not None and restart_s is None:
                         restart_s = time.monotonic() - fault_at  # the first allocation of the new process
-                    here = open_here(ref)
-                    write(here, batch_input(batch))
+                    copier.ask(xa.CopyToDevice(ref, batch_input(batch)), timeout=TIMEOUT_S)
                     # Pickled here, not in the queue's feeder thread: a handle that went stale
                     # meanwhile would be dropped there with only a traceback on stderr.
                     tasks.put((batch, pickle.dumps(ref)))
-                except xa.GpuRefStale:  # the device process died under this batch: retry it
+                except (xa.GpuRefStale, xa.DeviceUnavailable):  # the device process died under it: retry
                     pending.appendleft(batch)
                     continue
-                in_flight[batch] = (ref, here)
+                in_flight[batch] = ref
             batch, outcome = results.get(timeout=TIMEOUT_S)
-            ref, here = in_flight.pop(batch)
+            ref = in_flight.pop(batch)
+            ok = False
             try:
-                ok = outcome == "ok" and np.array_equal(read(here), batch_input(batch) * 2)
-            except xa.GpuRefStale:
-                ok = False  # answered before the fault, checked after: the memory is gone
+                if outcome == "ok":
+                    doubled = np.frombuffer(copier.ask(xa.CopyToHost(ref), timeout=TIMEOUT_S), np.float32)
+                    ok = np.array_equal(doubled, batch_input(batch) * 2)
+            except (xa.GpuRefStale, xa.DeviceUnavailable):
+                pass  # answered before the fault, checked after: the memory is gone
             if not ok and outcome == "bad input":
                 raise RuntimeError(f"batch {batch}: the worker read the wrong input")
-            here.release()
             ref.release()
             if ok:
                 verified += 1
@@ -161,6 +160,7 @@ def run(driver: str, batches: int, fault_after: int) -> dict[str, Any]:
             w.join(TIMEOUT_S)
             if w.is_alive():
                 w.kill()
+        copier.stop()  # an actor's thread would keep this program alive
         device.stop()
     if any(w.exitcode != 0 for w in workers):
         raise RuntimeError(f"a worker failed: exit codes {[w.exitcode for w in workers]}")

@@ -18,6 +18,8 @@ from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
 from .hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, SpinningInbox, spin_budget
+from .isolated._library import start_library
+from .isolated._proxy import IsolatedDevice
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
 from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
@@ -49,6 +51,32 @@ class LibraryActor(ResilientActor):
 
     #: The names of the messages a subclass serves, for the answer to one it does not understand.
     expected_messages: str = ""
+
+    @classmethod
+    def start(cls, *args: Any, **kwargs: Any) -> pykka.ActorRef[Any]:
+        """Start the actor on ``device`` (see ``__init__``) and return its ``ActorRef``.
+
+        On the ``ActorRef`` of an isolated device (``DeviceActor.start(..., isolate=True)``) the
+        actor runs in the device's process, next to the memory: the ref returned is that of a
+        parent-side ``IsolatedLibrary`` that forwards each message to it (see
+        :mod:`.isolated._library` for what crosses and what is refused).
+
+        Args:
+            args, kwargs: ``device`` and ``track``, as ``__init__`` takes them.
+        Returns:
+            the new actor's ``ActorRef``.
+        Raises:
+            InvalidRequest: as ``__init__``; nothing is started.
+        Thread rule: any thread.
+        """
+        device = args[0] if args else kwargs.get("device")
+        if isinstance(device, pykka.ActorRef) and device.actor_class is IsolatedDevice and device.is_alive():
+            rest = {k: v for k, v in kwargs.items() if k != "device"}
+            if len(args) > 1 or set(rest) - {"track"}:
+                raise InvalidRequest(f"{cls.__name__}.start takes device and track, got {args!r} {kwargs!r}")
+            return start_library(cls, device, rest.get("track", True))
+        ref: pykka.ActorRef[Any] = super().start(*args, **kwargs)
+        return ref
 
     @staticmethod
     def _create_actor_inbox() -> SpinningInbox:

@@ -5,13 +5,18 @@ processes behind it; each child runs a normal ``DeviceActor`` on its own driver.
 a crash, ``os._exit`` or ``SIGKILL`` ends only the child: the parent starts a new one, bumps the
 generation, tells subscribers ``GenerationChanged`` and answers every waiting asker with a typed
 error. Modules: ``_protocol`` (the frames and the ``ChildFault`` test hook), ``_child`` (the child
-process), ``_remote`` (the context of parent-side handles), ``_proxy`` (the proxy actor).
+process), ``_remote`` (the context of parent-side handles), ``_proxy`` (the proxy actor), ``_library``
+(the parent-side ``CopyActor``/``KernelActor`` whose work runs in the child).
 """
 
 from __future__ import annotations
 
+from ._library import IsolatedLibrary
 from ._protocol import ChildFault
 from ._proxy import READY_TIMEOUT_S, ChildTimeline, IsolatedDevice, start_isolated
 from ._remote import RemoteContext
 
-__all__ = ["READY_TIMEOUT_S", "ChildFault", "ChildTimeline", "IsolatedDevice", "RemoteContext", "start_isolated"]
+__all__ = [
+    "READY_TIMEOUT_S", "ChildFault", "ChildTimeline", "IsolatedDevice", "IsolatedLibrary", "RemoteContext",
+    "start_isolated",
+]

@@ -12,6 +12,12 @@ until the parent drops or frees it, so the memory lives while the parent holds t
 handle of an older generation of the child's own context (an in-process rebuild) is dropped when
 the child's device tells its subscribers of the rebuild; its memory went with that context.
 
+Library actors: the work of a parent-side ``CopyActor``/``KernelActor`` (a ``LibraryWork``) is
+served by a real one here, started on the child's device on first use and kept by the parent
+actor's URN until a ``LibraryStop``; the parent's handles in it are replaced by the ones in
+:class:`_Handles` (``GpuRefStale("released")`` when one is gone), so writes are recorded on the
+child's handles, where the tracking of every library actor here, and an export, see them.
+
 Thread rules: frames are read on the child's main thread; replies are sent by the device
 actor's thread, through a future whose ``set`` sends them (no extra thread hop); generation
 frames by a listener actor. :class:`~._protocol.Channel` keeps concurrent frames whole.
@@ -44,7 +50,18 @@ from ..messages import Allocate, Free, GenerationChanged, GetStats, Subscribe
 from ..pykka_internals import ask_into
 from ..shared_ref import export_ref
 from ..supervisor import Supervisor, exit_process
-from ._protocol import FAULT_KINDS, Channel, ChildFault, ExportBlock, FreeBlock, RemoteBlock, encode_error
+from ._library import map_refs
+from ._protocol import (
+    FAULT_KINDS,
+    Channel,
+    ChildFault,
+    ExportBlock,
+    FreeBlock,
+    LibraryStop,
+    LibraryWork,
+    RemoteBlock,
+    encode_error,
+)
 
 __all__ = ["serve"]
 
@@ -117,6 +134,8 @@ class _Reply:
     def _send(self, ok: bool, value: Any) -> None:
         try:
             self._channel.send(("reply", self._rid, ok, value))
+        except InvalidRequest as exc:  # (before ValueError, its base) a reply that cannot be pickled
+            self._send(False, encode_error(exc))
         except (OSError, ValueError):
             pass  # the parent is gone: the main loop ends at the end of the pipe
 
@@ -149,6 +168,8 @@ class _Server:
         self.handles = _Handles()
         self.held: list[Any] = []
         self.fault: ChildFault | None = None
+        #: The library actors serving the parent's, by the parent actor's URN.
+        self.libraries: dict[str, pykka.ActorRef[Any]] = {}
 
     def loop(self) -> None:
         listener = _Listener.start(self.channel, self.handles)
@@ -183,6 +204,15 @@ class _Server:
         if isinstance(message, ExportBlock):
             self.export(message, reply)
             return
+        if isinstance(message, LibraryWork):
+            self.library_work(message, reply)
+            return
+        if isinstance(message, LibraryStop):
+            library = self.libraries.pop(message.library, None)
+            if library is not None:
+                library.stop(block=False)
+            reply.set(None)
+            return
         if isinstance(message, FreeBlock):
             ref = self.handles.take(message.ptr, message.generation)
             if ref is None:
@@ -190,6 +220,27 @@ class _Server:
                 return
             message = Free(ref)
         ask_into(self.device, message, reply)
+
+    def library_work(self, work: LibraryWork, reply: _Reply) -> None:
+        """Serve ``work`` on the library actor of its parent-side actor, started on first use,
+        with the child's own handles in place of the parent's."""
+
+        def handle(remote: Any) -> GpuRef:
+            ref = self.handles.get(remote.ptr, remote.generation)
+            if ref is None:
+                raise GpuRefStale("released", f"device {self.ordinal}, block {remote.ptr:#x}: freed in its process")
+            return ref
+
+        try:
+            library = self.libraries.get(work.library)
+            if library is None or not library.is_alive():
+                library = work.actor_class.start(self.device, track=work.track)
+                self.libraries[work.library] = library
+            message = map_refs(work.message, handle)
+        except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
+            reply.set_exception((type(exc), exc, None))
+            return
+        ask_into(library, message, reply)
 
     def export(self, message: ExportBlock, reply: _Reply) -> None:
         """Export the handle the parent pickled (on this thread: it only records an event and

@@ -42,9 +42,10 @@ import pickle
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
-from ...errors import DriverError
+from ...errors import DriverError, InvalidRequest
 from ...memory.block import DeviceBlock
 
 __all__ = [
@@ -53,7 +54,10 @@ __all__ = [
     "ExportBlock",
     "ExportHandle",
     "FreeBlock",
+    "LibraryStop",
+    "LibraryWork",
     "RemoteBlock",
+    "RemoteHandle",
     "child_entry",
     "decode_error",
     "encode_error",
@@ -121,6 +125,38 @@ class ExportBlock:
     generation: int
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteHandle:
+    """A parent-side ``GpuRef`` inside a library actor's message as it crosses to the child: the
+    child serves its own handle at ``ptr`` of its ``generation`` in its place
+    (``GpuRefStale("released")`` when that handle is gone). Thread rule: immutable; any thread."""
+
+    ptr: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class LibraryWork:
+    """Forwarded by the proxy for a parent-side library actor (``CopyActor.start(isolated)``):
+    the child serves ``message`` on its own library actor ``library`` (the parent actor's URN),
+    an ``actor_class`` started on the child's device with ``track``, which it starts on first use
+    (so a new child re-creates it lazily). In the payload the child gets, every ``GpuRef`` of
+    ``message`` is a :class:`RemoteHandle`. Thread rule: immutable; any thread."""
+
+    library: str
+    actor_class: type[Any]
+    track: bool
+    message: Any
+
+
+@dataclass(frozen=True, slots=True)
+class LibraryStop:
+    """Told to the proxy when a parent-side library actor stops: the child stops its library
+    actor ``library`` (nothing when it has none). Thread rule: immutable; any thread."""
+
+    library: str
+
+
 def encode_error(exc: BaseException) -> tuple[Any, ...]:
     """``exc`` as a picklable tuple for :func:`decode_error`.
 
@@ -179,11 +215,18 @@ class Channel:
         """Send one frame.
 
         Raises:
+            InvalidRequest: the frame cannot be pickled; nothing was sent.
             OSError, ValueError: the pipe is closed or broken (the other side is gone).
         Thread rule: any thread.
         """
+        try:
+            # What Connection.send does, split so that a pickling failure is told apart from a
+            # broken pipe (and pickling holds no lock).
+            data = ForkingPickler.dumps(frame)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: reported as bad input
+            raise InvalidRequest(f"a {frame[0]!r} frame cannot be pickled: {exc!r}") from None
         with self._lock:
-            self._conn.send(frame)
+            self._conn.send_bytes(data)
 
     def recv(self) -> tuple[Any, ...]:
         """The next frame.

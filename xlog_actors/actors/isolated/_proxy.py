@@ -2,8 +2,9 @@
 
 ``DeviceActor.start(ordinal, ..., isolate=True)`` starts one. Its ``ActorRef`` stays valid across
 child restarts. It forwards ``Allocate``, ``AllocateMany``, ``Free``, ``GetStats`` and ``Rebuild``
-to the child (and the ``ChildFault`` test hook); ``Subscribe``/``Unsubscribe`` live in the
-parent.
+to the child (and the ``ChildFault`` test hook), and the work of the device's parent-side library
+actors (``LibraryWork``, its handles mapped to the child's by :func:`._library.to_child`);
+``Subscribe``/``Unsubscribe`` live in the parent.
 
 Invariants:
 
@@ -61,12 +62,15 @@ from ..gpu_ref import GpuRef
 from ..pykka_internals import ResilientActor
 from ..subscribers import tell_subscribers
 from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
+from ._library import to_child
 from ._protocol import (
     Channel,
     ChildFault,
     ExportBlock,
     ExportHandle,
     FreeBlock,
+    LibraryStop,
+    LibraryWork,
     RemoteBlock,
     child_entry,
     decode_error,
@@ -85,7 +89,9 @@ _STOP_TIMEOUT_S = 10.0
 _CHILD_MODULE = "xlog_actors.actors.isolated._child"
 _SPAWN = multiprocessing.get_context("spawn")
 
-_FORWARDED = (m.Allocate, m.AllocateMany, m.Free, m.GetStats, m.Rebuild, ChildFault, ExportHandle)
+_FORWARDED = (
+    m.Allocate, m.AllocateMany, m.Free, m.GetStats, m.Rebuild, ChildFault, ExportHandle, LibraryWork, LibraryStop,
+)
 _SERVED = "Allocate, AllocateMany, Free, GetStats, Rebuild, Subscribe or Unsubscribe"
 
 _registry_lock = threading.Lock()
@@ -205,6 +211,14 @@ class _Child:
             self.pending[rid] = (future, message)
         try:
             self.proc.channel.send(("ask", rid, payload))
+        except InvalidRequest as exc:  # (before ValueError, its base) it cannot be pickled: nothing sent
+            with self.lock:
+                self.pending.pop(rid, None)
+            what = type(getattr(message, "message", message)).__name__
+            raise InvalidRequest(
+                f"isolated device {self.ordinal}: {what} cannot cross to the device process (it must "
+                f"pickle; a kernel's host implementation must be a module-level function): {exc}"
+            ) from None
         except (OSError, ValueError):
             pass  # the child died: the reader answers this ask with the death's error
         return True
@@ -541,6 +555,9 @@ class IsolatedDevice(ResilientActor):
                 if isinstance(message, m.GetStats):
                     self._answer(future, self._stopped_stats())
                     return
+                if isinstance(message, LibraryStop):
+                    self._answer(future, None)  # the child, and its library actors, are gone
+                    return
                 assert self._stopped is not None
                 raise DeviceUnavailable(str(self._stopped))
             child.flush_frees()
@@ -552,6 +569,10 @@ class IsolatedDevice(ResilientActor):
                     return
             elif isinstance(message, ExportHandle):
                 payload = self._export_payload(message, child)
+            elif isinstance(message, LibraryWork):
+                payload = dataclasses.replace(
+                    message, message=to_child(message.message, self.actor_urn, child.ctx, self._ordinal)
+                )
             if child.send_ask(payload, future, message):
                 return
             self._restart(child)

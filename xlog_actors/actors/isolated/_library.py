@@ -1,0 +1,217 @@
+"""``IsolatedLibrary``: the parent's ``CopyActor``/``KernelActor`` of an isolated device, whose work
+runs in the child process, on a real library actor next to the memory.
+
+``CopyActor.start(ref)`` and ``KernelActor.start(ref)`` on the ``ActorRef`` of an isolated device
+start one (:func:`start_library`). Each message it gets is forwarded, in order, to the device's
+proxy as a :class:`~._protocol.LibraryWork`; the proxy maps every ``GpuRef`` in it to the child's
+handle (:func:`to_child`) and sends it down the same pipe as the device's own asks; the child
+starts its library actor for this one on first use and serves the message there.
+
+Invariants:
+
+* **Order.** Messages reach the child's library actor in the order this actor got them: one
+  inbox here, the proxy's FIFO inbox, one pipe, the child's one reading thread.
+* **What crosses.** A message is pickled. ``CopyToDevice.data`` goes as its bytes (a numpy
+  array or a buffer); ``CopyToHost`` comes back as ``bytes``. Pinned host memory does not cross:
+  ``CopyToDevice`` from a ``PinnedBuffer`` and ``CopyToHost(out=...)`` are refused with
+  ``InvalidRequest``. A ``Kernel`` crosses by its definition, so its host implementation must be
+  picklable (a module-level function); one that is not is refused with ``InvalidRequest``.
+* **Handles** are the parent-side handles of the same isolated device; one of another device, or
+  a stale one, is refused in the parent before anything is sent (``InvalidRequest``,
+  ``GpuRefStale``). A peer copy to another device does not cross processes.
+* **Restarts.** This actor's ``ActorRef`` stays valid across child restarts: the new child starts
+  its library actor on the next message; a message in flight when a child dies is answered with
+  the death's typed error; a device stopped for good answers ``DeviceUnavailable``.
+
+Thread rules: forwarding runs on this actor's thread; replies are set by the proxy's reader thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+import pykka
+
+from ...errors import DeviceUnavailable, GpuRefStale, InvalidRequest
+from ...memory.pinned import PinnedBuffer
+from ..gpu_ref import GpuRef
+from ..library_messages import BufferArg, CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch, Launches
+from ..pykka_internals import ResilientActor, ask_into
+from ._protocol import LibraryStop, LibraryWork, RemoteHandle
+from ._remote import RemoteContext
+
+__all__ = ["IsolatedLibrary", "map_refs", "start_library", "to_child"]
+
+logger = logging.getLogger(__name__)
+
+_MESSAGES = (CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill, Launch, Launches)
+
+
+def map_refs(value: Any, leaf: Any) -> Any:
+    """``value`` with every handle in it replaced by ``leaf(handle)``: in a library message, its
+    fields, a ``BufferArg``, and lists and tuples of them; anything else is kept as it is (the
+    library actor judges it).
+
+    Args:
+        value: a library message or a part of one.
+        leaf: maps one handle (a ``GpuRef`` in the parent, a ``RemoteHandle`` in the child).
+    Returns:
+        the mapped value (the same object when nothing in it is a handle's type).
+    Raises:
+        whatever ``leaf`` raises.
+    Thread rule: any thread.
+    """
+    if isinstance(value, (GpuRef, RemoteHandle)):
+        return leaf(value)
+    if type(value) is BufferArg:
+        return BufferArg(map_refs(value.ref, leaf), value.access)
+    if type(value) in (list, tuple):
+        return type(value)(map_refs(item, leaf) for item in value)
+    if type(value) in _MESSAGES:
+        changes = {f.name: map_refs(getattr(value, f.name), leaf) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
+    """``message`` as the child serves it: every ``GpuRef`` a ``RemoteHandle``, a buffer as bytes.
+
+    Args:
+        message: a library actor's message, asked in the parent.
+        owner: the isolated device's actor URN (a handle must be of it).
+        ctx: the serving child's current context (a handle must be of it).
+        ordinal: the device ordinal, for the errors.
+    Returns:
+        the payload of the ``LibraryWork`` sent to the child.
+    Raises:
+        InvalidRequest: pinned host memory, or a handle of another device.
+        GpuRefStale: a released handle, or one of a replaced generation or process.
+    Thread rule: the proxy's thread.
+    """
+    where = type(message).__name__
+    if isinstance(message, CopyToDevice):
+        if isinstance(message.data, PinnedBuffer):
+            raise InvalidRequest(
+                f"CopyToDevice.data: a PinnedBuffer cannot cross to isolated device {ordinal}'s process; "
+                "pass bytes or a numpy array"
+            )
+        try:
+            view = memoryview(message.data)
+        except TypeError:
+            pass  # not a buffer: the library actor refuses it
+        else:
+            if not view.c_contiguous:  # pickling would make it contiguous: refuse it as the actor does
+                raise InvalidRequest(
+                    f"CopyToDevice.data must be a C-contiguous buffer, got a non-contiguous "
+                    f"{type(message.data).__name__}"
+                )
+            if isinstance(message.data, memoryview):
+                message = dataclasses.replace(message, data=view.tobytes())  # a view cannot be pickled
+    if isinstance(message, CopyToHost) and message.out is not None:
+        raise InvalidRequest(
+            f"CopyToHost.out: pinned memory cannot cross to isolated device {ordinal}'s process; "
+            "leave out as None to get the bytes"
+        )
+
+    def handle(ref: GpuRef | RemoteHandle) -> RemoteHandle:
+        if isinstance(ref, RemoteHandle):
+            raise InvalidRequest(f"{where}: a RemoteHandle is the wire's, not a handle; pass a GpuRef")
+        ref_ctx = ref.context
+        if not isinstance(ref_ctx, RemoteContext) or ref_ctx.owner != owner:
+            raise InvalidRequest(
+                f"{where}: {ref!r} is not a handle of isolated device {ordinal}; its library actors take only its "
+                "own handles (a peer copy does not cross processes)"
+            )
+        ref.access()  # GpuRefStale: released, rebuilt, poisoned, shutting down
+        if ref_ctx is not ctx:
+            raise GpuRefStale("context rebuilt", f"{where}: {ref!r}: its process or generation was replaced")
+        return RemoteHandle(ref.block.ptr, ctx.child_generation)
+
+    return map_refs(message, handle)
+
+
+class _Answer:
+    """The reply slot of one forwarded message (a ``pykka_internals.Reply``): the asker's future,
+    with a proxy that stopped meanwhile answered as ``DeviceUnavailable``; a told message's
+    failure is logged. Thread rule: set once, from whichever thread answers."""
+
+    __slots__ = ("_future", "_what")
+
+    def __init__(self, future: pykka.Future[Any] | None, what: str) -> None:
+        self._future = future
+        self._what = what
+
+    def set(self, value: Any | None = None) -> None:
+        if self._future is not None:
+            self._future.set(value)
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        exc_info = exc_info if exc_info is not None else sys.exc_info()
+        if isinstance(exc_info[1], pykka.ActorDeadError):
+            error = DeviceUnavailable(f"{self._what}: its isolated device was stopped")
+            exc_info = (type(error), error, None)
+        if self._future is not None:
+            self._future.set_exception(exc_info)
+        else:
+            logger.warning("%s dropped a told message that failed: %r", self._what, exc_info[1])
+
+
+class IsolatedLibrary(ResilientActor):
+    """A ``CopyActor`` or ``KernelActor`` of an isolated device, in the parent; see the module
+    docstring. It serves whatever its class serves, with the same replies and errors, except
+    pinned host memory (refused).
+
+    Thread rule: as any pykka actor; ask or tell it from any thread.
+    """
+
+    def __init__(self, device: pykka.ActorRef[Any], actor_class: type, track: bool) -> None:
+        """Args:
+            device: the ``ActorRef`` of the isolated device.
+            actor_class: the library actor class the child runs (``CopyActor``, ``KernelActor``).
+            track: the library actor's ``track``.
+        Thread rule: the caller's thread (``start`` runs it there).
+        """
+        super().__init__()
+        self._device = device
+        self._class = actor_class
+        self._track = track
+
+    def __repr__(self) -> str:
+        return f"IsolatedLibrary({self._class.__name__}, {self._device})"
+
+    def _handle_envelope(self, envelope: Any, receive: Any = None) -> None:
+        # Not answered here: the proxy's reader thread answers the asker once the child replied.
+        if type(envelope.message).__module__.startswith("pykka"):  # a stop, a proxy call: this actor's own
+            super()._handle_envelope(envelope, receive)
+            return
+        work = LibraryWork(self.actor_urn, self._class, self._track, envelope.message)
+        ask_into(self._device, work, _Answer(envelope.reply_to, repr(self)))
+
+    def on_stop(self) -> None:
+        """Have the child stop its library actor. Thread rule: this actor's thread."""
+        try:
+            self._device.tell(LibraryStop(self.actor_urn))
+        except pykka.ActorDeadError:
+            pass  # the device went first, and its child with it
+
+
+def start_library(actor_class: type, device: pykka.ActorRef[Any], track: object = True) -> pykka.ActorRef[Any]:
+    """``CopyActor.start(device)``/``KernelActor.start(device)`` on an isolated device.
+
+    Args:
+        actor_class: the library actor class.
+        device: the isolated device's ``ActorRef``.
+        track: the library actor's ``track`` (a bool).
+    Returns:
+        the ``ActorRef`` of an :class:`IsolatedLibrary`.
+    Raises:
+        InvalidRequest: ``track`` is not a bool; nothing is started.
+    Thread rule: any thread.
+    """
+    if not isinstance(track, bool):
+        raise InvalidRequest(f"{actor_class.__name__}.start: track must be a bool, got {track!r}")
+    ref: pykka.ActorRef[Any] = IsolatedLibrary.start(device, actor_class, track)
+    return ref
