@@ -45,7 +45,7 @@ from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
 from .lifecycle import DeviceLifecycle, DeviceStatus
-from .pykka_internals import ResilientActor
+from .pykka_internals import LatchFuture, ResilientActor
 from .subscribers import tell_subscribers
 from .supervisor import Directive, SupervisedFailure, Supervisor
 
@@ -185,6 +185,12 @@ class DeviceActor(ResilientActor):
 
             return start_isolated(*args, **kwargs)
         return super().start(*args, **kwargs)
+
+    @staticmethod
+    def _create_future() -> LatchFuture:
+        """The future of every ``ask`` of this actor (pykka calls it): a :class:`LatchFuture`,
+        one lock where pykka's own future takes a condition. Thread rule: any thread."""
+        return LatchFuture()
 
     def __repr__(self) -> str:
         return f"DeviceActor(device={self._ordinal}, driver={self._driver.kind}, status={self._lifecycle.status.value})"
