@@ -11,9 +11,11 @@ sleep waiting for the GIL.
 
 With ``--compare-futures`` the same rounds also alternate the future of the device's asks between
 pykka's ``ThreadingFuture`` and ``LatchFuture`` (what ``DeviceActor`` uses), to read what the
-cheaper reply is worth on this machine.
+cheaper reply is worth on this machine. With ``--compare-wakes`` they alternate
+``pykka_internals.DEFER_WAKES`` (the askers of a batch woken together at its end, or each as its
+message is served) instead.
 
-Usage:  python3 scripts/workers_anatomy.py [host|cuda] [--rounds N] [--compare-futures]
+Usage:  python3 scripts/workers_anatomy.py [host|cuda] [--rounds N] [--compare-futures | --compare-wakes]
 (Linux only: it reads /proc.)
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 
 import pykka
 
-from xlog_actors.actors import DeviceActor, GetStats
+from xlog_actors.actors import DeviceActor, GetStats, pykka_internals
 from xlog_actors.actors.pykka_internals import LatchFuture
 from xlog_actors.cli.bench.rows_concurrency import WORKERS, Worker
 from xlog_actors.driver import open_driver
@@ -120,12 +122,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("driver", nargs="?", default="host", choices=["host", "cuda"])
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--compare-futures", action="store_true")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--compare-futures", action="store_true")
+    choice.add_argument("--compare-wakes", action="store_true")
     args = parser.parse_args()
 
-    futures: dict[str, Callable[[], pykka.Future[Any]]] = {"LatchFuture": LatchFuture}
+    # Each case: the future of the device's asks, and whether a batch's wakes wait for its end.
+    futures: dict[str, tuple[Callable[[], pykka.Future[Any]], bool]] = {"LatchFuture": (LatchFuture, True)}
     if args.compare_futures:
-        futures["pykka ThreadingFuture"] = pykka.ThreadingFuture
+        futures["pykka ThreadingFuture"] = (pykka.ThreadingFuture, True)
+    if args.compare_wakes:
+        futures["LatchFuture, each asker woken as served"] = (LatchFuture, False)
     device = DeviceActor.start(0, open_driver(args.driver))
     many = [Worker.start(device) for _ in range(WORKERS)]
     one = [Worker.start(device)]
@@ -140,12 +147,14 @@ def main() -> None:
             order = list(futures) if r % 2 == 0 else list(reversed(futures))
             for name in order:
                 # pykka asks the actor class for each ask's future (``_create_future``).
-                setattr(DeviceActor, "_create_future", staticmethod(futures[name]))  # noqa: B010
+                make, pykka_internals.DEFER_WAKES = futures[name]
+                setattr(DeviceActor, "_create_future", staticmethod(make))  # noqa: B010
                 tallies[(name, WORKERS)].add(device, many, _ASKS_MANY)
                 tallies[(name, 1)].add(device, one, _ASKS_ONE)
     finally:
         gc.enable()
         setattr(DeviceActor, "_create_future", own_future)  # noqa: B010
+        pykka_internals.DEFER_WAKES = True
         for worker in [*many, *one]:
             worker.stop()
         device.stop()
