@@ -33,7 +33,7 @@ from typing import Any
 import pykka
 
 from xlog_actors.actors import DeviceActor, GetStats, pykka_internals
-from xlog_actors.actors.pykka_internals import LatchFuture
+from xlog_actors.actors.latch_future import LatchFuture
 from xlog_actors.cli.bench.rows_concurrency import WORKERS, Worker
 from xlog_actors.driver import open_driver
 

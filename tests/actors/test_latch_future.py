@@ -11,7 +11,7 @@ import pykka
 import pytest
 
 from xlog_actors.actors import Allocate, DeviceActor, GetStats
-from xlog_actors.actors.pykka_internals import LatchFuture
+from xlog_actors.actors.latch_future import LatchFuture
 from xlog_actors.driver import HostDriver
 
 pytestmark = pytest.mark.timeout(30)

@@ -24,11 +24,11 @@ import pytest
 from pykka._envelope import Envelope
 
 from xlog_actors.actors import pykka_internals
+from xlog_actors.actors.latch_future import LatchFuture
 from xlog_actors.actors.pykka_internals import (
     BATCH_LIMIT,
     PYKKA_MAJOR,
     Answer,
-    LatchFuture,
     ResilientActor,
     ask_posting,
     is_actor_ref_of,

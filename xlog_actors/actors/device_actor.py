@@ -44,8 +44,9 @@ from .device_config import DeviceConfig, ResourceSpec
 from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
+from .latch_future import LatchFuture
 from .lifecycle import DeviceLifecycle, DeviceStatus
-from .pykka_internals import LatchFuture, ResilientActor
+from .pykka_internals import ResilientActor
 from .subscribers import tell_subscribers
 from .supervisor import Directive, SupervisedFailure, Supervisor
 
