@@ -35,8 +35,8 @@ class _Result(NamedTuple):
 class LatchFuture(pykka.Future[Any]):
     """A ``pykka.Future`` for asks answered from another thread, with one lock for all its
     synchronization: the lock is taken when the future is made and released, once, by ``set``,
-    ``set_exception`` or ``set_get_hook``; a ``get`` that finds no result takes it and gives it
-    back at once (so any number of ``get``s pass once it is open).
+    ``set_exception`` or ``set_get_hook`` (or by whoever called :meth:`fill`); a ``get`` takes
+    it and gives it back at once (so any number of ``get``s pass once it is open).
 
     ``pykka.ThreadingFuture`` builds a ``threading.Condition`` (a reentrant lock, two lists) per
     future, and its ``get`` raises and catches an exception, takes the condition and allocates a
