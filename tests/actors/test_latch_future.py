@@ -158,3 +158,14 @@ def test_an_ask_queued_behind_the_stop_is_answered_actor_dead() -> None:
     stopped.get(timeout=TIMEOUT)
     with pytest.raises(pykka.ActorDeadError):
         late.get(timeout=TIMEOUT)
+
+
+def test_a_filled_value_is_read_only_once_its_latch_is_released() -> None:
+    future = LatchFuture()
+    latch = future.fill("later")
+    with pytest.raises(pykka.Timeout):
+        future.get(timeout=0.01)  # filled, not yet opened
+    with pytest.raises(queue.Full):
+        future.fill("again")
+    latch.release()
+    assert future.get(timeout=0) == "later"
