@@ -23,6 +23,8 @@ import pykka
 import pytest
 from pykka._envelope import Envelope
 
+from xlog_actors.actors import pykka_internals
+from xlog_actors.actors.latch_future import LatchFuture
 from xlog_actors.actors.pykka_internals import (
     BATCH_LIMIT,
     PYKKA_MAJOR,
@@ -253,9 +255,26 @@ class Batching(ResilientActor):
         return message[1]
 
 
-def _blocked(fail_batch: bool = False) -> tuple[pykka.ActorRef[Any], threading.Event]:
+class LatchBatching(Batching):
+    """``Batching`` whose asks are answered through ``LatchFuture``s (as a ``DeviceActor``'s)."""
+
+    @staticmethod
+    def _create_future() -> LatchFuture:
+        return LatchFuture()
+
+    def on_receive(self, message: Any) -> Any:
+        if message[0] == "hold":  # ("hold", reached, release): the test holds the batch here
+            message[1].set()
+            assert message[2].wait(TIMEOUT)
+            return "held"
+        return super().on_receive(message)
+
+
+def _blocked(
+    fail_batch: bool = False, actor_class: type[Batching] = Batching
+) -> tuple[pykka.ActorRef[Any], threading.Event]:
     gate, inside = threading.Event(), threading.Event()
-    ref = Batching.start(gate, inside)
+    ref = actor_class.start(gate, inside)
     if fail_batch:
         ref.ask("refuse next batch", timeout=TIMEOUT)
     ref.tell("gate")
@@ -263,8 +282,9 @@ def _blocked(fail_batch: bool = False) -> tuple[pykka.ActorRef[Any], threading.E
     return ref, gate
 
 
-def test_queued_messages_of_the_batch_types_are_served_in_one_wake_up_in_order() -> None:
-    ref, gate = _blocked()
+@pytest.mark.parametrize("actor_class", [Batching, LatchBatching])
+def test_queued_messages_of_the_batch_types_are_served_in_one_wake_up_in_order(actor_class: type[Batching]) -> None:
+    ref, gate = _blocked(actor_class=actor_class)
     items = [ref.ask(("item", i), block=False) for i in range(3)]
     report_between = ref.ask("report", block=False)
     bad = ref.ask(("item", "boom"), block=False)
@@ -304,8 +324,11 @@ def test_a_failing_on_batch_is_the_answer_of_every_message_of_the_batch() -> Non
     assert ref.ask(("item", 9), timeout=TIMEOUT) == 9
 
 
-def test_a_base_exception_in_a_batch_stops_the_actor_and_the_rest_is_answered_by_pykkas_teardown() -> None:
-    ref, gate = _blocked()
+@pytest.mark.parametrize("actor_class", [Batching, LatchBatching])
+def test_a_base_exception_in_a_batch_stops_the_actor_and_the_rest_is_answered_by_pykkas_teardown(
+    actor_class: type[Batching],
+) -> None:
+    ref, gate = _blocked(actor_class=actor_class)
     first = ref.ask(("item", 0), block=False)
     ref.tell(("item", "exit"))  # told: pykka answers no asker of a message that raised a BaseException
     rest = [ref.ask(("item", i), block=False) for i in range(1, 4)]
@@ -315,6 +338,32 @@ def test_a_base_exception_in_a_batch_stops_the_actor_and_the_rest_is_answered_by
         with pytest.raises(pykka.ActorDeadError):
             future.get(timeout=TIMEOUT)
     assert not ref.is_alive()
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_the_askers_of_a_batch_answered_through_latch_futures_wake_when_the_batch_ends(
+    defer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pykka_internals, "DEFER_WAKES", defer)
+    ref, gate = _blocked(actor_class=LatchBatching)
+    reached, release = threading.Event(), threading.Event()
+    first = ref.ask(("item", 0), block=False)
+    holder = ref.ask(("hold", reached, release), block=False)
+    gate.set()  # the gate message ends: the two queued asks are served as one batch
+    try:
+        assert reached.wait(TIMEOUT)  # the first is served, the batch is held at the second
+        if defer:
+            with pytest.raises(pykka.Timeout):
+                first.get(timeout=0.05)  # its asker is not woken before the batch ends
+        else:
+            assert first.get(timeout=TIMEOUT) == 0
+    finally:
+        release.set()
+    assert first.get(timeout=TIMEOUT) == 0
+    assert holder.get(timeout=TIMEOUT) == "held"
+    batches, _ = ref.ask("report", timeout=TIMEOUT)
+    assert batches == [2]
+    ref.stop()
 
 
 class _Answers(ResilientActor):

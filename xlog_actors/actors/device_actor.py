@@ -44,6 +44,7 @@ from .device_config import DeviceConfig, ResourceSpec
 from .device_context import DeviceContext
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
+from .latch_future import LatchFuture
 from .lifecycle import DeviceLifecycle, DeviceStatus
 from .pykka_internals import ResilientActor
 from .subscribers import tell_subscribers
@@ -185,6 +186,12 @@ class DeviceActor(ResilientActor):
 
             return start_isolated(*args, **kwargs)
         return super().start(*args, **kwargs)
+
+    @staticmethod
+    def _create_future() -> LatchFuture:
+        """The future of every ``ask`` of this actor (pykka calls it): a :class:`LatchFuture`,
+        one lock where pykka's own future takes a condition. Thread rule: any thread."""
+        return LatchFuture()
 
     def __repr__(self) -> str:
         return f"DeviceActor(device={self._ordinal}, driver={self._driver.kind}, status={self._lifecycle.status.value})"

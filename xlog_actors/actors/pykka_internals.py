@@ -39,6 +39,9 @@ It borrows, from the installed pykka:
   object's ``set(value)`` or ``set_exception(exc_info=None)`` and nothing else (so the reply
   object need not be a ``pykka.Future``: the one here only posts the answer on a queue).
 
+* for ``LatchFuture`` (``latch_future``, whose docstring lists what it borrows): nothing here;
+  the batching loop fills a ``LatchFuture`` reply and opens it later (:data:`DEFER_WAKES`).
+
 Public pykka behaviour the runtime also relies on: ``Actor.start`` runs ``__init__`` in the
 caller's thread before anything is registered (so an ``__init__`` that raises leaves no actor),
 and ``ActorRef.actor_class`` names the class of the actor behind a ref.
@@ -60,9 +63,11 @@ import pykka
 from pykka._envelope import Envelope
 
 from . import ranges
+from .latch_future import LatchFuture
 
 __all__ = [
-    "BATCH_LIMIT", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_posting", "is_actor_ref_of",
+    "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_posting",
+    "is_actor_ref_of",
 ]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
@@ -72,6 +77,13 @@ PYKKA_MAJOR = 4
 #: once per batch (:meth:`ResilientActor.on_batch`) does for the device, its drain of dropped
 #: handles and its context check, is never further behind than this many messages.
 BATCH_LIMIT = 64
+
+#: Whether the askers of a batch whose replies are :class:`LatchFuture` objects (a ``DeviceActor``'s
+#: asks) are woken together once the whole batch is served, rather than each as its message is:
+#: an asker woken mid-batch finds the actor holding the GIL and goes back to sleep waiting for
+#: it. The bench script ``scripts/workers_anatomy.py --compare-wakes`` sets it both ways to
+#: measure it (docs/performance.md, "Many threads and many actors").
+DEFER_WAKES = True
 
 _pykka_logger = logging.getLogger("pykka")  # where pykka's own loop logs
 
@@ -93,7 +105,9 @@ class ResilientActor(pykka.ThreadingActor):
     :meth:`on_batch` once and serves each message of the batch, in order, with
     :meth:`on_receive_batched`: each asker gets its own reply or its own exception, a told
     message that fails goes to :meth:`on_told_failure`, and each envelope and its reply are
-    dropped as soon as that message is served. An envelope alone at the head is served by
+    dropped as soon as that message is served. With :data:`DEFER_WAKES`, the askers whose replies
+    are :class:`LatchFuture` objects get their replies as their messages are served but are woken
+    together when the batch ends (however it ends). An envelope alone at the head is served by
     ``on_receive`` as always.
 
     Thread rule: as any pykka actor: the hooks run on the actor's own thread.
@@ -102,6 +116,11 @@ class ResilientActor(pykka.ThreadingActor):
     #: The message types served in batches (exact types); empty: one message per wake-up, as
     #: in pykka.
     batch_types: ClassVar[tuple[type, ...]] = ()
+
+    #: While a batch is served with DEFER_WAKES: the latches of its LatchFuture replies filled so
+    #: far, opened when the batch ends (an attribute, so overrides of ``_handle_envelope`` keep
+    #: its signature).
+    _woken_later: list[Any] | None = None
 
     def on_batch(self, size: int) -> None:
         """Called once before the messages of a batch are served, with how many there are.
@@ -217,13 +236,23 @@ class ResilientActor(pykka.ThreadingActor):
             pykka.ActorRegistry.stop_all()
             return
         receive = self.on_receive_batched
-        while batch:
-            if self.actor_stopped.is_set():
-                # A BaseException in a handler stopped the actor: what is left of the batch goes
-                # back to the inbox, which pykka's teardown answers with ActorDeadError.
-                self._requeue(batch)
-                return
-            self._handle_envelope(batch.popleft(), receive)
+        # The latches of the LatchFuture replies filled so far (DEFER_WAKES): opened however the
+        # batch ends, so no asker is left waiting.
+        woken_later: list[Any] | None = [] if DEFER_WAKES else None
+        self._woken_later = woken_later
+        try:
+            while batch:
+                if self.actor_stopped.is_set():
+                    # A BaseException in a handler stopped the actor: what is left of the batch goes
+                    # back to the inbox, which pykka's teardown answers with ActorDeadError.
+                    self._requeue(batch)
+                    return
+                self._handle_envelope(batch.popleft(), receive)
+        finally:
+            self._woken_later = None
+            if woken_later:
+                for latch in woken_later:
+                    latch.release()
 
     def _requeue(self, batch: deque[Any]) -> None:
         inbox = self.actor_inbox
@@ -249,8 +278,13 @@ class ResilientActor(pykka.ThreadingActor):
             receive = self._handle_receive
         try:
             response = receive(envelope.message)
-            if envelope.reply_to is not None:
-                envelope.reply_to.set(response)
+            reply = envelope.reply_to
+            if reply is not None:
+                woken_later = self._woken_later
+                if woken_later is not None and type(reply) is LatchFuture:
+                    woken_later.append(reply.fill(response))
+                else:
+                    reply.set(response)
         except Exception as error:  # noqa: BLE001 - the asker's answer, or on_told_failure's
             self._answer_failure(envelope, error, sys.exc_info())
         except BaseException:  # noqa: BLE001 - pykka's own handling, unchanged
