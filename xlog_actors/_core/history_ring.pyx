@@ -4,38 +4,43 @@ builds no Python object on the common path; ``memory.MemoryHistory`` is its Pyth
 
 One event is an ``Event`` struct (time, action, device, stream, size, address, generation and
 three interned ids: tag, stack, note) in a bounded ring. Blocks still live are kept apart, one
-struct per block in a slot array found through a dict from (device, address) to slot, so that a
-snapshot lists every live block even after its allocation left the ring.
+struct per block in a slot array found through an open-addressing table keyed by (device,
+address), so that a snapshot lists every live block even after its allocation left the ring.
 
 The stack of an event is walked where it is recorded: on CPython 3.11 over the interpreter's own
 frame records (``_PyInterpreterFrame``, read through the internal header as debuggers do), which
 materialises no frame object; elsewhere through ``sys._getframe`` and ``f_back``. Frames whose
 file the history's ``is_runtime`` says are the runtime's own are skipped (decided once per file
-name, cached in the history's dict), and at most ``max_frames`` are kept. The kept (code object,
-instruction offset) pairs are interned: their bytes (pointers and offsets) key a dict to a stack
-id, and the tuple of pairs is built only the first time a stack is seen. The table holds a strong
-reference to each code object it keys, so no live key can name a freed code object's address.
-Tags and notes are interned the same way. Everything is resolved back to objects only when the
-history is read (``entries``, ``live_entries``).
+name: the history's dict, and a small table of file-name objects this ring holds references to),
+and at most ``max_frames`` are kept. The kept (code object, instruction offset) pairs are interned:
+their words (pointers and offsets), hashed in C, are looked up in an open-addressing table of stack
+ids and compared with the stored key bytes; the tuple of pairs is built only the first time a
+stack is seen. The stored tuples hold a strong reference to each code object their keys name, so no
+stored key can match a new code object at a freed one's address. Tags are interned through a dict
+behind a one-entry cache (the last tag seen), notes through a dict. Everything is resolved back to
+objects only when the history is read (``entries``).
 
-Invariants: ``0 <= count <= cap``; a slot is used exactly while the live dict maps a key to it;
-interned ids only grow until ``clear``. No allocation of a garbage-collected object happens while
-the ring's lock is held (a collection could run a finaliser that frees a block and records into
-this very ring, on this thread), so everything that builds such objects runs before the lock.
+Invariants: ``0 <= count <= cap``; a slot is used (``slot_next == -2``) exactly while the live
+table holds its index; interned ids only grow until ``clear``. No garbage-collected object is
+allocated while the ring's lock is held (a collection could run a finaliser that frees a block and
+records into this very ring, on this thread, and the lock is not re-entrant): what builds such
+objects (a new stack's tuple, a new tag's id) runs between two holds of the lock.
 
 Thread rule: every method, any thread, any time; events from several threads are kept in the order
-they took the lock.
+they took the lock. The file-name table is read and written outside the lock, under the GIL (no
+Python code runs between its reads and writes).
 """
 
 cimport cython
-from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_SetItem, PyDict_Size
-from cpython.long cimport PyLong_AsLong, PyLong_FromSsize_t, PyLong_FromUnsignedLongLong
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem, PyDict_Size
+from cpython.list cimport PyList_GET_ITEM
+from cpython.long cimport PyLong_AsLong, PyLong_FromSsize_t
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock, PyThread_get_thread_ident
-from cpython.ref cimport PyObject
-from libc.stdint cimport int32_t, int64_t, intptr_t, uint64_t
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+from libc.stdint cimport int32_t, int64_t, intptr_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from posix.time cimport CLOCK_REALTIME, clock_gettime, timespec
 
 from .blocks cimport DeviceBlock
@@ -86,8 +91,11 @@ cdef bint _fast_walk = XL_FAST_FRAMES
 cdef enum:
     # the most frames a walk keeps in the caller's C stack; more are walked into a heap buffer
     _STACK_FRAMES = 64
-    # a live key is one int while the address fits in 52 bits and the ordinal in 12
-    _DEVICE_BITS = 12
+    # table cells: no entry yet / an entry removed (the live table only)
+    _EMPTY = -1
+    _REMOVED = -2
+    # a slot_next value: the slot holds a live block
+    _USED = -2
 
 cdef tuple _ACTIONS = ("alloc", "free")
 _getframe = sys._getframe
@@ -106,10 +114,33 @@ cdef inline int64_t _now_ns() noexcept:
     return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
-cdef inline object _live_key(int32_t device, uint64_t ptr):
-    if 0 <= device < (1 << _DEVICE_BITS) and ptr < (<uint64_t>1 << (64 - _DEVICE_BITS)):
-        return PyLong_FromUnsignedLongLong((ptr << _DEVICE_BITS) | <uint64_t>device)
-    return (device, ptr)
+cdef inline uint64_t _mix(uint64_t h, uint64_t word) noexcept:
+    h ^= word
+    h *= 0x9E3779B97F4A7C15ULL
+    return h ^ (h >> 29)
+
+
+cdef inline uint64_t _hash_words(void** words, Py_ssize_t n) noexcept:
+    cdef uint64_t h = <uint64_t>n
+    cdef Py_ssize_t i
+    for i in range(n):
+        h = _mix(h, <uint64_t><uintptr_t>words[i])
+    return h
+
+
+cdef inline uint64_t _live_hash(uint64_t ptr, int32_t device) noexcept:
+    return _mix(_mix(<uint64_t>device, ptr >> 8), ptr)
+
+
+cdef int32_t* _new_table(Py_ssize_t cap) except NULL:
+    cdef int32_t* tab = <int32_t*>malloc(cap * sizeof(int32_t))
+    cdef Py_ssize_t i
+    if tab == NULL:
+        raise MemoryError("HistoryRing: cannot grow a table")
+    for i in range(cap):
+        tab[i] = _EMPTY
+    return tab
+
 
 
 cdef class HistoryRing:
@@ -129,9 +160,15 @@ cdef class HistoryRing:
         self._slot_free = -1
 
     def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(_FILE_CACHE):
+            Py_XDECREF(self._file_names[i])
         free(self._ring)
         free(self._slots)
         free(self._slot_next)
+        free(self._live_tab)
+        free(self._stack_tab)
+        free(self._stack_hashes)
         if self._lock != NULL:
             PyThread_free_lock(self._lock)
 
@@ -143,6 +180,7 @@ cdef class HistoryRing:
             skip_cache: file name -> whether its frames are the runtime's own.
             is_runtime: ``is_runtime(filename) -> bool`` for a file the cache lacks.
         Raises:
+            ValueError: a bound is not positive, or the ring was initialised already.
             MemoryError: the ring cannot be allocated.
         Thread rule: any thread, once, before the ring is shared.
         """
@@ -183,7 +221,11 @@ cdef class HistoryRing:
         cdef Event ev
         cdef DeviceBlock b
         cdef PyObject* found
-        cdef Py_ssize_t slot
+        cdef void* local[2 * _STACK_FRAMES]
+        cdef void** buf = local
+        cdef Py_ssize_t n
+        cdef uint64_t h
+        cdef tuple origin = None
         if self._ring == NULL:
             raise ValueError("HistoryRing: not initialised")
         if type(block) is DeviceBlock:
@@ -203,31 +245,70 @@ cdef class HistoryRing:
             tag = block.tag
         ev.action = action
         ev.note_id = 0
-        ev.stack_id = self._stack_here()
-        ev.tag_id = self._intern(self._tag_ids, self._tags, tag, tag)
-        key = _live_key(ev.device, ev.ptr)
-        ev.time_ns = _now_ns()
-        lock_acquire(self._lock)
+        if PyDict_Size(self._origins):
+            found = PyDict_GetItem(self._origins, PyThread_get_thread_ident())
+            if found != NULL:
+                origin = <tuple><object>found
+        n = len(origin) if origin is not None else self._max_frames
+        if n > _STACK_FRAMES:
+            buf = <void**>malloc(2 * n * sizeof(void*))
+            if buf == NULL:
+                raise MemoryError("HistoryRing: cannot allocate a stack buffer")
         try:
-            self._push(&ev)
-            found = PyDict_GetItem(self._live, key)
-            if action == HISTORY_ALLOC:
-                if found != NULL:
-                    # the address was live already (its free went unrecorded): the new block
-                    # takes over its slot
-                    self._slots[PyLong_AsLong(<object>found)] = ev
-                else:
-                    slot = self._take_slot()
-                    self._slots[slot] = ev
-                    PyDict_SetItem(self._live, key, PyLong_FromSsize_t(slot))
-            elif found != NULL:
-                slot = PyLong_AsLong(<object>found)
-                # another thread may already have been handed the address again and recorded it
-                if self._slots[slot].generation == ev.generation:
-                    PyDict_DelItem(self._live, key)
-                    self._give_slot(slot)
+            if origin is not None:
+                n = _origin_words(origin, buf)
+            elif _fast_walk:
+                n = self._walk_fast(buf)
+            else:
+                n = self._walk_frames(buf)
+            h = _hash_words(buf, 2 * n)
+            ev.time_ns = _now_ns()
+            lock_acquire(self._lock)
+            try:
+                ev.stack_id = self._find_stack(buf, n, h)
+                ev.tag_id = self._last_tag_id if tag is self._last_tag else -1
+                if ev.stack_id >= 0 and ev.tag_id >= 0:
+                    self._commit(&ev)
+                    return 0
+            finally:
+                lock_release(self._lock)
+            # a stack or a tag seen for the first time: interned between two holds of the lock
+            if ev.stack_id < 0:
+                ev.stack_id = self._add_stack(buf, n, h, origin)
+            if ev.tag_id < 0:
+                ev.tag_id = self._tag_id(tag)
+            lock_acquire(self._lock)
+            try:
+                self._commit(&ev)
+            finally:
+                lock_release(self._lock)
+            return 0
         finally:
-            lock_release(self._lock)
+            if buf != local:
+                free(buf)
+
+    cdef int _commit(self, Event* ev) except -1:
+        # Under the lock: the event into the ring, and the live table brought up to date.
+        cdef Py_ssize_t cell = self._find_live(ev.ptr, ev.device)
+        cdef int32_t slot
+        if ev.action == HISTORY_ALLOC:
+            if cell >= 0:
+                # the address was live already (its free went unrecorded): the new block takes
+                # over its slot
+                self._slots[self._live_tab[cell]] = ev[0]
+            else:
+                # every step that can fail (growing) comes before the first change
+                if 2 * (self._live_filled + 1) > self._live_tab_cap:
+                    self._rebuild_live(1 + self._live_count)
+                slot = self._take_slot()
+                self._slots[slot] = ev[0]
+                self._insert_live(slot)
+        elif cell >= 0:
+            slot = self._live_tab[cell]
+            # another thread may already have been handed the address again and recorded it
+            if self._slots[slot].generation == ev.generation:
+                self._remove_live(cell)
+        self._push(ev)
         return 0
 
     cdef void _push(self, Event* ev) noexcept:
@@ -239,7 +320,8 @@ cdef class HistoryRing:
             self._count += 1
         self._recorded += 1
 
-    cdef Py_ssize_t _take_slot(self) except -1:
+    # -- live blocks (under the lock) -------------------------------------------------------
+    cdef int32_t _take_slot(self) except -1:
         cdef Py_ssize_t i, cap
         cdef Event* slots
         cdef int32_t* nxt
@@ -259,65 +341,173 @@ cdef class HistoryRing:
             self._slot_cap = cap
         i = self._slot_free
         self._slot_free = self._slot_next[i]
-        self._slot_next[i] = -2  # used
-        self._live_count += 1
-        return i
+        self._slot_next[i] = _USED
+        return <int32_t>i
 
-    cdef void _give_slot(self, Py_ssize_t slot) noexcept:
+    cdef Py_ssize_t _find_live(self, uint64_t ptr, int32_t device) noexcept:
+        cdef Py_ssize_t mask = self._live_tab_cap - 1, i
+        cdef int32_t s
+        if self._live_tab_cap == 0:
+            return -1
+        i = <Py_ssize_t>(_live_hash(ptr, device) & <uint64_t>mask)
+        while True:
+            s = self._live_tab[i]
+            if s == _EMPTY:
+                return -1
+            if s >= 0 and self._slots[s].ptr == ptr and self._slots[s].device == device:
+                return i
+            i = (i + 1) & mask
+
+    cdef void _insert_live(self, int32_t slot) noexcept:
+        # ``slot``'s key is not in the table (the caller looked) and the table has room
+        cdef Py_ssize_t mask, i
+        mask = self._live_tab_cap - 1
+        i = <Py_ssize_t>(_live_hash(self._slots[slot].ptr, self._slots[slot].device) & <uint64_t>mask)
+        while self._live_tab[i] >= 0:
+            i = (i + 1) & mask
+        if self._live_tab[i] == _EMPTY:
+            self._live_filled += 1
+        self._live_tab[i] = slot
+        self._live_count += 1
+
+    cdef void _remove_live(self, Py_ssize_t cell) noexcept:
+        cdef int32_t slot = self._live_tab[cell]
+        self._live_tab[cell] = _REMOVED
         self._slot_next[slot] = self._slot_free
-        self._slot_free = <int32_t>slot
+        self._slot_free = slot
         self._live_count -= 1
 
-    cdef int32_t _intern(self, dict ids, list values, object key, object value) except -1:
-        cdef PyObject* found = PyDict_GetItem(ids, key)
-        cdef Py_ssize_t new_id
-        if found != NULL:
-            return <int32_t>PyLong_AsLong(<object>found)
+    cdef int _rebuild_live(self, Py_ssize_t need) except -1:
+        # a table at most a quarter full of ``need`` blocks, without the removed cells
+        cdef Py_ssize_t cap = 64, i, j, mask
+        cdef int32_t* tab
+        while cap < 4 * need:
+            cap *= 2
+        tab = _new_table(cap)
+        mask = cap - 1
+        for i in range(self._slot_cap):
+            if self._slot_next[i] == _USED:
+                j = <Py_ssize_t>(_live_hash(self._slots[i].ptr, self._slots[i].device) & <uint64_t>mask)
+                while tab[j] != _EMPTY:
+                    j = (j + 1) & mask
+                tab[j] = <int32_t>i
+        free(self._live_tab)
+        self._live_tab = tab
+        self._live_tab_cap = cap
+        self._live_filled = self._live_count
+        return 0
+
+    # -- interning ----------------------------------------------------------------------------
+    cdef int32_t _find_stack(self, void** buf, Py_ssize_t n, uint64_t h) noexcept:
+        # Under the lock: the id of the stack of ``n`` (code, offset) word pairs, -1 if new.
+        cdef Py_ssize_t mask = self._stack_tab_cap - 1, i, nbytes = n * 2 * sizeof(void*)
+        cdef int32_t sid
+        cdef PyObject* key
+        if n == 0:
+            return 0
+        if self._stack_tab_cap == 0:
+            return -1
+        i = <Py_ssize_t>(h & <uint64_t>mask)
+        while True:
+            sid = self._stack_tab[i]
+            if sid == _EMPTY:
+                return -1
+            if self._stack_hashes[sid] == h:
+                key = PyList_GET_ITEM(self._stack_keys, sid)
+                if PyBytes_GET_SIZE(<object>key) == nbytes and memcmp(
+                    PyBytes_AS_STRING(<object>key), buf, nbytes
+                ) == 0:
+                    return sid
+            i = (i + 1) & mask
+
+    cdef int32_t _add_stack(self, void** buf, Py_ssize_t n, uint64_t h, tuple frames) except -1:
+        # Outside the lock: the key and the frames (new objects); then, under it, the table.
+        cdef Py_ssize_t i, sid, cap
+        cdef uint64_t* hashes
+        key = PyBytes_FromStringAndSize(<char*>buf, n * 2 * sizeof(void*))
+        if frames is None:
+            frames = tuple([(<object>buf[2 * i], <intptr_t>buf[2 * i + 1]) for i in range(n)])
         lock_acquire(self._lock)
         try:
-            found = PyDict_GetItem(ids, key)  # another thread may have interned it meanwhile
-            if found != NULL:
-                return <int32_t>PyLong_AsLong(<object>found)
-            new_id = len(values)
-            values.append(value)
-            PyDict_SetItem(ids, key, PyLong_FromSsize_t(new_id))
-            return <int32_t>new_id
+            sid = self._find_stack(buf, n, h)  # another thread may have added it meanwhile
+            if sid >= 0:
+                return <int32_t>sid
+            sid = len(self._stacks)
+            if sid >= self._stack_hash_cap:
+                cap = 64 if self._stack_hash_cap == 0 else 2 * self._stack_hash_cap
+                hashes = <uint64_t*>realloc(self._stack_hashes, cap * sizeof(uint64_t))
+                if hashes == NULL:
+                    raise MemoryError("HistoryRing: cannot grow the stack table")
+                self._stack_hashes = hashes
+                self._stack_hash_cap = cap
+            if 2 * (sid + 1) > self._stack_tab_cap:
+                self._rebuild_stacks(sid + 1)
+            self._stacks.append(frames)
+            self._stack_keys.append(key)
+            self._stack_hashes[sid] = h
+            self._place_stack(<int32_t>sid)
+            return <int32_t>sid
         finally:
             lock_release(self._lock)
 
-    cdef int32_t _stack_here(self) except -1:
-        cdef void* local[2 * _STACK_FRAMES]
-        cdef void** buf = local
-        cdef Py_ssize_t n
-        cdef PyObject* found
-        if PyDict_Size(self._origins):
-            found = PyDict_GetItem(self._origins, PyThread_get_thread_ident())
-            if found != NULL:
-                return self._intern_frames(<tuple><object>found)
-        if self._max_frames > _STACK_FRAMES:
-            buf = <void**>malloc(2 * self._max_frames * sizeof(void*))
-            if buf == NULL:
-                raise MemoryError("HistoryRing: cannot allocate a stack buffer")
-        try:
-            n = self._walk_fast(buf) if _fast_walk else self._walk_frames(buf)
-            # the key is built before any allocation that could collect garbage (and run a
-            # finaliser that records on this thread): the code objects in buf are borrowed
-            key = PyBytes_FromStringAndSize(<char*>buf, n * 2 * sizeof(void*))
-            found = PyDict_GetItem(self._stack_ids, key)
-            if found != NULL:
-                return <int32_t>PyLong_AsLong(<object>found)
-            frames = tuple([(<object>buf[2 * i], <intptr_t>buf[2 * i + 1]) for i in range(n)])
-            return self._intern(self._stack_ids, self._stacks, key, frames)
-        finally:
-            if buf != local:
-                free(buf)
+    cdef void _place_stack(self, int32_t sid) noexcept:
+        cdef Py_ssize_t mask = self._stack_tab_cap - 1
+        cdef Py_ssize_t i = <Py_ssize_t>(self._stack_hashes[sid] & <uint64_t>mask)
+        while self._stack_tab[i] != _EMPTY:
+            i = (i + 1) & mask
+        self._stack_tab[i] = sid
 
-    cdef bint _skips(self, PyObject* code) except -1:
-        cdef PyObject* filename = xl_filename(code)
-        cdef PyObject* found = PyDict_GetItem(self._skip_cache, <object>filename)
-        if found != NULL:
-            return <object>found is True
-        return bool(self._is_runtime(<object>filename))
+    cdef int _rebuild_stacks(self, Py_ssize_t need) except -1:
+        cdef Py_ssize_t cap = 64, sid
+        while cap < 4 * need:
+            cap *= 2
+        free(self._stack_tab)
+        self._stack_tab = _new_table(cap)
+        self._stack_tab_cap = cap
+        for sid in range(1, len(self._stacks)):  # id 0, the empty stack, is not in the table
+            self._place_stack(<int32_t>sid)
+        return 0
+
+    cdef int32_t _tag_id(self, object tag) except -1:
+        # Outside the lock: the tag's id (a new one made under the lock), then remembered as the
+        # last tag seen.
+        cdef PyObject* found
+        cdef Py_ssize_t tid
+        lock_acquire(self._lock)
+        try:
+            found = PyDict_GetItem(self._tag_ids, tag)
+            if found != NULL:
+                tid = PyLong_AsLong(<object>found)
+            else:
+                tid = len(self._tags)
+                self._tags.append(tag)
+                PyDict_SetItem(self._tag_ids, tag, PyLong_FromSsize_t(tid))
+            self._last_tag = tag
+            self._last_tag_id = <int32_t>tid
+            return <int32_t>tid
+        finally:
+            lock_release(self._lock)
+
+    # -- the stack ----------------------------------------------------------------------------
+    cdef int _skips(self, PyObject* code) except -1:
+        cdef PyObject* name = xl_filename(code)
+        cdef Py_ssize_t i = <Py_ssize_t>((<uintptr_t>name >> 4) % _FILE_CACHE)
+        if self._file_names[i] == name:
+            return self._file_skips[i]
+        return self._skips_new(name, i)
+
+    cdef int _skips_new(self, PyObject* name, Py_ssize_t i) except -1:
+        # The table holds a reference to each name it keeps, so a name's address cannot be
+        # reused by another string while it is there.
+        cdef PyObject* found = PyDict_GetItem(self._skip_cache, <object>name)
+        cdef PyObject* old
+        cdef bint skip = (<object>found is True) if found != NULL else bool(self._is_runtime(<object>name))
+        Py_INCREF(<object>name)
+        old = self._file_names[i]
+        self._file_names[i] = name
+        self._file_skips[i] = skip
+        Py_XDECREF(old)
+        return skip
 
     cdef Py_ssize_t _walk_fast(self, void** buf) except -1:
         cdef void* cursor = xl_top()
@@ -346,16 +536,6 @@ cdef class HistoryRing:
             frame = frame.f_back
         return n
 
-    cdef int32_t _intern_frames(self, tuple frames) except -1:
-        cdef Py_ssize_t n = len(frames), i
-        cdef bytearray raw = bytearray(n * 2 * sizeof(void*))
-        cdef void** buf = <void**><char*>raw
-        for i in range(n):
-            code, lasti = frames[i]
-            buf[2 * i] = <void*>code
-            buf[2 * i + 1] = <void*><intptr_t>lasti
-        return self._intern(self._stack_ids, self._stacks, bytes(raw), frames)
-
     def forget_device(self, int ordinal, str reason):
         """Record a free, with an empty stack and ``reason`` as its note, for every block of
         device ``ordinal`` still live here: their memory went at once, without a free per block
@@ -365,29 +545,36 @@ cdef class HistoryRing:
             how many blocks were forgotten.
         Thread rule: any thread.
         """
-        cdef PyObject* found
-        cdef Py_ssize_t slot, n = 0
+        cdef Py_ssize_t slot, n = 0, cell
         cdef Event ev
-        cdef int32_t note_id = self._intern(self._note_ids, self._notes, reason, reason)
-        items = list(self._live.items())
+        cdef PyObject* found
+        cdef int32_t note_id
+        found = PyDict_GetItem(self._note_ids, reason)
+        if found == NULL:
+            lock_acquire(self._lock)
+            try:
+                note_id = <int32_t>len(self._notes)
+                self._notes.append(reason)
+                PyDict_SetItem(self._note_ids, reason, PyLong_FromSsize_t(note_id))
+            finally:
+                lock_release(self._lock)
+        else:
+            note_id = <int32_t>PyLong_AsLong(<object>found)
         cdef int64_t now = _now_ns()
         lock_acquire(self._lock)
         try:
-            for key, value in items:
-                found = PyDict_GetItem(self._live, key)
-                if found == NULL or PyLong_AsLong(<object>found) != PyLong_AsLong(value):
-                    continue
-                slot = PyLong_AsLong(value)
-                if self._slots[slot].device != ordinal:
+            for slot in range(self._slot_cap):
+                if self._slot_next[slot] != _USED or self._slots[slot].device != ordinal:
                     continue
                 ev = self._slots[slot]
                 ev.action = HISTORY_FREE
                 ev.time_ns = now
                 ev.stack_id = 0
                 ev.note_id = note_id
+                cell = self._find_live(ev.ptr, ev.device)
+                if cell >= 0:  # always: a used slot is in the table
+                    self._remove_live(cell)
                 self._push(&ev)
-                PyDict_DelItem(self._live, key)
-                self._give_slot(slot)
                 n += 1
         finally:
             lock_release(self._lock)
@@ -410,6 +597,7 @@ cdef class HistoryRing:
         Args:
             max_entries: the new bound (positive; the caller checked it).
         Raises:
+            ValueError: the bound is not positive; nothing changes.
             MemoryError: the new ring cannot be allocated; nothing changes.
         Thread rule: any thread.
         """
@@ -434,7 +622,7 @@ cdef class HistoryRing:
 
     cdef void _copy_newest(self, Event* out, Py_ssize_t n) noexcept:
         # the newest n events, oldest first (under the lock)
-        cdef Py_ssize_t first = (self._head - n) % self._cap, part
+        cdef Py_ssize_t first = self._head - n, part
         if first < 0:
             first += self._cap
         part = min(n, self._cap - first)
@@ -442,20 +630,27 @@ cdef class HistoryRing:
         memcpy(out + part, self._ring, (n - part) * sizeof(Event))
 
     def clear(self):
-        """Forget every event and live block, and the interned stacks. Thread rule: any thread."""
+        """Forget every event and live block, and the interned stacks and tags.
+
+        Thread rule: any thread.
+        """
         cdef Py_ssize_t i
         # id 0 of the stack and note tables is the empty one (a free recorded for a whole device)
-        old = (self._live, self._tag_ids, self._tags, self._stack_ids, self._stacks, self._note_ids, self._notes)
-        live, tag_ids, tags, stack_ids, stacks, note_ids, notes = {}, {}, [], {b"": 0}, [()], {"": 0}, [""]
+        old = (self._tag_ids, self._tags, self._stacks, self._stack_keys, self._note_ids, self._notes)
+        tag_ids, tags, stacks, stack_keys, note_ids, notes = {}, [], [()], [b""], {"": 0}, [""]
         lock_acquire(self._lock)
-        self._live, self._tag_ids, self._tags = live, tag_ids, tags
-        self._stack_ids, self._stacks, self._note_ids, self._notes = stack_ids, stacks, note_ids, notes
-        self._head = self._count = 0
-        self._recorded = 0
+        self._tag_ids, self._tags, self._last_tag, self._last_tag_id = tag_ids, tags, None, -1
+        self._stacks, self._stack_keys, self._note_ids, self._notes = stacks, stack_keys, note_ids, notes
+        for i in range(self._stack_tab_cap):
+            self._stack_tab[i] = _EMPTY
+        for i in range(self._live_tab_cap):
+            self._live_tab[i] = _EMPTY
         for i in range(self._slot_cap):
             self._slot_next[i] = <int32_t>(i + 1) if i + 1 < self._slot_cap else -1
         self._slot_free = 0 if self._slot_cap else -1
-        self._live_count = 0
+        self._live_count = self._live_filled = 0
+        self._head = self._count = 0
+        self._recorded = 0
         lock_release(self._lock)
         del old
 
@@ -470,6 +665,11 @@ cdef class HistoryRing:
         included. Thread rule: any thread."""
         return self._recorded
 
+    @property
+    def live_blocks(self):
+        """Blocks live now. Thread rule: any thread."""
+        return self._live_count
+
     def entries(self):
         """The events in the ring, oldest first, then the blocks live now, each as a tuple
         ``(time_ns, action, device, stream, tag, nbytes, ptr, frames, note, generation)``
@@ -483,17 +683,16 @@ cdef class HistoryRing:
         Thread rule: any thread.
         """
         cdef Event* copy
-        cdef Py_ssize_t n, m = 0, i, total
+        cdef Py_ssize_t n, m = 0, i
         lock_acquire(self._lock)
         n = self._count
-        total = n + self._live_count
-        copy = <Event*>malloc(max(total, 1) * sizeof(Event))
+        copy = <Event*>malloc(max(n + self._live_count, 1) * sizeof(Event))
         if copy == NULL:
             lock_release(self._lock)
             raise MemoryError("HistoryRing: cannot copy the history")
         self._copy_newest(copy, n)
         for i in range(self._slot_cap):
-            if self._slot_next[i] == -2:
+            if self._slot_next[i] == _USED:
                 copy[n + m] = self._slots[i]
                 m += 1
         tags, stacks, notes = self._tags, self._stacks, self._notes
@@ -506,10 +705,15 @@ cdef class HistoryRing:
             free(copy)
         return events, live, recorded, cap
 
-    @property
-    def live_blocks(self):
-        """Blocks live now. Thread rule: any thread."""
-        return self._live_count
+
+cdef Py_ssize_t _origin_words(tuple frames, void** buf) except -1:
+    # the (code, offset) words of a stack captured elsewhere (``capture_frames``)
+    cdef Py_ssize_t i
+    for i in range(len(frames)):
+        code, lasti = frames[i]
+        buf[2 * i] = <void*>code
+        buf[2 * i + 1] = <void*><intptr_t>lasti
+    return len(frames)
 
 
 cdef tuple _as_tuple(Event* e, list tags, list stacks, list notes):
