@@ -91,7 +91,7 @@ def test_many_distinct_stacks_grow_the_table() -> None:
     history = MemoryHistory(max_frames=1)
     namespace: dict[str, Any] = {}
     for i in range(300):  # 300 code objects: the stack table grows several times
-        exec(f"def site_{i}(h, b):\n    h.record_alloc(b)\n", namespace)  # noqa: S102 - distinct code objects
+        exec(f"def site_{i}(h, b):\n    h.record_alloc(b)\n", namespace)
     for i in range(300):
         namespace[f"site_{i}"](history, _block(0x10000 + 0x100 * i))
     for i in range(300):  # seen again: interned, not added

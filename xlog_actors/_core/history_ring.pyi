@@ -1,6 +1,6 @@
 from collections.abc import Callable
 from types import CodeType
-from typing import Any
+from typing import Any, TypeAlias
 
 __all__ = ["FAST_FRAME_WALK", "HistoryRing"]
 
@@ -8,8 +8,8 @@ FAST_FRAME_WALK: bool
 
 def _force_frame_objects(on: bool) -> None: ...
 
-_Frames = tuple[tuple[CodeType, int], ...]
-_Entry = tuple[int, str, int, int, str, int, int, _Frames, str, int]
+_Frames: TypeAlias = tuple[tuple[CodeType, int], ...]
+_Entry: TypeAlias = tuple[int, str, int, int, str, int, int, _Frames, str, int]
 
 class HistoryRing:
     _origins: dict[int, _Frames]
