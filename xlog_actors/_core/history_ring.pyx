@@ -26,6 +26,10 @@ allocated while the ring's lock is held (a collection could run a finaliser that
 records into this very ring, on this thread, and the lock is not re-entrant): what builds such
 objects (a new stack's tuple, a new tag's id) runs between two holds of the lock.
 
+The module is past 400 lines because the ring, the live-block table and the stack table share the
+``Event`` layout and one lock with one rule (nothing that can collect garbage while it is held):
+apart, each would have to export its internals to the others.
+
 Thread rule: every method, any thread, any time; events from several threads are kept in the order
 they took the lock. The file-name table is read and written outside the lock, under the GIL (no
 Python code runs between its reads and writes).

@@ -2,26 +2,29 @@
 that asked for it, kept in a bounded ring and written in the snapshot format PyTorch's memory
 viewer reads.
 
-The compiled resources (``AsyncCudaResource``, ``DirectCudaResource``) call ``record_alloc(block)``
-after each allocation and ``record_free(block)`` after each successful free once a history is set
-on them (``set_history``); nothing is recorded, and nothing is paid but one pointer compare, while
-none is. ``XlogDeviceRuntime.set_history`` finds the base resource under any adaptor stack, and a
-``DeviceActor`` switches it on with the ``RecordMemoryHistory`` message.
+The compiled resources (``AsyncCudaResource``, ``DirectCudaResource``) record each allocation and
+each successful free once a history is set on them (``set_history``); nothing is recorded, and
+nothing is paid but one pointer compare, while none is. ``MemoryHistory`` is the Python face of the
+compiled ``HistoryRing`` (``_core/history_ring.pyx``), which the resources call in C: the ring, the
+live blocks, the interned stacks and the stack walk are there; here are the settings' checks, the
+stacks of requests served for another thread (``asked_from``), and the readers (``events``,
+``snapshot``, ``dump``). ``XlogDeviceRuntime.set_history`` finds the base resource under any
+adaptor stack, and a ``DeviceActor`` switches it on with the ``RecordMemoryHistory`` message.
 
-What one event keeps (a tuple, no dict until a snapshot is taken): the wall-clock time in
-nanoseconds (``time.time_ns``), the action (``alloc`` or ``free``), the device ordinal, the
-stream (the ``StreamId`` the block was allocated on), the tag, the size in bytes, the address,
-and the stack: at most ``max_frames`` (code object, instruction offset) pairs, innermost first,
-taken by walking ``sys._getframe`` (no ``traceback``/``inspect`` objects, no source read; the line
-numbers are worked out from the offsets only when a snapshot is taken) and
-skipping the runtime's own frames (files inside the ``xlog_actors`` package, inside ``pykka``, and
-``threading.py``), so the user's code is on top. A ``DeviceActor`` serves requests on its own
-thread; there the stack is the one captured where the ``Allocate``/``AllocateMany``/``Free``
-message was made (``messages.py``), in the asker's thread. Frees of dropped handles, which the
-device actor performs on its own, carry an empty stack.
+What one event keeps (C structs in the ring; tuples, then dicts, only when read): the wall-clock
+time in nanoseconds (``CLOCK_REALTIME``, as ``time.time_ns``), the action (``alloc`` or
+``free``), the device ordinal, the stream (the ``StreamId`` the block was allocated on, as an
+int), the tag, the size in bytes, the address, and the stack: at most ``max_frames`` (code object,
+instruction offset) pairs, innermost first (no ``traceback``/``inspect`` objects, no source read;
+the line numbers are worked out from the offsets only when a snapshot is taken), skipping the
+runtime's own frames (files inside the ``xlog_actors`` package, inside ``pykka``, and
+``threading.py``: ``_is_runtime``, cached per file name in ``_skip_cache``), so the user's code is
+on top. A ``DeviceActor`` serves requests on its own thread; there the stack is the one captured
+(``capture_frames``) where the ``Allocate``/``AllocateMany``/``Free`` message was made
+(``messages.py``), in the asker's thread. Frees of dropped handles, which the device actor performs
+on its own, carry an empty stack.
 
-The module is past 400 lines because the recording, its cheap stack capture and the snapshot writer
-share one event layout (a plain tuple, for speed): apart, each would have to know the other's.
+Thread rule: every name, any thread (each says how).
 """
 
 from __future__ import annotations
