@@ -39,7 +39,7 @@ def _block(ptr: int, generation: int = 1, device: int = 0, tag: str = "t") -> xa
 @pytest.fixture(params=["interpreter records", "frame objects"])
 def walk(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "interpreter records" and not history_ring.FAST_FRAME_WALK:
-        pytest.skip("this interpreter's stacks are walked through frame objects only (CPython 3.11 has both)")
+        pytest.skip("this interpreter's stacks are walked through frame objects only (CPython 3.11 to 3.13 have both)")
     history_ring._force_frame_objects(request.param == "frame objects")
     try:
         yield request.param

@@ -7,9 +7,10 @@ three interned ids: tag, stack, note) in a bounded ring. Blocks still live are k
 struct per block in a slot array found through an open-addressing table keyed by (device,
 address), so that a snapshot lists every live block even after its allocation left the ring.
 
-The stack of an event is walked where it is recorded: on CPython 3.11 over the interpreter's own
-frame records (``_PyInterpreterFrame``, read through the internal header as debuggers do), which
-materialises no frame object; elsewhere through ``sys._getframe`` and ``f_back``. Frames whose
+The stack of an event is walked where it is recorded: on CPython 3.11 to 3.13 over the
+interpreter's own frame records (``_PyInterpreterFrame``, read through the internal header of the
+version built against, as profilers do), which materialises no frame object; elsewhere (3.10, 3.14
+and later, whose layouts were not checked) through ``sys._getframe`` and ``f_back``. Frames whose
 file the history's ``is_runtime`` says are the runtime's own are skipped (decided once per file
 name: the history's dict, and a small table of file-name objects this ring holds references to),
 and at most ``max_frames`` are kept. The kept (code object, instruction offset) pairs are interned:
@@ -56,18 +57,26 @@ __all__ = ["FAST_FRAME_WALK", "HistoryRing"]
 
 cdef extern from *:
     """
-    #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000
     #define Py_BUILD_CORE 1
     #include "internal/pycore_frame.h"
     #undef Py_BUILD_CORE
     #define XL_FAST_FRAMES 1
+    #if PY_VERSION_HEX >= 0x030D0000
+    #define XL_CURRENT(ts) ((ts)->current_frame)
+    #define XL_CODE(f) ((f)->f_executable)
+    #else
+    #define XL_CURRENT(ts) ((ts)->cframe->current_frame)
+    #define XL_CODE(f) ((PyObject *)(f)->f_code)
+    #endif
+    /* the next frame that has begun to run Python code (as frame.f_back would give) */
     static inline _PyInterpreterFrame *xl_complete(_PyInterpreterFrame *f) {
-        while (f != NULL && _PyFrame_IsIncomplete(f)) f = f->previous;
+        while (f != NULL && (!PyCode_Check(XL_CODE(f)) || _PyFrame_IsIncomplete(f))) f = f->previous;
         return f;
     }
-    static inline void *xl_top(void) { return xl_complete(PyThreadState_Get()->cframe->current_frame); }
+    static inline void *xl_top(void) { return xl_complete(XL_CURRENT(PyThreadState_Get())); }
     static inline void *xl_back(void *c) { return xl_complete(((_PyInterpreterFrame *)c)->previous); }
-    static inline PyObject *xl_code(void *c) { return (PyObject *)((_PyInterpreterFrame *)c)->f_code; }
+    static inline PyObject *xl_code(void *c) { return XL_CODE((_PyInterpreterFrame *)c); }
     static inline intptr_t xl_lasti(void *c) {
         return (intptr_t)_PyInterpreterFrame_LASTI((_PyInterpreterFrame *)c) * (intptr_t)sizeof(_Py_CODEUNIT);
     }
@@ -87,8 +96,8 @@ cdef extern from *:
     intptr_t xl_lasti(void* cursor)
     PyObject* xl_filename(PyObject* code)
 
-#: Whether stacks are walked over the interpreter's frame records (CPython 3.11) rather than
-#: through frame objects.
+#: Whether stacks are walked over the interpreter's frame records (CPython 3.11 to 3.13) rather
+#: than through frame objects.
 FAST_FRAME_WALK = bool(XL_FAST_FRAMES)
 cdef bint _fast_walk = XL_FAST_FRAMES
 
