@@ -10,7 +10,8 @@ address), so that a snapshot lists every live block even after its allocation le
 The stack of an event is walked where it is recorded: on CPython 3.11 to 3.13 over the
 interpreter's own frame records (``_PyInterpreterFrame``, read through the internal header of the
 version built against, as profilers do), which materialises no frame object; elsewhere (3.10, 3.14
-and later, whose layouts were not checked) through ``sys._getframe`` and ``f_back``. Frames whose
+and later, whose layouts were not checked, or Python headers without the internal ones) through
+``sys._getframe`` and ``f_back``. Frames whose
 file the history's ``is_runtime`` says are the runtime's own are skipped (decided once per file
 name: the history's dict, and a small table of file-name objects this ring holds references to),
 and at most ``max_frames`` are kept. The kept (code object, instruction offset) pairs are interned:
@@ -57,7 +58,12 @@ __all__ = ["FAST_FRAME_WALK", "HistoryRing"]
 
 cdef extern from *:
     """
-    #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000
+    #if defined(__has_include)
+    #if __has_include("internal/pycore_frame.h")
+    #define XL_HAS_FRAME_HEADER 1
+    #endif
+    #endif
+    #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && defined(XL_HAS_FRAME_HEADER)
     #define Py_BUILD_CORE 1
     #include "internal/pycore_frame.h"
     #undef Py_BUILD_CORE
