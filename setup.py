@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - the build requirements name Cython
 _MODULES = (
     "blocks",
     "ops",
+    "history_ring",
     "resource_core",
     "async_core",
     "direct_core",

@@ -26,6 +26,7 @@ try:
         direct_core,
         doorbell,
         handles,
+        history_ring,
         ops,
         resource_core,
     )

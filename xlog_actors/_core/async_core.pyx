@@ -34,6 +34,7 @@ from cpython.object cimport PyObject
 from posix.time cimport clock_gettime, timespec
 
 from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
+from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
 from .ops cimport DriverOps, ops_for
 from .resource_core cimport ResourceCore
@@ -347,7 +348,10 @@ cdef class AsyncCore(ResourceCore):
         lock_release(self._lock)
         if not collision:
             if self._history is not None:
-                self._history.record_alloc(block)
+                if self._ring is not None:
+                    self._ring.record(block, HISTORY_ALLOC)
+                else:
+                    self._history.record_alloc(block)
             return block
         self._ops.free_async(ptr, cu_stream)
         raise DriverError(
@@ -413,7 +417,10 @@ cdef class AsyncCore(ResourceCore):
         finally:
             lock_release(self._lock)
         if self._history is not None:
-            self._history.record_free(block)
+            if self._ring is not None:
+                self._ring.record(block, HISTORY_FREE)
+            else:
+                self._history.record_free(block)
 
     # -- reaping ----------------------------------------------------------------------------
     def reap_pending(self):

@@ -6,6 +6,7 @@ called outside it.
 """
 
 from .blocks cimport DeviceBlock, new_block, next_generation
+from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
 from .resource_core cimport ResourceCore
 
@@ -80,7 +81,10 @@ cdef class DirectCore(ResourceCore):
                 f"DirectCudaResource on device {self._ordinal}: pointer collision on alloc ({ptr:#x} is already live)"
             )
         if self._history is not None:
-            self._history.record_alloc(block)
+            if self._ring is not None:
+                self._ring.record(block, HISTORY_ALLOC)
+            else:
+                self._history.record_alloc(block)
         return block
 
     def deallocate(self, block):
@@ -128,7 +132,10 @@ cdef class DirectCore(ResourceCore):
             lock_release(self._lock)
             raise
         if self._history is not None:
-            self._history.record_free(block)
+            if self._ring is not None:
+                self._ring.record(block, HISTORY_FREE)
+            else:
+                self._history.record_free(block)
 
     def bytes_outstanding(self):
         """Bytes of the live blocks (a free completes before ``deallocate`` returns, so nothing

@@ -2,6 +2,7 @@
 
 from cpython.pythread cimport PyThread_type_lock
 
+from .history_ring cimport HistoryRing
 from .ops cimport DriverOps
 
 
@@ -11,3 +12,4 @@ cdef class ResourceCore:
     cdef DriverOps _ops
     cdef PyThread_type_lock _lock
     cdef object _history
+    cdef HistoryRing _ring

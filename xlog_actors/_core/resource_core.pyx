@@ -9,6 +9,7 @@ Thread rule: every method may be called from any thread at any time.
 
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock
 
+from .history_ring cimport HistoryRing
 from .ops cimport ops_for
 
 __all__ = ["ResourceCore"]
@@ -41,6 +42,7 @@ cdef class ResourceCore:
         self._ordinal = ordinal
         self._ops = ops_for(driver, ordinal)
         self._history = None
+        self._ring = None
 
     @property
     def device_ordinal(self):
@@ -62,11 +64,13 @@ cdef class ResourceCore:
         """Record every allocation and free from now on into ``history`` (None: stop).
 
         ``history`` gets ``record_alloc(block)`` after each allocation and ``record_free(block)``
-        after each free that succeeded, in the calling thread, outside the resource's lock.
-        Switched off, a call costs one pointer compare.
+        after each free that succeeded, in the calling thread, outside the resource's lock; a
+        ``HistoryRing`` (``MemoryHistory``) is called in C, without a Python call. Switched off,
+        a call costs one pointer compare.
 
         Args:
             history: an object with ``record_alloc`` and ``record_free``, or None.
         Thread rule: any thread; calls already running may still record into the one before.
         """
+        self._ring = history if isinstance(history, HistoryRing) else None
         self._history = history

@@ -2,41 +2,42 @@
 that asked for it, kept in a bounded ring and written in the snapshot format PyTorch's memory
 viewer reads.
 
-The compiled resources (``AsyncCudaResource``, ``DirectCudaResource``) call ``record_alloc(block)``
-after each allocation and ``record_free(block)`` after each successful free once a history is set
-on them (``set_history``); nothing is recorded, and nothing is paid but one pointer compare, while
-none is. ``XlogDeviceRuntime.set_history`` finds the base resource under any adaptor stack, and a
-``DeviceActor`` switches it on with the ``RecordMemoryHistory`` message.
+The compiled resources (``AsyncCudaResource``, ``DirectCudaResource``) record each allocation and
+each successful free once a history is set on them (``set_history``); nothing is recorded, and
+nothing is paid but one pointer compare, while none is. ``MemoryHistory`` is the Python face of the
+compiled ``HistoryRing`` (``_core/history_ring.pyx``), which the resources call in C: the ring, the
+live blocks, the interned stacks and the stack walk are there; here are the settings' checks, the
+stacks of requests served for another thread (``asked_from``), and the readers (``events``,
+``snapshot``, ``dump``). ``XlogDeviceRuntime.set_history`` finds the base resource under any
+adaptor stack, and a ``DeviceActor`` switches it on with the ``RecordMemoryHistory`` message.
 
-What one event keeps (a tuple, no dict until a snapshot is taken): the wall-clock time in
-nanoseconds (``time.time_ns``), the action (``alloc`` or ``free``), the device ordinal, the
-stream (the ``StreamId`` the block was allocated on), the tag, the size in bytes, the address,
-and the stack: at most ``max_frames`` (code object, instruction offset) pairs, innermost first,
-taken by walking ``sys._getframe`` (no ``traceback``/``inspect`` objects, no source read; the line
-numbers are worked out from the offsets only when a snapshot is taken) and
-skipping the runtime's own frames (files inside the ``xlog_actors`` package, inside ``pykka``, and
-``threading.py``), so the user's code is on top. A ``DeviceActor`` serves requests on its own
-thread; there the stack is the one captured where the ``Allocate``/``AllocateMany``/``Free``
-message was made (``messages.py``), in the asker's thread. Frees of dropped handles, which the
-device actor performs on its own, carry an empty stack.
+What one event keeps (C structs in the ring; tuples, then dicts, only when read): the wall-clock
+time in nanoseconds (``CLOCK_REALTIME``, as ``time.time_ns``), the action (``alloc`` or
+``free``), the device ordinal, the stream (the ``StreamId`` the block was allocated on, as an
+int), the tag, the size in bytes, the address, and the stack: at most ``max_frames`` (code object,
+instruction offset) pairs, innermost first (no ``traceback``/``inspect`` objects, no source read;
+the line numbers are worked out from the offsets only when a snapshot is taken), skipping the
+runtime's own frames (files inside the ``xlog_actors`` package, inside ``pykka``, and
+``threading.py``: ``_is_runtime``, cached per file name in ``_skip_cache``), so the user's code is
+on top. A ``DeviceActor`` serves requests on its own thread; there the stack is the one captured
+(``capture_frames``) where the ``Allocate``/``AllocateMany``/``Free`` message was made
+(``messages.py``), in the asker's thread. Frees of dropped handles, which the device actor performs
+on its own, carry an empty stack.
 
-The module is past 400 lines because the recording, its cheap stack capture and the snapshot writer
-share one event layout (a plain tuple, for speed): apart, each would have to know the other's.
+Thread rule: every name, any thread (each says how).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import CodeType, FrameType
-from typing import Any, Protocol
+from typing import Any
 
+from .._core.history_ring import HistoryRing
 from ..errors import InvalidRequest
 
 __all__ = [
@@ -168,22 +169,9 @@ def check_max_entries(value: object, what: str = "max_entries") -> int:
     return value
 
 
-class _Block(Protocol):
-    ptr: int
-    device_ordinal: int
-    alloc_stream: int
-    nbytes: int
-    tag: str
-    generation: int
-
-
-# One event: (time_ns, action, device, stream, tag, nbytes, ptr, frames, note, generation). The
-# stream and tag are kept as the block has them (a StreamId, an AllocTag) and made plain int and
-# str only for a snapshot.
+# One event, as ``HistoryRing.entries`` gives it back: (time_ns, action, device, stream, tag, nbytes,
+# ptr, frames, note, generation).
 _Entry = tuple[int, str, int, int, str, int, int, Frames, str, int]
-_getframe = sys._getframe
-_get_ident = threading.get_ident
-_time_ns = time.time_ns
 
 
 def _frames_dicts(frames: Frames) -> list[dict[str, Any]]:
@@ -191,7 +179,7 @@ def _frames_dicts(frames: Frames) -> list[dict[str, Any]]:
             for code, lasti in frames]
 
 
-class MemoryHistory:
+class MemoryHistory(HistoryRing):
     """A bounded, thread-safe record of allocations and frees.
 
     ``MemoryHistory(max_entries=100_000, max_frames=8)``. Give it to
@@ -199,6 +187,9 @@ class MemoryHistory:
     ``DeviceActor`` own one (``RecordMemoryHistory``). The ring keeps the newest ``max_entries``
     events; the blocks still live are kept apart from the ring (one entry per live block), so a
     snapshot lists every block live at that moment even when its allocation left the ring.
+    Recording (``record_alloc``, ``record_free``, ``forget_device``), ``resize``, ``clear``,
+    ``recorded`` and ``len()`` are the compiled ``HistoryRing``'s (see
+    ``xlog_actors/_core/history_ring.pyx``): an event is a C struct, its stack an interned id.
 
     The snapshot follows the format of ``torch.cuda.memory._snapshot()`` as documented in
     ``torch/cuda/memory.py`` and read by ``torch/cuda/_memory_viz.py`` (PyTorch 2.11 and the
@@ -219,48 +210,8 @@ class MemoryHistory:
         Raises:
             InvalidRequest: either is not a positive int.
         """
-        self._max_entries = check_max_entries(max_entries)
-        self._max_frames = check_max_entries(max_frames, "max_frames")
-        self._lock = threading.Lock()
-        self._ring: deque[_Entry] = deque(maxlen=self._max_entries)
-        self._live: dict[tuple[int, int], _Entry] = {}
-        self._recorded = 0
-        # thread id -> the stack to record instead of that thread's (see asked_from); empty
-        # while no request from another thread is served, so the check is one truth test.
-        self._origins: dict[int, Frames] = {}
-
-    # -- recording (called by the compiled resources) ---------------------------------------------
-    def _entry(self, action: str, block: _Block) -> _Entry:
-        """The event of ``action`` on ``block``, with the stack of whoever asked for it (the
-        served request's origin, else the caller of ``record_alloc``/``record_free``)."""
-        origins = self._origins
-        frames = origins.get(_get_ident()) if origins else None
-        if frames is None:
-            frames = capture_frames(_getframe(2), self._max_frames)
-        return (_time_ns(), action, block.device_ordinal, block.alloc_stream, block.tag, block.nbytes, block.ptr,
-                frames, "", block.generation)
-
-    def record_alloc(self, block: _Block) -> None:
-        """Record an allocation (the resource calls it, in the allocating thread, after the
-        allocation succeeded). Thread rule: any thread."""
-        entry = self._entry("alloc", block)
-        with self._lock:
-            self._ring.append(entry)
-            self._live[(entry[2], entry[6])] = entry
-            self._recorded += 1
-
-    def record_free(self, block: _Block) -> None:
-        """Record a successful free (queued on its stream for a stream-ordered resource). Thread
-        rule: any thread."""
-        entry = self._entry("free", block)
-        key = (entry[2], entry[6])
-        with self._lock:
-            self._ring.append(entry)
-            live = self._live.get(key)
-            # another thread may already have been handed the address again and recorded it
-            if live is not None and live[9] == entry[9]:
-                del self._live[key]
-            self._recorded += 1
+        super().__init__(check_max_entries(max_entries), check_max_entries(max_frames, "max_frames"),
+                         _skip_cache, _is_runtime)
 
     @contextmanager
     def asked_from(self, frames: Frames | None) -> Iterator[None]:
@@ -283,30 +234,7 @@ class MemoryHistory:
             else:
                 self._origins[ident] = before
 
-    def forget_device(self, ordinal: int, reason: str) -> int:
-        """Record a free, with an empty stack and ``reason`` as its note, for every block of
-        device ``ordinal`` still live here: their memory went at once, without a free per block
-        (a context rebuilt, or a device stopped for good).
-
-        Returns:
-            how many blocks were forgotten.
-        Thread rule: any thread.
-        """
-        now = time.time_ns()
-        with self._lock:
-            gone = [key for key in self._live if key[0] == ordinal]
-            for key in gone:
-                alloc = self._live.pop(key)
-                self._ring.append((now, "free", alloc[2], alloc[3], alloc[4], alloc[5], alloc[6], (), reason, alloc[9]))
-                self._recorded += 1
-        return len(gone)
-
     # -- settings ---------------------------------------------------------------------------------
-    @property
-    def max_entries(self) -> int:
-        """The ring's bound. Thread rule: any thread."""
-        return self._max_entries
-
     def resize(self, max_entries: int) -> None:
         """Change the ring's bound, keeping the newest events that fit.
 
@@ -314,29 +242,9 @@ class MemoryHistory:
             InvalidRequest: ``max_entries`` is not a positive int; nothing changes.
         Thread rule: any thread.
         """
-        check_max_entries(max_entries)
-        with self._lock:
-            self._ring = deque(self._ring, maxlen=max_entries)
-            self._max_entries = max_entries
-
-    def clear(self) -> None:
-        """Forget every event and live block. Thread rule: any thread."""
-        with self._lock:
-            self._ring.clear()
-            self._live.clear()
-            self._recorded = 0
+        super().resize(check_max_entries(max_entries))
 
     # -- reading ----------------------------------------------------------------------------------
-    def __len__(self) -> int:
-        """Events in the ring."""
-        return len(self._ring)
-
-    @property
-    def recorded(self) -> int:
-        """Events recorded since the history was made or cleared, those that left the ring
-        included. Thread rule: any thread."""
-        return self._recorded
-
     def events(self) -> list[dict[str, Any]]:
         """The events in the ring, oldest first, as plain dicts: ``time_ns``, ``action``
         (``"alloc"``/``"free"``), ``device``, ``stream``, ``tag``, ``size``, ``addr``, ``frames``
@@ -344,8 +252,7 @@ class MemoryHistory:
 
         Thread rule: any thread.
         """
-        with self._lock:
-            entries = list(self._ring)
+        entries = self.entries()[0]
         return [
             {"time_ns": t, "action": a, "device": d, "stream": int(s), "tag": str(tag), "size": n, "addr": p,
              "frames": _frames_dicts(f), "note": note}
@@ -377,11 +284,7 @@ class MemoryHistory:
 
         Thread rule: any thread; the snapshot is of one instant (taken under the lock).
         """
-        with self._lock:
-            entries = list(self._ring)
-            live = list(self._live.values())
-            recorded = self._recorded
-            max_entries = self._max_entries
+        entries, live, recorded, max_entries = self.entries()
         devices = 1 + max([e[2] for e in entries] + [e[2] for e in live] + [-1])
         traces: list[list[dict[str, Any]]] = [[] for _ in range(devices)]
         tags: set[str] = set()
@@ -436,4 +339,4 @@ class MemoryHistory:
             pickle.dump(snap, f)
 
     def __repr__(self) -> str:
-        return f"MemoryHistory(events={len(self._ring)}, max_entries={self._max_entries}, live={len(self._live)})"
+        return f"MemoryHistory(events={len(self)}, max_entries={self.max_entries}, live={self.live_blocks})"
