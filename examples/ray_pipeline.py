@@ -58,6 +58,21 @@ def _produce_on_a_live_device(producer: Any, nbytes: int, value: float, timeout_
             time.sleep(0.01)
 
 
+def _wait_for_restart(producer: Any, old_generation: int, timeout_s: float = 60.0) -> None:
+    """Block until Ray has restarted the producer past ``old_generation``: ``ray.kill`` returns
+    before the actor is gone, and a fetch that raced ahead of it would read the old block."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ray_get(producer.generation.remote(), "producer", 5) > old_generation:
+                return
+        except DeviceUnavailable:
+            pass  # restarting
+        if time.monotonic() > deadline:
+            raise DeviceUnavailable(f"producer: not restarted within {timeout_s} s")
+        time.sleep(0.01)
+
+
 def run_pipeline(
     node_a: str, node_b: str, batches: int, nbytes: int, kill_at: int | None, log: Any = print
 ) -> dict[str, int]:
@@ -84,6 +99,7 @@ def run_pipeline(
                 t0 = time.monotonic()
                 ray.kill(producer, no_restart=False)
                 log(f"batch {i}: producer killed (generation {src.generation}); the batch in flight is lost")
+                _wait_for_restart(producer, src.generation)
             try:
                 fetch_to(src, consumer, dst)
             except (GpuRefStale, DeviceUnavailable) as exc:
