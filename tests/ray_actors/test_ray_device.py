@@ -178,6 +178,14 @@ def test_a_dead_keeper_is_a_typed_error(cluster: Any, monkeypatch: pytest.Monkey
     keeper = ray.remote(GenerationKeeper).options(num_cpus=0).remote()
     generation = ray.get(keeper.bump.remote(), timeout=30)
     ray.kill(keeper)
+    # ray.kill returns before the actor is gone: a call may still be answered until it is.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(keeper.state.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.01)
     ref = RemoteGpuRef("e" * 56, 0, generation, 0x1000, 16, "untagged", None, 1)
     monkeypatch.setattr(remote_ref, "find_keeper", lambda node_id, ordinal: keeper)
     with pytest.raises(GpuRefStale, match="the generation keeper died"):
