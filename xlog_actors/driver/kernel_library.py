@@ -194,6 +194,30 @@ extern "C" __global__ void xlog_sum_f32(double* out, const float* x, unsigned lo
 )
 
 
+#: The two checksum kernels' shared CUDA: a grid-stride loop over ``n`` elements of any grid and
+#: block shape, accumulating into ``acc`` (the loop's body is each kernel's own) ...
+_SUM_LOOP_HEAD = """    __shared__ unsigned long long partial[256];
+    const unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
+    const unsigned int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned long long bid =
+        blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+    const unsigned long long stride = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * threads;
+    unsigned long long acc = 0;
+    for (unsigned long long i = bid * threads + tid; i < n; i += stride) {
+"""
+#: ... then the block's exact reduction of ``acc`` into ``partial[0]`` (at most 256 threads).
+_SUM_BLOCK_REDUCE = """    }
+    partial[tid] = acc;
+    __syncthreads();
+    unsigned int width = 1;
+    while (width < threads) width <<= 1;
+    for (unsigned int s = width >> 1; s > 0; s >>= 1) {
+        if (tid < s && tid + s < threads) partial[tid] += partial[tid + s];
+        __syncthreads();
+    }
+"""
+
+
 def checksum_u32(data: Any) -> int:
     """The host reference of :data:`CHECKSUM_U32`: the sum of ``data``'s 32-bit words modulo 2**64.
 
@@ -229,25 +253,8 @@ CHECKSUM_U32 = Kernel(
     source=r"""
 extern "C" __global__ void xlog_checksum_u32(unsigned long long* out, const unsigned int* x,
                                              unsigned long long n) {
-    __shared__ unsigned long long partial[256];
-    const unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
-    const unsigned int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    const unsigned long long bid =
-        blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
-    const unsigned long long stride = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * threads;
-    unsigned long long acc = 0;
-    for (unsigned long long i = bid * threads + tid; i < n; i += stride) {
-        acc += x[i];
-    }
-    partial[tid] = acc;
-    __syncthreads();
-    unsigned int width = 1;
-    while (width < threads) width <<= 1;
-    for (unsigned int s = width >> 1; s > 0; s >>= 1) {
-        if (tid < s && tid + s < threads) partial[tid] += partial[tid + s];
-        __syncthreads();
-    }
-    if (tid == 0) atomicAdd(out, partial[0]);
+""" + _SUM_LOOP_HEAD + """        acc += x[i];
+""" + _SUM_BLOCK_REDUCE + """    if (tid == 0) atomicAdd(out, partial[0]);
 }
 """,
     params=("ptr", "ptr", "u64"),
@@ -292,27 +299,10 @@ SCALE_ADD_CHECKSUM_F32 = Kernel(
     source=r"""
 extern "C" __global__ void xlog_scale_add_checksum_f32(float* out, const float* x, float alpha,
                                                        float beta, unsigned long long n) {
-    __shared__ unsigned long long partial[256];
-    const unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
-    const unsigned int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    const unsigned long long bid =
-        blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
-    const unsigned long long stride = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * threads;
-    unsigned long long acc = 0;
-    for (unsigned long long i = bid * threads + tid; i < n; i += stride) {
-        const float v = __fadd_rn(__fmul_rn(alpha, x[i]), beta);
+""" + _SUM_LOOP_HEAD + """        const float v = __fadd_rn(__fmul_rn(alpha, x[i]), beta);
         out[i] = v;
         acc += __float_as_uint(v);
-    }
-    partial[tid] = acc;
-    __syncthreads();
-    unsigned int width = 1;
-    while (width < threads) width <<= 1;
-    for (unsigned int s = width >> 1; s > 0; s >>= 1) {
-        if (tid < s && tid + s < threads) partial[tid] += partial[tid + s];
-        __syncthreads();
-    }
-    if (tid == 0) {
+""" + _SUM_BLOCK_REDUCE + """    if (tid == 0) {
         unsigned long long* sum = (unsigned long long*)((char*)out + ((4ULL * n + 7ULL) / 8ULL) * 8ULL);
         atomicAdd(sum, partial[0]);
     }
