@@ -184,25 +184,26 @@ def test_an_import_of_a_gone_table_is_device_unavailable(device: pykka.ActorRef[
     import_ref(export).release()
 
 
-def test_a_wait_for_a_write_that_never_lands_times_out(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+def _fill_behind_a_sleep(device: pykka.ActorRef[Any], driver: Any) -> tuple[Any, Any]:
+    """A handle whose last write (a fill with 3) waits 0.3 s behind a sleep on its copy actor's
+    stream, and its import in this process."""
     copy = xa.CopyActor.start(device)
     ref = device.ask(xa.Allocate(256))
     slow = ref.context.runtime.stream_pool.resolve(copy.proxy().stream_id.get())
-    shared_driver.sleep(slow, 300_000)
+    driver.sleep(slow, 300_000)
     copy.ask(xa.Fill(ref, 3))
-    shared = _round_trip(ref)
+    return ref, _round_trip(ref)
+
+
+def test_a_wait_for_a_write_that_never_lands_times_out(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
+    ref, shared = _fill_behind_a_sleep(device, shared_driver)
     with pytest.raises(DeviceUnavailable, match="not reached"):
         shared.wait_write(timeout_s=0.05)
     assert bytes(shared.view(ordered=False)[:1]) != b"\x03"
 
 
 def test_a_restart_ends_a_wait_with_stale(device: pykka.ActorRef[Any], shared_driver: Any) -> None:
-    copy = xa.CopyActor.start(device)
-    ref = device.ask(xa.Allocate(256))
-    slow = ref.context.runtime.stream_pool.resolve(copy.proxy().stream_id.get())
-    shared_driver.sleep(slow, 300_000)
-    copy.ask(xa.Fill(ref, 3))
-    shared = _round_trip(ref)
+    ref, shared = _fill_behind_a_sleep(device, shared_driver)
     device.tell(xa.Rebuild("test"))
     with pytest.raises(GpuRefStale) as info:
         shared.wait_write(timeout_s=10.0)
