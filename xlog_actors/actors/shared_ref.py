@@ -35,14 +35,13 @@ forwarding), each with its contract written out.
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
 from ..driver.host.ipc import HostIpcEvent, HostMemoryExport, open_memory
-from ..driver.shared_memory import SharedSegment
+from ..driver.shared_memory import mapped, mapped_if_open
 from ..errors import GpuRefStale, InvalidRequest
 from .export_table import (
     COUNTS_RANGE,
@@ -81,8 +80,6 @@ __all__ = ["WAIT_TIMEOUT_S", "GpuRefExport", "SharedGpuRef", "export_ref", "impo
 WAIT_TIMEOUT_S: Final = 30.0
 
 _BYTES = np.dtype(np.uint8)
-_tables: dict[str, SharedSegment] = {}
-_tables_lock = threading.Lock()
 
 
 class GpuRefExport(NamedTuple):
@@ -122,14 +119,7 @@ class GpuRefExport(NamedTuple):
 
 def _table_cells(name: str) -> memoryview:
     """The int64 cells of export table ``name``, mapped once per process."""
-    segment = _tables.get(name)
-    if segment is None:
-        with _tables_lock:
-            segment = _tables.get(name)
-            if segment is None:
-                segment = SharedSegment.open(name)
-                _tables[name] = segment
-    return segment.int64s(0, HEADER_CELLS + 2 * SLOTS)
+    return mapped(name).int64s(0, HEADER_CELLS + 2 * SLOTS)
 
 
 def export_ref(ref: _Exportable) -> GpuRefExport:
@@ -197,7 +187,7 @@ def _give_back(table: str, slot: int, serial: int) -> None:
     """Give back one count of ``slot`` (a handle released or collected); tell the owner at zero.
     Runs from a finalizer: it never raises."""
     try:
-        segment = _tables.get(table)
+        segment = mapped_if_open(table)
         if segment is None:
             return
         cells = _table_cells(table)
@@ -433,7 +423,7 @@ class SharedGpuRef:
         export = self._export
         cells = _table_cells(export.table)
         base = HEADER_CELLS + 2 * export.slot
-        with _tables[export.table].locked(*COUNTS_RANGE):
+        with mapped(export.table).locked(*COUNTS_RANGE):
             if cells[base + 1] != export.serial or cells[base] <= 0:
                 raise GpuRefStale("released", export.where())
             cells[base] += 1

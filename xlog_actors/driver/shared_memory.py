@@ -30,7 +30,7 @@ from multiprocessing import resource_tracker
 
 from ..errors import DeviceUnavailable, InvalidRequest
 
-__all__ = ["SHM_DIR", "SharedSegment", "unlink_segments_of"]
+__all__ = ["SHM_DIR", "SharedSegment", "mapped", "mapped_if_open", "unlink_segments_of"]
 
 #: Where POSIX shared-memory objects live on Linux.
 SHM_DIR = "/dev/shm"
@@ -169,6 +169,34 @@ class SharedSegment:
 
     def __repr__(self) -> str:
         return f"SharedSegment({self.name!r}, {self.size} bytes{', owner' if self.owner else ''})"
+
+
+_mapped: dict[str, SharedSegment] = {}
+_mapped_lock = threading.Lock()
+
+
+def mapped(name: str) -> SharedSegment:
+    """This process's one mapping of segment ``name``: opened on first use, then kept (a mapping
+    outlives the name's unlinking, so a kept one stays valid).
+
+    Raises:
+        DeviceUnavailable, InvalidRequest: as :meth:`SharedSegment.open`, on first use.
+    Thread rule: any thread.
+    """
+    segment = _mapped.get(name)
+    if segment is None:
+        with _mapped_lock:
+            segment = _mapped.get(name)
+            if segment is None:
+                segment = SharedSegment.open(name)
+                _mapped[name] = segment
+    return segment
+
+
+def mapped_if_open(name: str) -> SharedSegment | None:
+    """The mapping :func:`mapped` keeps for ``name``, or None if this process never opened it;
+    opens nothing (for finalizers). Thread rule: any thread."""
+    return _mapped.get(name)
 
 
 def unlink_segments_of(pid: int) -> list[str]:

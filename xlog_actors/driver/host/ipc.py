@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ...errors import DeviceUnavailable, DriverError
-from ..shared_memory import SharedSegment
+from ..shared_memory import SharedSegment, mapped
 from .stream import HostStream
 
 __all__ = ["EVENT_SLOTS", "HostEventTable", "HostIpcEvent", "HostMemoryExport", "open_memory", "segment_name"]
@@ -48,8 +48,6 @@ EVENT_SLOTS = 1024
 _POLL_MAX_S = 0.001
 
 _serial = itertools.count()
-_opened: dict[str, SharedSegment] = {}
-_opened_lock = threading.Lock()
 
 
 def segment_name(what: str, ordinal: int) -> str:
@@ -58,18 +56,6 @@ def segment_name(what: str, ordinal: int) -> str:
     Thread rule: any thread.
     """
     return f"xlog-{what}-{os.getpid()}-{ordinal}-{next(_serial)}"
-
-
-def _open(name: str) -> SharedSegment:
-    """The process's one mapping of segment ``name`` (opened on first use, kept)."""
-    segment = _opened.get(name)
-    if segment is None:
-        with _opened_lock:
-            segment = _opened.get(name)
-            if segment is None:
-                segment = SharedSegment.open(name)
-                _opened[name] = segment
-    return segment
 
 
 class HostMemoryExport(NamedTuple):
@@ -97,7 +83,7 @@ def open_memory(export: HostMemoryExport) -> memoryview:
         DeviceUnavailable: the segment is gone (its context was rebuilt, or its owner ended).
     Thread rule: any thread.
     """
-    segment = _open(export.segment)
+    segment = mapped(export.segment)
     return memoryview(segment.mm)[export.offset : export.offset + export.nbytes]
 
 
@@ -119,7 +105,7 @@ class HostIpcEvent(NamedTuple):
             DeviceUnavailable: the event segment is gone (its owner ended).
         Thread rule: any thread.
         """
-        return _open(self.segment).int64s(8 * self.slot, 1)[0] >= self.seq
+        return mapped(self.segment).int64s(8 * self.slot, 1)[0] >= self.seq
 
     def wait(self, timeout_s: float, abort: Callable[[], object] | None = None) -> None:
         """Block until the recorded work has run.
@@ -132,7 +118,7 @@ class HostIpcEvent(NamedTuple):
             whatever ``abort`` raises.
         Thread rule: any thread.
         """
-        cell = _open(self.segment).int64s(8 * self.slot, 1)
+        cell = mapped(self.segment).int64s(8 * self.slot, 1)
         if cell[0] >= self.seq:
             return
         deadline = time.monotonic() + timeout_s
