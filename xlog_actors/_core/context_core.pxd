@@ -1,10 +1,12 @@
 # The compiled half of a device context; see context_core.pyx.
+from .handles cimport TokenCell
 
 cdef class ContextCore:
     cdef public object runtime
     cdef public object generation
     cdef public object state_ref
     cdef public object token
+    cdef TokenCell _cell
     cdef public dict blocks
     cdef public bint open
     cdef type _handle_type

@@ -18,7 +18,7 @@ Thread rule: ``allocate``/``free``/``is_current``/``reclaim`` may run on any thr
 
 from collections import deque
 
-from .handles cimport new_handle_with
+from .handles cimport cell_of, new_handle_with
 
 from ..driver.checks import check_nbytes
 from ..errors import CorruptionDetected, InvalidRequest, OutOfMemory
@@ -58,6 +58,7 @@ cdef class ContextCore:
         self.generation = generation
         self.state_ref = state_ref
         self.token = token
+        self._cell = cell_of(state_ref())
         self.blocks = {}
         self.open = True
         self._handle_type = handle_type
@@ -67,8 +68,7 @@ cdef class ContextCore:
     cdef bint _current(self):
         if not self.open:
             return False
-        state = self.state_ref()
-        return state is not None and state.token is self.token
+        return self._cell.token is self.token and self.state_ref() is not None
 
     def is_current(self):
         """True while this is the device's usable context: open, and the state unchanged since
@@ -97,7 +97,7 @@ cdef class ContextCore:
         except OutOfMemory as exc:
             raise self._out_of_memory(exc) from None
         self.blocks[block.ptr] = block
-        return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token)
+        return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token, self._cell)
 
     def allocate_many(self, sizes, stream, tag):
         """Allocate one block per size, all or none, and wrap each in a handle.
@@ -134,9 +134,10 @@ cdef class ContextCore:
         table = self.blocks
         handles = []
         cls, generation, state_ref, token = self._handle_type, self.generation, self.state_ref, self.token
+        cell = self._cell
         for block in blocks:
             table[block.ptr] = block
-            handles.append(new_handle_with(cls, block, self, generation, state_ref, token))
+            handles.append(new_handle_with(cls, block, self, generation, state_ref, token, cell))
         return handles
 
     def free(self, block):

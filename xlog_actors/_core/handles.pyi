@@ -2,7 +2,11 @@ from typing import Any
 
 from .blocks import DeviceBlock, StreamId
 
-__all__ = ["HandleCore", "make_handle"]
+__all__ = ["HandleCore", "TokenCell", "make_handle"]
+
+class TokenCell:
+    token: object
+    def __init__(self, token: object = None) -> None: ...
 
 class HandleCore:
     @property

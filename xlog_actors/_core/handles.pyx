@@ -3,8 +3,10 @@
 
 ``GpuRef`` (:mod:`xlog_actors.actors.gpu_ref`) is a Python subclass that adds the facts, the
 lifetime hooks and the interop exports; this base holds what every ``access()`` and every
-allocation touches, so that a validation is one weak dereference and two identity checks in C,
-and a handle is built without a Python constructor.
+allocation touches, so that a validation is a few C field loads (the state's
+:class:`TokenCell`, the token, the released flag, the weak reference) with no Python attribute
+lookup, and a handle is built without a Python constructor. A handle keeps its state's cell
+strongly and the state weakly: the cell is a few bytes, and the state's death still shows.
 
 Invariants: every field but ``_token``, ``_last_write`` and ``_released`` is fixed at
 construction. ``_token`` is the device state's token the handle was last validated against; it
@@ -21,7 +23,27 @@ from cpython.weakref cimport PyWeakref_GetObject
 
 from .blocks import StreamId
 
-__all__ = ["HandleCore", "make_handle"]
+__all__ = ["HandleCore", "TokenCell", "make_handle"]
+
+
+cdef class TokenCell:
+    """The device state's current token, in a C field: what every ``access()`` compares its
+    handle's token with. The state owns one cell for its whole life and puts a new token in it on
+    every status change (rebuild, shutdown, poisoning); handles keep the cell itself, so the check
+    is two C field loads instead of an attribute lookup on the state.
+
+    Thread rule: any thread; the state writes ``token`` under its lock, readers load it once.
+    """
+
+    def __init__(self, token=None):
+        """Args:
+            token: the first token (a fresh object when None).
+        """
+        self.token = object() if token is None else token
+
+
+# A cell no handle's token ever matches: the one handles take when their state is already gone.
+cdef TokenCell _DEAD_CELL = TokenCell()
 
 
 cdef class HandleCore:
@@ -41,12 +63,12 @@ cdef class HandleCore:
             GpuRefStale: with the first reason that applies (built by the subclass's ``_stale``).
         Thread rule: any thread.
         """
-        # The weak reference read in C (no call): the fast path is this, one attribute load and
-        # two identity checks.
-        state = <object>PyWeakref_GetObject(self._state)
-        if state is not None and state.token is self._token and not self._released:
+        # The fast path: the state's cell (a C field) holds the current token, and the weak
+        # reference is read in C without a call; no Python attribute lookup.
+        if self._cell.token is self._token and not self._released \
+                and <object>PyWeakref_GetObject(self._state) is not None:
             return self._block
-        error = self._stale(state)
+        error = self._stale(<object>PyWeakref_GetObject(self._state))
         if error is None:
             return self.access()
         raise error
@@ -104,11 +126,17 @@ cdef tuple _NO_ARGS = ()
 
 
 cdef HandleCore new_handle(type cls, object block, object context):
-    return new_handle_with(cls, block, context, context.generation, context.state_ref, context.token)
+    state_ref = context.state_ref
+    return new_handle_with(cls, block, context, context.generation, state_ref, context.token, cell_of(state_ref()))
+
+
+cdef TokenCell cell_of(object state):
+    """The token cell of ``state`` (a ``DeviceState``), or a dead one when the state is gone."""
+    return _DEAD_CELL if state is None else <TokenCell?>state.cell
 
 
 cdef HandleCore new_handle_with(type cls, object block, object context, object generation, object state_ref,
-                                object token):
+                                object token, TokenCell cell):
     cdef HandleCore ref
     if not PyType_IsSubtype(cls, HandleCore):
         raise TypeError(f"make_handle: {cls.__name__} is not a subclass of HandleCore")
@@ -117,6 +145,7 @@ cdef HandleCore new_handle_with(type cls, object block, object context, object g
     ref._generation = generation
     ref._state = state_ref
     ref._token = token
+    ref._cell = cell
     ref._context = context
     ref._last_write = None
     ref._released = False

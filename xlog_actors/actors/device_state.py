@@ -10,6 +10,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from .._core.handles import TokenCell
+
 __all__ = ["DeviceState"]
 
 logger = logging.getLogger("xlog_actors.actors")
@@ -37,7 +39,7 @@ class DeviceState:
 
     __slots__ = (
         "__weakref__", "_accepting", "_device_id", "_generation", "_lock", "_mirrors", "_poisoned", "_watchers",
-        "token",
+        "cell",
     )
 
     def __init__(self, device_id: int, generation: int = 0) -> None:
@@ -52,7 +54,7 @@ class DeviceState:
         self._generation = generation
         self._accepting = True
         self._poisoned = False
-        self.token: object = object()
+        self.cell = TokenCell()
         self._lock = threading.Lock()
         self._watchers: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._mirrors: list[Callable[[DeviceState], None]] = []
@@ -70,9 +72,16 @@ class DeviceState:
 
     def _changed(self) -> None:
         # Under the lock: a new token, and every mirror told.
-        self.token = object()
+        self.cell.token = object()
         for callback in self._mirrors:
             callback(self)
+
+    @property
+    def token(self) -> object:
+        """An object that changes (by identity) on every status change: what a handle or a
+        context compares with the one it was made under. Held in :attr:`cell`, which handles
+        read in C."""
+        return self.cell.token
 
     @property
     def device_id(self) -> int:

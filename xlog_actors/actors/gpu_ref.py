@@ -23,8 +23,8 @@ class GpuRef(HandleCore):
 
     * ``access()`` validates, in this order: the device state still exists, the device accepts
       operations, the context is not poisoned, the generation is unchanged, the handle was not
-      released; otherwise :class:`GpuRefStale` with the matching reason. The fast path is one
-      weak dereference and two identity checks.
+      released; otherwise :class:`GpuRefStale` with the matching reason. The fast path is a few C
+      field loads: the state's token cell, the released flag and the weak reference.
     * ``last_write_stream`` is the one mutable cell: library actors call ``record_write`` after
       enqueueing a write, and every holder (it is one object, passed by reference between actors
       and threads) sees it.
