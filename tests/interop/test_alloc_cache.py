@@ -340,3 +340,53 @@ def test_an_eviction_the_allocator_refuses_is_logged_and_kept_as_the_last_error(
     spied.allocator.free(a, MIB, S1)
     spied.allocator.flush()
     assert spied.tag_bytes() == 0
+
+
+def _report_split(device: pykka.ActorRef[Any], tag: str = "torch") -> tuple[int, int]:
+    """(bytes of the tag, of which cached) in GetStats' report."""
+    report = device.ask(xa.GetStats()).report
+    total = int(report["by_tag"].get(tag, {}).get("nbytes", 0))
+    return total, int(report["cached"]["by_tag"].get(tag, {}).get("nbytes", 0))
+
+
+def test_the_memory_report_shows_the_cache_s_share_of_the_tag(spied: Spied, bridge: Bridge) -> None:
+    live = bridge.alloc_or_null(2 * MIB, DEV, S1)
+    idle = [bridge.alloc_or_null(n, DEV, S1) for n in (MIB, 4096)]
+    assert _report_split(spied.device) == (3 * MIB + 4096, 0)  # all in use, nothing cached
+    for ptr, n in zip(idle, (MIB, 4096), strict=True):
+        bridge.free(ptr, n, DEV, S1)
+    # The freed blocks are still the tag's, now as the cache's share, not in use.
+    assert _report_split(spied.device) == (3 * MIB + 4096, MIB + 4096)
+    cached = spied.device.ask(xa.GetStats()).report["cached"]
+    assert (cached["count"], cached["nbytes"]) == (2, MIB + 4096)
+    assert cached["by_tag"]["torch"]["count"] == 2
+    report = spied.device.ask(xa.GetReport())
+    assert report.cached_by_tag["torch"].nbytes == MIB + 4096
+    assert "torch: 3 blocks, 3.0 MiB (1.0 MiB in 2 idle in a cache)" in report.format()
+    bridge.alloc_or_null(MIB, DEV, S1)  # a hit: back in use
+    assert _report_split(spied.device) == (3 * MIB + 4096, 4096)
+    assert alloc_bridge.empty_cache(DEV) == 4096
+    assert _report_split(spied.device) == (3 * MIB, 0)
+    assert spied.device.ask(xa.GetStats()).report["cached"] == {"count": 0, "nbytes": 0, "by_tag": {}}
+    bridge.free(live, 2 * MIB, DEV, S1)
+    bridge.free(idle[0], MIB, DEV, S1)
+    assert _report_split(spied.device) == (3 * MIB, 3 * MIB)
+    spied.allocator.flush()
+    assert _report_split(spied.device) == (0, 0)  # the tag returns to zero, cache share included
+
+
+def test_a_closed_or_unregistered_allocator_has_no_share_in_the_report(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    other = DeviceAllocator(as_client(spied.device), "other")  # not registered: shares nothing
+    assert _report_split(spied.device) == (MIB, MIB) and _report_split(spied.device, "other") == (0, 0)
+    other.close()
+    alloc_bridge.unregister(DEV)  # gives the cache back
+    assert _report_split(spied.device) == (0, 0)
+    alloc_bridge.register(DEV, spied.allocator)
+    b = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(b, MIB, DEV, S1)
+    assert _report_split(spied.device) == (MIB, MIB)
+    spied.allocator.close()  # empties and disables the cache, and leaves the device's shares
+    assert _report_split(spied.device) == (0, 0)
+    assert spied.allocator._cache_share not in spied.device.ask(xa.GetClient())._cell.cache_shares._sources

@@ -61,11 +61,11 @@ class TorchRoute:
         report), or None. Thread rule: any thread."""
         return alloc_bridge.last_error(self.allocator.device_id)
 
-    def cache_stats(self) -> dict[str, int | bool]:
+    def cache_stats(self) -> dict[str, int | bool | None]:
         """The bridge's cache figures for this device: ``hits``, ``misses``, ``cached_bytes`` and
         ``cached_blocks`` (counted under the tag, free for torch to reuse), ``live_blocks``,
         ``epoch``, ``enabled`` (``alloc_bridge.cache_stats``). Thread rule: any thread."""
-        stats: dict[str, int | bool] = alloc_bridge.cache_stats(self.allocator.device_id)
+        stats: dict[str, int | bool | None] = alloc_bridge.cache_stats(self.allocator.device_id)
         return stats
 
     def empty_cache(self) -> int:

@@ -144,7 +144,7 @@ def _python_pair(f: _Bridge) -> Op:
 
 def _all_hits(f: _Bridge) -> None:
     stats = alloc_bridge.cache_stats(0)
-    if stats["misses"] != 1 or stats["hits"] < 1:
+    if stats["misses"] != 1 or int(stats["hits"] or 0) < 1:
         raise RuntimeError(f"the bridge's cache did not serve the timed pairs: {stats}")
 
 
