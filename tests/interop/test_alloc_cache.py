@@ -390,3 +390,23 @@ def test_a_closed_or_unregistered_allocator_has_no_share_in_the_report(spied: Sp
     spied.allocator.close()  # empties and disables the cache, and leaves the device's shares
     assert _report_split(spied.device) == (0, 0)
     assert spied.allocator._cache_share not in spied.device.ask(xa.GetClient())._cell.cache_shares._sources
+
+
+def test_the_torch_route_sets_and_reads_its_cache_limit(spied: Spied, bridge: Bridge) -> None:
+    from xlog_actors.interop.torch import TorchRoute
+
+    route = TorchRoute(spied.allocator)
+    assert route.cache_limit is None  # the default: no limit
+    ptrs = [bridge.alloc_or_null(MIB, DEV, S1) for _ in range(3)]
+    for ptr in ptrs:
+        bridge.free(ptr, MIB, DEV, S1)
+    assert route.set_cache_limit(MIB) == 2 * MIB and route.cache_limit == MIB
+    assert _report_split(spied.device) == (MIB, MIB)
+    for bad in (-1, 2.0, False, "1"):
+        with pytest.raises(xa.InvalidRequest, match="cache limit"):
+            route.set_cache_limit(bad)  # type: ignore[arg-type]
+    assert route.cache_limit == MIB and _report_split(spied.device) == (MIB, MIB)  # nothing changed
+    assert route.set_cache_limit(None) == 0 and route.cache_limit is None
+    alloc_bridge.unregister(DEV)
+    with pytest.raises(xa.InvalidRequest, match="no longer registered"):
+        route.set_cache_limit(0)

@@ -61,6 +61,11 @@ def test_torch_s_freed_blocks_come_back_from_the_bridge_s_cache_on_their_stream(
 
 
 @pytest.mark.gpu
+def test_the_report_shows_torch_s_cached_share_and_the_limit_bounds_it() -> None:
+    _run("torch", "torch_cache_share_and_limit")
+
+
+@pytest.mark.gpu
 def test_cupy_arrays_come_from_the_device_and_restore_puts_cupy_back() -> None:
     _run("cupy", "cupy_arrays")
 
