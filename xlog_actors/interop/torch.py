@@ -70,7 +70,8 @@ class TorchRoute:
     def cache_stats(self) -> dict[str, int | bool | None]:
         """The bridge's cache figures for this device: ``hits``, ``misses``, ``cached_bytes`` and
         ``cached_blocks`` (counted under the tag, free for torch to reuse), ``live_blocks``,
-        ``epoch``, ``enabled`` (``alloc_bridge.cache_stats``). Thread rule: any thread."""
+        ``limit``, ``evicted_blocks``, ``evicted_bytes``, ``epoch``, ``enabled``
+        (``alloc_bridge.cache_stats``). Thread rule: any thread."""
         stats: dict[str, int | bool | None] = alloc_bridge.cache_stats(self.allocator.device_id)
         return stats
 
