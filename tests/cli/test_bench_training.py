@@ -1,5 +1,6 @@
-"""The training-loop bench row off the GPU: skipped with its reason on the host driver and
-without torch, its size sequence fixed and in range, its program refusing bad arguments."""
+"""The training-loop bench rows off the GPU: skipped with their reason on the host driver and
+without torch (or RMM, for the peer row), the size sequence fixed and in range, the program
+refusing bad arguments."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from xlog_actors.cli.bench.training_loop import main, step_sizes
 
 NAME = "torch training loop through device"
 HIT = "torch allocator bridge, cache hit"
+RMM = "torch training loop through RMM"
 
 
 def test_the_row_is_declared_with_its_target_and_runs_last() -> None:
-    assert GROUPS[-1] is TRAINING and TRAINING.names == (HIT, NAME)
+    assert GROUPS[-1] is TRAINING and TRAINING.names == (HIT, NAME, RMM)
     assert TRAINING.rows[0].target is None  # informational
     row = TRAINING.rows[1]
     assert row.target is not None and row.target.text == ">= 0.95x"
     assert row.kind == "throughput" and row.host_skip
+    peer = TRAINING.rows[2]
+    assert peer.target is None and peer.kind == "throughput" and peer.host_skip  # a peer: informational
     assert make_plan("cuda", quick=False).train_steps == 10_000
     assert make_plan("cuda", quick=True).train_steps < 10_000
 
@@ -52,6 +56,7 @@ def test_the_sizes_are_fixed_and_span_4_kib_to_64_mib() -> None:
 def test_the_program_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bogus", "10", "1"]) == 2
     assert main(["device", "0", "1"]) == 2
+    assert main(["rmm", "10", "0"]) == 2
     assert "usage" in capsys.readouterr().err
 
 
@@ -60,3 +65,18 @@ def test_without_torch_the_row_is_skipped_with_the_reason() -> None:
         pytest.skip("torch is installed here: the row runs (on a GPU) instead")
     with pytest.raises(SkipRow, match="torch is not installed"):
         run_half("device", 10, 1)
+
+
+def test_without_rmm_the_peer_row_is_skipped_with_the_reason() -> None:
+    if importlib.util.find_spec("rmm") is not None:
+        pytest.skip("RMM is installed here: the peer row runs (on a GPU) instead")
+    with pytest.raises(SkipRow, match="RMM is not installed"):
+        run_half("rmm", 10, 1)
+
+
+def test_on_the_host_driver_the_peer_row_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "rmm.json"
+    assert cli_main(["bench", "--driver", "host", "--quick", "--only", RMM, "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["errors"] == [] and doc["rows"] == [], doc
+    assert any(RMM in str(skip) and "CUDA driver only" in str(skip) for skip in doc["skipped"]), doc["skipped"]

@@ -195,6 +195,48 @@ def torch_cache() -> None:
         driver.close()
 
 
+def _cached_bytes(device: pykka.ActorRef[Any], tag: str) -> int:
+    return int(device.ask(xa.GetStats()).report["cached"]["by_tag"].get(tag, {}).get("nbytes", 0))
+
+
+def torch_cache_share_and_limit() -> None:
+    """The report splits the tag: a freed tensor's block shows as the cache's share, not in
+    use; under a limit the oldest idle blocks are freed (stream-ordered) so the share never
+    passes it, and results stay right; empty_cache returns the tag to zero."""
+    import torch
+
+    from xlog_actors.interop.torch import use_device
+
+    driver = xa.CudaDriver()
+    device = xa.DeviceActor.start(0, driver)
+    try:
+        route = use_device(device, cache_limit=3 * MIB)
+        assert route.cache_limit == 3 * MIB
+        kept = torch.full((MIB,), 1.0, device="cuda")  # 4 MiB in use
+        scratch = [torch.full((MIB // 4,), float(i), device="cuda") for i in range(4)]  # 1 MiB each
+        torch.cuda.synchronize()
+        base = _tag_bytes(device, "torch")
+        assert base >= 8 * MIB and _cached_bytes(device, "torch") == 0, device.ask(xa.GetStats()).report
+        del scratch
+        torch.cuda.synchronize()
+        # 4 MiB freed, 3 MiB may stay idle: the oldest went back to the device.
+        assert _cached_bytes(device, "torch") == 3 * MIB, route.cache_stats()
+        assert route.cache_stats()["evicted_blocks"] >= 1
+        assert _tag_bytes(device, "torch") == base - MIB
+        again = torch.full((MIB // 4,), 9.0, device="cuda")  # a hit: back in use
+        assert float(again.sum().item()) == 9.0 * MIB / 4 and float(kept.sum().item()) == 1.0 * MIB
+        del again, kept
+        gc.collect()
+        torch.cuda.synchronize()
+        assert _cached_bytes(device, "torch") <= 3 * MIB
+        route.allocator.flush()  # the bridge's cache, then the queued frees
+        torch.cuda.synchronize()
+        assert _tag_bytes(device, "torch") == 0 and _cached_bytes(device, "torch") == 0
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+
+
 def cupy_arrays() -> None:
     """CuPy's arrays come from the device under "cupy", compute right, and are given back;
     restore() puts CuPy's allocator back."""
@@ -286,8 +328,8 @@ def cupy_rebuild() -> None:
 
 SCENARIOS: dict[str, Callable[..., None]] = {
     f.__name__: f
-    for f in (torch_model, torch_budget_refusal, torch_rebuild, torch_cache, cupy_arrays, cupy_budget_refusal,
-              cupy_rebuild)
+    for f in (torch_model, torch_budget_refusal, torch_rebuild, torch_cache, torch_cache_share_and_limit, cupy_arrays,
+              cupy_budget_refusal, cupy_rebuild)
 }
 
 

@@ -94,8 +94,8 @@ def test_a_freed_block_is_handed_out_again_on_its_stream_without_calling_the_all
     bridge.free(a, 100_000, DEV, S1)
     assert spied.take_calls() == []  # kept
     assert alloc_bridge.cache_stats(DEV) | {"epoch": 0} == {
-        "hits": 0, "misses": 1, "cached_bytes": 114_688, "cached_blocks": 1, "live_blocks": 0, "epoch": 0,
-        "enabled": True}
+        "hits": 0, "misses": 1, "cached_bytes": 114_688, "cached_blocks": 1, "live_blocks": 0, "limit": None,
+        "evicted_blocks": 0, "evicted_bytes": 0, "epoch": 0, "enabled": True}
     assert spied.tag_bytes() == 114_688  # cached bytes stay counted under the tag
     b = bridge.alloc_or_null(110_000, DEV, S1)  # another size of the same class
     assert b == a and spied.take_calls() == []
@@ -214,7 +214,8 @@ def test_unregister_gives_the_cache_back(spied: Spied, bridge: Bridge) -> None:
 
 def test_an_unregistered_device_has_no_cache_figures() -> None:
     assert alloc_bridge.cache_stats(255) == {
-        "hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "epoch": 0, "enabled": False}
+        "hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "limit": None,
+        "evicted_blocks": 0, "evicted_bytes": 0, "epoch": 0, "enabled": False}
     assert alloc_bridge.empty_cache(255) == 0 and alloc_bridge.disable_cache(255) == 0
     assert alloc_bridge.invalidate(255) == []
 
@@ -231,3 +232,181 @@ def test_the_torch_route_reads_and_empties_its_device_s_cache(spied: Spied, brid
     assert other.empty_cache() == 0 and spied.tag_bytes() == MIB  # not the registered allocator: untouched
     assert route.empty_cache() == MIB
     assert spied.tag_bytes() == 0 and route.cache_stats()["cached_blocks"] == 0
+
+
+def test_a_free_past_the_limit_gives_the_oldest_cached_blocks_back_first(spied: Spied, bridge: Bridge) -> None:
+    assert alloc_bridge.set_cache_limit(DEV, 2 * MIB) == 0
+    a, b, c = (bridge.alloc_or_null(MIB, DEV, s) for s in (S1, S2, S1))
+    bridge.free(a, MIB, DEV, S1)
+    bridge.free(b, MIB, DEV, S2)
+    spied.take_calls()
+    bridge.free(c, MIB, DEV, S1)  # 3 MiB would be cached: the oldest (a, on S1) goes back first
+    assert spied.take_calls() == [("free", MIB, S1)]
+    stats = alloc_bridge.cache_stats(DEV)
+    assert (stats["cached_bytes"], stats["cached_blocks"], stats["limit"]) == (2 * MIB, 2, 2 * MIB)
+    assert (stats["evicted_blocks"], stats["evicted_bytes"]) == (1, MIB)
+    assert spied.tag_bytes() == 2 * MIB  # exactly what the cache holds: nothing leaked, nothing lost
+    # The survivors are b (on S2) and c (on S1): each is handed out again on its own stream.
+    assert bridge.alloc_or_null(MIB, DEV, S2) == b and bridge.alloc_or_null(MIB, DEV, S1) == c
+    assert spied.take_calls() == []
+    for ptr, s in ((b, S2), (c, S1)):
+        bridge.free(ptr, MIB, DEV, s)
+    spied.allocator.flush()
+    assert spied.tag_bytes() == 0
+
+
+def test_a_block_larger_than_the_limit_is_not_cached(spied: Spied, bridge: Bridge) -> None:
+    alloc_bridge.set_cache_limit(DEV, MIB)
+    small = bridge.alloc_or_null(4096, DEV, S1)
+    big = bridge.alloc_or_null(2 * MIB, DEV, S1)
+    bridge.free(small, 4096, DEV, S1)
+    spied.take_calls()
+    bridge.free(big, 2 * MIB, DEV, S1)
+    assert spied.take_calls() == [("free", 2 * MIB, S1)]  # straight to the allocator
+    stats = alloc_bridge.cache_stats(DEV)
+    assert (stats["cached_bytes"], stats["evicted_blocks"]) == (4096, 0)  # the small one stays
+    alloc_bridge.set_cache_limit(DEV, 0)  # nothing cached from now on: the small one goes back now
+    assert spied.take_calls() == [("free", 4096, S1)] and spied.tag_bytes() == 0
+    again = bridge.alloc_or_null(4096, DEV, S1)
+    bridge.free(again, 4096, DEV, S1)
+    assert spied.take_calls() == [("allocate", 4096, S1), ("free", 4096, S1)]
+    assert alloc_bridge.cache_stats(DEV)["cached_blocks"] == 0
+
+
+def test_lowering_the_limit_gives_back_the_oldest_until_the_rest_fits(spied: Spied, bridge: Bridge) -> None:
+    sizes = (MIB, 2 * MIB, MIB // 2)
+    ptrs = [bridge.alloc_or_null(n, DEV, S1) for n in sizes]
+    for ptr, n in zip(ptrs, sizes, strict=True):
+        bridge.free(ptr, n, DEV, S1)
+    spied.take_calls()
+    assert alloc_bridge.set_cache_limit(DEV, 2 * MIB) == 3 * MIB  # the 1 MiB, then the 2 MiB one
+    assert spied.take_calls() == [("free", MIB, S1), ("free", 2 * MIB, S1)]
+    assert alloc_bridge.cache_stats(DEV)["cached_bytes"] == MIB // 2 == spied.tag_bytes()
+    assert alloc_bridge.set_cache_limit(DEV, None) == 0  # no limit again: nothing to give back
+    assert alloc_bridge.cache_stats(DEV)["limit"] is None
+
+
+def test_a_bad_limit_is_refused_and_changes_nothing(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError), ("1", TypeError)):
+        with pytest.raises(error):
+            alloc_bridge.set_cache_limit(DEV, bad)
+    with pytest.raises(ValueError, match="no registered allocator"):
+        alloc_bridge.set_cache_limit(254, 0)
+    stats = alloc_bridge.cache_stats(DEV)
+    assert (stats["limit"], stats["cached_bytes"]) == (None, MIB) and spied.tag_bytes() == MIB
+
+
+def test_a_new_registration_starts_without_a_limit(spied: Spied) -> None:
+    alloc_bridge.set_cache_limit(DEV, MIB)
+    alloc_bridge.unregister(DEV)
+    alloc_bridge.register(DEV, spied.allocator)
+    assert alloc_bridge.cache_stats(DEV)["limit"] is None
+
+
+def test_a_budget_refusal_under_a_limit_still_gives_the_cache_back_and_retries(spied: Spied, bridge: Bridge) -> None:
+    alloc_bridge.set_cache_limit(DEV, 5 * MIB)
+    a = bridge.alloc_or_null(4 * MIB, DEV, S1)
+    bridge.free(a, 4 * MIB, DEV, S1)  # fits under the limit: cached
+    spied.take_calls()
+    b = bridge.alloc_or_null(6 * MIB, DEV, S2)
+    assert b and spied.take_calls() == [
+        ("allocate", 6 * MIB, S2), ("free", 4 * MIB, S1), ("synchronize", 0, 0), ("allocate", 6 * MIB, S2)]
+    bridge.free(b, 6 * MIB, DEV, S2)  # larger than the limit: freed, not cached
+    assert spied.take_calls() == [("free", 6 * MIB, S2)]
+    spied.allocator.synchronize()
+    assert spied.tag_bytes() == 0
+
+
+def test_an_eviction_the_allocator_refuses_is_logged_and_kept_as_the_last_error(
+    spied: Spied, bridge: Bridge, caplog: pytest.LogCaptureFixture
+) -> None:
+    alloc_bridge.set_cache_limit(DEV, MIB)
+    a, b = (bridge.alloc_or_null(MIB, DEV, S1) for _ in range(2))
+    bridge.free(a, MIB, DEV, S1)
+    refusal = xa.InvalidRequest("refused for the test")
+
+    def refuse(ptr: int, nbytes: int, stream: int) -> None:
+        raise refusal
+
+    spied.allocator.free, keep = refuse, spied.allocator.free  # type: ignore[method-assign]
+    bridge.free(b, MIB, DEV, S1)  # evicts a, whose free fails
+    spied.allocator.free = keep  # type: ignore[method-assign]
+    assert alloc_bridge.last_error(DEV) is refusal and "free of cached" in caplog.text
+    stats = alloc_bridge.cache_stats(DEV)
+    assert (stats["cached_blocks"], stats["cached_bytes"], stats["evicted_blocks"]) == (1, MIB, 1)
+    assert spied.allocator.live_blocks == 2  # a is still the allocator's: it was never freed
+    spied.allocator.free(a, MIB, S1)
+    spied.allocator.flush()
+    assert spied.tag_bytes() == 0
+
+
+def _report_split(device: pykka.ActorRef[Any], tag: str = "torch") -> tuple[int, int]:
+    """(bytes of the tag, of which cached) in GetStats' report."""
+    report = device.ask(xa.GetStats()).report
+    total = int(report["by_tag"].get(tag, {}).get("nbytes", 0))
+    return total, int(report["cached"]["by_tag"].get(tag, {}).get("nbytes", 0))
+
+
+def test_the_memory_report_shows_the_cache_s_share_of_the_tag(spied: Spied, bridge: Bridge) -> None:
+    live = bridge.alloc_or_null(2 * MIB, DEV, S1)
+    idle = [bridge.alloc_or_null(n, DEV, S1) for n in (MIB, 4096)]
+    assert _report_split(spied.device) == (3 * MIB + 4096, 0)  # all in use, nothing cached
+    for ptr, n in zip(idle, (MIB, 4096), strict=True):
+        bridge.free(ptr, n, DEV, S1)
+    # The freed blocks are still the tag's, now as the cache's share, not in use.
+    assert _report_split(spied.device) == (3 * MIB + 4096, MIB + 4096)
+    cached = spied.device.ask(xa.GetStats()).report["cached"]
+    assert (cached["count"], cached["nbytes"]) == (2, MIB + 4096)
+    assert cached["by_tag"]["torch"]["count"] == 2
+    report = spied.device.ask(xa.GetReport())
+    assert report.cached_by_tag["torch"].nbytes == MIB + 4096
+    assert "torch: 3 blocks, 3.0 MiB (1.0 MiB in 2 idle in a cache)" in report.format()
+    bridge.alloc_or_null(MIB, DEV, S1)  # a hit: back in use
+    assert _report_split(spied.device) == (3 * MIB + 4096, 4096)
+    assert alloc_bridge.empty_cache(DEV) == 4096
+    assert _report_split(spied.device) == (3 * MIB, 0)
+    assert spied.device.ask(xa.GetStats()).report["cached"] == {"count": 0, "nbytes": 0, "by_tag": {}}
+    bridge.free(live, 2 * MIB, DEV, S1)
+    bridge.free(idle[0], MIB, DEV, S1)
+    assert _report_split(spied.device) == (3 * MIB, 3 * MIB)
+    spied.allocator.flush()
+    assert _report_split(spied.device) == (0, 0)  # the tag returns to zero, cache share included
+
+
+def test_a_closed_or_unregistered_allocator_has_no_share_in_the_report(spied: Spied, bridge: Bridge) -> None:
+    a = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(a, MIB, DEV, S1)
+    other = DeviceAllocator(as_client(spied.device), "other")  # not registered: shares nothing
+    assert _report_split(spied.device) == (MIB, MIB) and _report_split(spied.device, "other") == (0, 0)
+    other.close()
+    alloc_bridge.unregister(DEV)  # gives the cache back
+    assert _report_split(spied.device) == (0, 0)
+    alloc_bridge.register(DEV, spied.allocator)
+    b = bridge.alloc_or_null(MIB, DEV, S1)
+    bridge.free(b, MIB, DEV, S1)
+    assert _report_split(spied.device) == (MIB, MIB)
+    spied.allocator.close()  # empties and disables the cache, and leaves the device's shares
+    assert _report_split(spied.device) == (0, 0)
+    assert spied.allocator._cache_share not in spied.device.ask(xa.GetClient())._cell.cache_shares._sources
+
+
+def test_the_torch_route_sets_and_reads_its_cache_limit(spied: Spied, bridge: Bridge) -> None:
+    from xlog_actors.interop.torch import TorchRoute
+
+    route = TorchRoute(spied.allocator)
+    assert route.cache_limit is None  # the default: no limit
+    ptrs = [bridge.alloc_or_null(MIB, DEV, S1) for _ in range(3)]
+    for ptr in ptrs:
+        bridge.free(ptr, MIB, DEV, S1)
+    assert route.set_cache_limit(MIB) == 2 * MIB and route.cache_limit == MIB
+    assert _report_split(spied.device) == (MIB, MIB)
+    for bad in (-1, 2.0, False, "1"):
+        with pytest.raises(xa.InvalidRequest, match="cache limit"):
+            route.set_cache_limit(bad)  # type: ignore[arg-type]
+    assert route.cache_limit == MIB and _report_split(spied.device) == (MIB, MIB)  # nothing changed
+    assert route.set_cache_limit(None) == 0 and route.cache_limit is None
+    alloc_bridge.unregister(DEV)
+    with pytest.raises(xa.InvalidRequest, match="no longer registered"):
+        route.set_cache_limit(0)

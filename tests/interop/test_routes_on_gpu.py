@@ -61,6 +61,11 @@ def test_torch_s_freed_blocks_come_back_from_the_bridge_s_cache_on_their_stream(
 
 
 @pytest.mark.gpu
+def test_the_report_shows_torch_s_cached_share_and_the_limit_bounds_it() -> None:
+    _run("torch", "torch_cache_share_and_limit")
+
+
+@pytest.mark.gpu
 def test_cupy_arrays_come_from_the_device_and_restore_puts_cupy_back() -> None:
     _run("cupy", "cupy_arrays")
 
@@ -85,3 +90,15 @@ def test_both_halves_of_the_training_loop_row_run(half: str) -> None:
     doc = run_half(half, 200, 2, timeout_s=300)
     assert len(doc["ns_per_step"]) == 2 and all(x > 0 for x in doc["ns_per_step"])
     assert doc["what"]
+
+
+@pytest.mark.gpu
+def test_the_rmm_half_of_the_peer_row_runs_where_rmm_is_installed() -> None:
+    for library in ("torch", "rmm"):
+        if importlib.util.find_spec(library) is None:
+            pytest.skip(f"{library} is not installed (the RMM peer row skips with this reason too)")
+    if os.environ.get("XLOG_ACTORS_SANITIZER") == "1":
+        pytest.skip("torch in a fresh process under compute-sanitizer: run in the plain GPU run")
+    doc = run_half("rmm", 200, 2, timeout_s=300)
+    assert len(doc["ns_per_step"]) == 2 and all(x > 0 for x in doc["ns_per_step"])
+    assert "RMM" in doc["what"] and "PoolMemoryResource" in doc["what"]

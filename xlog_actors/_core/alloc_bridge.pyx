@@ -29,11 +29,16 @@ class), and a later allocation of that class on that stream takes it back withou
 Python or any driver call: the stream's own order puts the new use after the old one. A block
 is cached only when freed on the stream it was allocated for, by the exact size asked, and in
 the epoch it was allocated in; any other free goes to the allocator. Cached blocks stay
-allocated, counted under the allocator's tag (torch's "reserved"), until :func:`empty_cache`
-gives them back through the allocator (also on a budget or memory refusal of a cache miss,
-which is then tried once more, after the allocator's ``synchronize()`` where it has one), :func:`invalidate` drops them without freeing (a rebuild: they
-belonged to the old context) or :func:`unregister`/:func:`disable_cache` (closing) empties and
-disables the cache. Not kept: torch's ``record_stream`` uses on other streams (the pluggable
+allocated, counted under the allocator's tag (torch's "reserved"; the device's memory report
+shows them as the cache's share of the tag), until :func:`empty_cache` gives them back through
+the allocator (also on a budget or memory refusal of a cache miss, which is then tried once
+more, after the allocator's ``synchronize()`` where it has one), :func:`invalidate` drops them
+without freeing (a rebuild: they belonged to the old context) or
+:func:`unregister`/:func:`disable_cache` (closing) empties and disables the cache. A limit
+(:func:`set_cache_limit`; none by default, as torch's own cache has none) bounds the bytes held
+idle: a free that would pass it first gives the oldest cached blocks back through the allocator
+(a free like any other: stream-ordered after the stream the block was freed on), and a block
+larger than the limit is not cached. Not kept: torch's ``record_stream`` uses on other streams (the pluggable
 allocator does not forward them): as without the cache, a use on another stream is the
 library's to order before the free.
 
@@ -42,7 +47,8 @@ The module is compiled as C++ (for the throw); the exported names are ``extern "
 Invariants: the registry maps a CUDA device ordinal to one allocator object; it changes only
 through :func:`register` and :func:`unregister`. Every pointer the bridge handed out from an enabled
 cache and not yet taken back is in its device's live table (class, size asked, stream, epoch); every cached
-pointer is live in the allocator (allocated, not freed) and in no live table. The mutex is never
+pointer is live in the allocator (allocated, not freed), in no live table, and once both in the
+cache's order of frees and in its (stream, class) list; the cached bytes never exceed the limit. The mutex is never
 held while the GIL is taken (a thread holding it never waits for the GIL), so a thread with the
 GIL may take it. After the interpreter began to exit (an ``atexit`` hook), or once it is
 finalized, the exported functions no longer take the GIL: a cache miss throws (or returns NULL),
@@ -76,6 +82,7 @@ __all__ = [
     "library_path",
     "register",
     "registered",
+    "set_cache_limit",
     "size_class",
     "unregister",
 ]
@@ -97,7 +104,9 @@ cdef extern from *:
     """
     #include <atomic>
     #include <cstdint>
+    #include <deque>
     #include <functional>
+    #include <list>
     #include <mutex>
     #include <unordered_map>
     #include <vector>
@@ -115,16 +124,27 @@ cdef extern from *:
         }
     };
     struct Cached { uintptr_t ptr; size_t cls; uintptr_t stream; };
-    struct Stats { uint64_t hits, misses, epoch; size_t cached_bytes, cached_blocks, live_blocks; bool enabled; };
+    struct Stats {
+        uint64_t hits, misses, epoch, evicted_blocks, evicted_bytes;
+        size_t cached_bytes, cached_blocks, live_blocks, limit;
+        bool enabled;
+    };
+    static const size_t NO_LIMIT = SIZE_MAX;
 
+    // The cached blocks in the order they were freed (oldest first), and per (stream, class)
+    // the same blocks as positions in that order: a key's oldest block is its deque's front,
+    // since a free appends at both ends' back and a hit takes from the key's back.
+    typedef std::list<Cached> Lru;
     struct Cache {
         std::mutex mu;
         uint64_t epoch = 0;
         bool enabled = false;
-        uint64_t hits = 0, misses = 0;
+        size_t limit = NO_LIMIT;
+        uint64_t hits = 0, misses = 0, evicted_blocks = 0, evicted_bytes = 0;
         size_t cached_bytes = 0, cached_blocks = 0;
         std::unordered_map<uintptr_t, Live> live;
-        std::unordered_map<Key, std::vector<uintptr_t>, KeyHash> free;
+        Lru lru;
+        std::unordered_map<Key, std::deque<Lru::iterator>, KeyHash> free;
     };
 
     // Indexed by CUDA ordinal; an entry is made once (with the GIL, at register) and never
@@ -161,8 +181,10 @@ cdef extern from *:
         if (!c->enabled) return 0;
         auto it = c->free.find(Key{stream, cls});
         if (it == c->free.end() || it->second.empty()) { c->misses++; return 0; }
-        uintptr_t ptr = it->second.back();
+        Lru::iterator pos = it->second.back();
         it->second.pop_back();
+        uintptr_t ptr = pos->ptr;
+        c->lru.erase(pos);
         c->cached_bytes -= cls;
         c->cached_blocks--;
         c->hits++;
@@ -177,20 +199,46 @@ cdef extern from *:
 
     enum { PASS = 0, CACHED = 1, ROUTE = 2 };
 
+    // The oldest cached block, out of the cache (the caller holds the mutex; the cache is not empty).
+    static Cached evict_oldest(Cache* c) {
+        Cached e = c->lru.front();
+        auto it = c->free.find(Key{e.stream, e.cls});
+        it->second.pop_front();  // the key's oldest is the LRU's oldest of that key: see Lru
+        c->lru.pop_front();
+        c->cached_bytes -= e.cls;
+        c->cached_blocks--;
+        c->evicted_blocks++;
+        c->evicted_bytes += e.cls;
+        return e;
+    }
+
     // PASS: not handed out by the bridge, or freed with another size: the allocator judges the
-    // free with the caller's size, the live table unchanged. CACHED: kept. ROUTE: taken out of
-    // the live table (*e), to be freed by the allocator with e->cls (put back if it refuses).
-    static int put(Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e) {
+    // free with the caller's size, the live table unchanged. CACHED: kept, after moving the
+    // oldest cached blocks to *evicted until the limit holds them all. ROUTE: taken out of the
+    // live table (*e), to be freed by the allocator with e->cls (put back if it refuses); so is
+    // a block larger than the limit by itself.
+    static int put(Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e, std::vector<Cached>* evicted) {
         std::lock_guard<std::mutex> g(c->mu);
         auto it = c->live.find(ptr);
         if (it == c->live.end() || it->second.req != req) return PASS;
         *e = it->second;
         c->live.erase(it);
-        if (!c->enabled || e->stream != stream || e->epoch != c->epoch) return ROUTE;
-        c->free[Key{stream, e->cls}].push_back(ptr);
+        if (!c->enabled || e->stream != stream || e->epoch != c->epoch || e->cls > c->limit) return ROUTE;
+        while (c->cached_bytes > c->limit - e->cls) evicted->push_back(evict_oldest(c));
+        c->lru.push_back(Cached{ptr, e->cls, stream});
+        c->free[Key{stream, e->cls}].push_back(std::prev(c->lru.end()));
         c->cached_bytes += e->cls;
         c->cached_blocks++;
         return CACHED;
+    }
+
+    // A new limit; the oldest cached blocks that no longer fit, out of the cache.
+    static std::vector<Cached> set_limit(Cache* c, size_t limit) {
+        std::vector<Cached> out;
+        std::lock_guard<std::mutex> g(c->mu);
+        c->limit = limit;
+        while (c->cached_bytes > limit) out.push_back(evict_oldest(c));
+        return out;
     }
 
     // Every cached block, out of the cache; with bump, a new epoch (blocks handed out before
@@ -198,8 +246,8 @@ cdef extern from *:
     static std::vector<Cached> drain(Cache* c, bool bump, bool disable) {
         std::vector<Cached> out;
         std::lock_guard<std::mutex> g(c->mu);
-        for (auto& kv : c->free)
-            for (uintptr_t p : kv.second) out.push_back(Cached{p, kv.first.cls, kv.first.stream});
+        out.assign(c->lru.begin(), c->lru.end());
+        c->lru.clear();
         c->free.clear();
         c->cached_bytes = 0;
         c->cached_blocks = 0;
@@ -208,19 +256,21 @@ cdef extern from *:
         return out;
     }
 
-    // A fresh start for a new registration: counters at 0, the live table of the last one
-    // forgotten (its frees go to the allocator with the caller's size), a new epoch.
+    // A fresh start for a new registration: counters at 0, no limit, the live table of the last
+    // one forgotten (its frees go to the allocator with the caller's size), a new epoch.
     static void enable(Cache* c) {
         std::lock_guard<std::mutex> g(c->mu);
         c->enabled = true;
         c->epoch++;
-        c->hits = c->misses = 0;
+        c->hits = c->misses = c->evicted_blocks = c->evicted_bytes = 0;
+        c->limit = NO_LIMIT;
         c->live.clear();
     }
 
     static Stats stats(Cache* c) {
         std::lock_guard<std::mutex> g(c->mu);
-        return Stats{c->hits, c->misses, c->epoch, c->cached_bytes, c->cached_blocks, c->live.size(), c->enabled};
+        return Stats{c->hits, c->misses, c->epoch, c->evicted_blocks, c->evicted_bytes, c->cached_bytes,
+                     c->cached_blocks, c->live.size(), c->limit, c->enabled};
     }
 
     }  // namespace xlog_actors_cache
@@ -237,9 +287,10 @@ cdef extern from *:
         size_t cls
         uintptr_t stream
     cdef cppclass Stats "xlog_actors_cache::Stats":
-        uint64_t hits, misses, epoch
-        size_t cached_bytes, cached_blocks, live_blocks
+        uint64_t hits, misses, epoch, evicted_blocks, evicted_bytes
+        size_t cached_bytes, cached_blocks, live_blocks, limit
         cbool enabled
+    size_t NO_LIMIT "xlog_actors_cache::NO_LIMIT"
     int PASS "xlog_actors_cache::PASS"
     int CACHED "xlog_actors_cache::CACHED"
     Cache* _cache_get "xlog_actors_cache::get"(int device) nogil
@@ -248,7 +299,9 @@ cdef extern from *:
     uintptr_t _cache_take "xlog_actors_cache::take"(
         Cache* c, size_t cls, size_t req, uintptr_t stream, uint64_t* epoch, cbool* tracked) nogil
     void _cache_note "xlog_actors_cache::note"(Cache* c, uintptr_t ptr, const Live& e) nogil
-    int _cache_put "xlog_actors_cache::put"(Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e) nogil
+    int _cache_put "xlog_actors_cache::put"(
+        Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e, vector[Cached]* evicted) nogil
+    vector[Cached] _cache_set_limit "xlog_actors_cache::set_limit"(Cache* c, size_t limit) nogil
     vector[Cached] _cache_drain "xlog_actors_cache::drain"(Cache* c, bint bump, bint disable) nogil
     void _cache_enable "xlog_actors_cache::enable"(Cache* c) nogil
     Stats _cache_stats "xlog_actors_cache::stats"(Cache* c) nogil
@@ -406,18 +459,52 @@ def invalidate(int device):
 def cache_stats(int device):
     """The cache's figures for ``device``: ``hits``, ``misses``, ``cached_bytes`` and
     ``cached_blocks`` (allocated, counted under the tag, free for reuse), ``live_blocks``
-    (handed out by the bridge, not yet freed), ``epoch`` and ``enabled``; all 0 (False) for a
-    device that was never registered.
+    (handed out by the bridge, not yet freed), ``limit`` (the most bytes it may hold, None for
+    no limit), ``evicted_blocks`` and ``evicted_bytes`` (given back to make room under the
+    limit, since the registration), ``epoch`` and ``enabled``; all 0 (False, None) for a device
+    that was never registered.
 
     Thread rule: any thread.
     """
     cdef Cache* cache = _cache_get(device)
     if cache == NULL:
-        return {"hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "epoch": 0,
-                "enabled": False}
+        return {"hits": 0, "misses": 0, "cached_bytes": 0, "cached_blocks": 0, "live_blocks": 0, "limit": None,
+                "evicted_blocks": 0, "evicted_bytes": 0, "epoch": 0, "enabled": False}
     cdef Stats st = _cache_stats(cache)
     return {"hits": st.hits, "misses": st.misses, "cached_bytes": st.cached_bytes, "cached_blocks": st.cached_blocks,
-            "live_blocks": st.live_blocks, "epoch": st.epoch, "enabled": st.enabled}
+            "live_blocks": st.live_blocks, "limit": None if st.limit == NO_LIMIT else st.limit,
+            "evicted_blocks": st.evicted_blocks, "evicted_bytes": st.evicted_bytes, "epoch": st.epoch,
+            "enabled": st.enabled}
+
+
+def set_cache_limit(int device, limit):
+    """Bound what ``device``'s cache may hold idle: a free that would take it past ``limit``
+    bytes first gives the oldest cached blocks back through the allocator (stream-ordered, as
+    any free), and a block larger than the limit is not cached. The oldest blocks past a lower
+    new limit are given back now. A new registration starts without a limit.
+
+    Args:
+        device: the CUDA device ordinal, with an allocator registered.
+        limit: a byte count >= 0 (0: nothing is cached), or None for no limit.
+    Returns:
+        the bytes given back now.
+    Raises:
+        ValueError: no allocator is registered for ``device``, it has no cache (256 and up), or
+            ``limit`` is negative; nothing changed.
+        TypeError: ``limit`` is neither an int nor None.
+    Thread rule: any thread but the allocator's device actor's own.
+    """
+    if limit is not None and (type(limit) is bool or not isinstance(limit, int)):
+        raise TypeError(f"a cache limit is an int or None, got {limit!r}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"a cache limit must be >= 0, got {limit}")
+    allocator = _allocators.get(device)
+    cdef Cache* cache = _cache_get(device)
+    if allocator is None or cache == NULL:
+        raise ValueError(f"CUDA device {device} has no registered allocator with a cache to limit")
+    cdef size_t bound = NO_LIMIT if limit is None or limit >= <object>NO_LIMIT else <size_t>limit
+    cdef vector[Cached] evicted = _cache_set_limit(cache, bound)
+    return _free_blocks(device, allocator, evicted)
 
 
 cdef size_t _release(int device, allocator, bint disable):
@@ -427,6 +514,12 @@ cdef size_t _release(int device, allocator, bint disable):
     if cache == NULL:
         return 0
     cdef vector[Cached] blocks = _cache_drain(cache, False, disable)
+    return _free_blocks(device, allocator, blocks)
+
+
+cdef size_t _free_blocks(int device, allocator, vector[Cached]& blocks):
+    """Free blocks taken out of the cache through ``allocator``; the bytes freed. A failed free
+    is logged and kept as the device's last error, the others still done."""
     cdef size_t freed = 0
     for e in blocks:
         try:
@@ -520,15 +613,27 @@ cdef bint _free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept w
         return False
 
 
+cdef void _free_evicted(int device, vector[Cached]& blocks) noexcept with gil:
+    allocator = _allocators.get(device)
+    if allocator is None:  # unregistered between the eviction and now: nobody to free them
+        logger.error("device allocator of CUDA device %d: %d evicted block(s) had no allocator to go back to",
+                     device, blocks.size())
+        return
+    _free_blocks(device, allocator, blocks)
+
+
 cdef public void xlog_actors_free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept nogil:
     if ptr == NULL or _exiting or not Py_IsInitialized():
         return  # nothing to free, or the process is going and its memory with it
     cdef Cache* cache = _cache_get(device)
     cdef Live entry
     cdef int outcome = PASS
+    cdef vector[Cached] evicted
     if cache != NULL and size > 0:
-        outcome = _cache_put(cache, <uintptr_t>ptr, <size_t>size, <uintptr_t>stream, &entry)
+        outcome = _cache_put(cache, <uintptr_t>ptr, <size_t>size, <uintptr_t>stream, &entry, &evicted)
         if outcome == CACHED:
+            if not evicted.empty():
+                _free_evicted(device, evicted)
             return
     if outcome == PASS:
         _free(ptr, size, device, stream)

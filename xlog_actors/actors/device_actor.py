@@ -538,7 +538,8 @@ class DeviceActor(ResilientActor):
                 live = len(ctx.blocks)
                 stack = ctx.runtime.describe()
                 mem_free, mem_total = self._driver.mem_info(self._ordinal)
-                report = memory_report(ctx.runtime.resource, self._pinned.usage()).as_dict()
+                cached = self._cell.cache_shares.usage()
+                report = memory_report(ctx.runtime.resource, self._pinned.usage(), cached).as_dict()
                 del report["blocks"]  # the groups say it in a size that does not grow per block
             except (ContextLost, ContextPoisoned) as exc:
                 # A report is what a caller asks for to learn the device's state: act on the
@@ -569,7 +570,7 @@ class DeviceActor(ResilientActor):
     def _on_report(self, _msg: m.GetReport) -> MemoryReport:
         ctx = self._context()
         ctx.drain_reclaims()
-        return memory_report(ctx.runtime.resource, self._pinned.usage())
+        return memory_report(ctx.runtime.resource, self._pinned.usage(), self._cell.cache_shares.usage())
 
     def _on_record_history(self, msg: m.RecordMemoryHistory) -> None:
         # Everything is checked before anything changes.

@@ -16,6 +16,7 @@ from ..errors import (
     InvalidRequest,
 )
 from ..memory.block import AllocTag, StreamId
+from ..memory.cache_share import CacheShares
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
 from .lifecycle import DeviceLifecycle
@@ -26,13 +27,15 @@ __all__ = ["ContextCell", "DeviceClient"]
 
 class ContextCell:
     """What a ``DeviceClient`` shares with its device actor: the device's lifecycle (its status
-    and current context), its ordinal and the actor's ref.
+    and current context), its ordinal, the actor's ref, and ``cache_shares``, where caches above
+    the device (``xlog_actors.interop``) say what they hold idle, for its memory reports.
 
     Thread rule: the actor alone changes the lifecycle; clients read it from any thread with
-    single attribute loads, and ``report_failure`` may be called from any thread.
+    single attribute loads, and ``report_failure`` and ``cache_shares`` may be used from any
+    thread.
     """
 
-    __slots__ = ("actor_ref", "lifecycle", "ordinal")
+    __slots__ = ("actor_ref", "cache_shares", "lifecycle", "ordinal")
 
     def __init__(self, ordinal: int, actor_ref: pykka.ActorRef[Any], lifecycle: DeviceLifecycle[DeviceContext]) -> None:
         """Args:
@@ -44,6 +47,7 @@ class ContextCell:
         self.ordinal = ordinal
         self.actor_ref = actor_ref
         self.lifecycle = lifecycle
+        self.cache_shares = CacheShares()
 
     def report_failure(self, error: BaseException, generation: int) -> None:
         """Tell the device's supervisor about a context failure met outside the actor.

@@ -29,7 +29,8 @@ the tag, until the library frees the lost one; then it is freed with the next qu
 
 The allocator bridge's cache (:mod:`xlog_actors._core.alloc_bridge`). When this allocator is
 the one registered with the bridge for its ordinal, the blocks the bridge caches are live here
-(counted under the tag) until the bridge gives them back: :meth:`flush` empties the cache first,
+(counted under the tag; the device's memory report shows them as the tag's cached share, through
+the device's ``CacheShares``) until the bridge gives them back: :meth:`flush` empties the cache first,
 :meth:`close` empties and disables it, and a rebuild, a poisoning or a shutdown of the device
 makes the bridge drop them without freeing (they belonged to the old context; the device's
 state tells this allocator synchronously, before the old context is closed) and they are
@@ -54,7 +55,7 @@ from typing import Any
 import pykka
 
 from .._core import alloc_bridge
-from ..actors.device_client import DeviceClient
+from ..actors.device_client import ContextCell, DeviceClient
 from ..actors.gpu_ref import GpuRef
 from ..actors.messages import GetClient
 from ..errors import InvalidRequest
@@ -141,9 +142,10 @@ class DeviceAllocator:
         self._busy = threading.local()
         self._closed = False
         _watch_collections()
-        cell = getattr(client, "_cell", None)
-        if cell is not None:  # a device in this process: its state says when a context ends
-            cell.lifecycle.state.add_watcher(self._on_device_change)
+        self._cell: ContextCell | None = getattr(client, "_cell", None)
+        if self._cell is not None:  # a device in this process: its state says when a context ends
+            self._cell.lifecycle.state.add_watcher(self._on_device_change)
+            self._cell.cache_shares.add(self._cache_share)
 
     @property
     def tag(self) -> AllocTag:
@@ -316,6 +318,16 @@ class DeviceAllocator:
         if alloc_bridge.registered(self.device_id) is self:
             alloc_bridge.disable_cache(self.device_id)
         self.flush()
+        if self._cell is not None:
+            self._cell.cache_shares.discard(self._cache_share)
+
+    def _cache_share(self) -> dict[AllocTag, tuple[int, int]]:
+        """The bridge's idle blocks, when this allocator is the one registered: ``{tag: (count,
+        nbytes)}`` for the device's memory report. Called in the reporting thread: no ask."""
+        if alloc_bridge.registered(self.device_id) is not self:
+            return {}
+        stats = alloc_bridge.cache_stats(self.device_id)
+        return {self._tag: (int(stats["cached_blocks"] or 0), int(stats["cached_bytes"] or 0))}
 
     def _on_device_change(self) -> None:
         """The device's state changed (rebuild, poisoning, shutdown): the bridge's cached blocks

@@ -16,14 +16,20 @@ PyTorch's rules, which this module cannot change:
   C++ error type, which a library outside libtorch cannot throw. The error object itself stays
   reachable: :meth:`TorchRoute.last_error`.
 * torch's caching allocator statistics (``torch.cuda.memory_allocated`` ...) are not offered
-  by a pluggable allocator: the device's ``GetStats``/``GetReport`` are the figures, and
-  :meth:`TorchRoute.cache_stats` says how much of the tag the bridge's cache holds free.
+  by a pluggable allocator: the device's ``GetStats``/``GetReport`` are the figures (their
+  ``cached`` part is the share of the tag the bridge's cache holds idle, the rest is in
+  tensors), and :meth:`TorchRoute.cache_stats` has the cache's own counters.
 * ``torch.cuda.empty_cache()`` does not reach a pluggable allocator: :meth:`TorchRoute.empty_cache`
   gives the bridge's cached blocks back to the device.
 
 The bridge caches freed blocks per (stream, size class), as torch's own allocator does, so an
 allocation torch made before on that stream costs no Python and no driver call
-(:mod:`xlog_actors._core.alloc_bridge` says what it keeps and when it lets go).
+(:mod:`xlog_actors._core.alloc_bridge` says what it keeps and when it lets go). By default the
+cache has no limit, as torch's own has none: what it holds goes back when a refused allocation
+needs it (the refusal gives the cache back and tries once more), at :meth:`TorchRoute.empty_cache`
+or when the allocator closes. ``use_device(..., cache_limit=N)`` or
+:meth:`TorchRoute.set_cache_limit` bound it: past ``N`` bytes idle, the oldest cached blocks are
+freed (stream-ordered, as any free), and a block larger than ``N`` is not cached.
 
 Thread rule: ``use_device`` from any thread but a device actor's; the bridge's functions run in
 whatever thread torch allocates or frees in (autograd's included), taking the GIL.
@@ -61,12 +67,40 @@ class TorchRoute:
         report), or None. Thread rule: any thread."""
         return alloc_bridge.last_error(self.allocator.device_id)
 
-    def cache_stats(self) -> dict[str, int | bool]:
+    def cache_stats(self) -> dict[str, int | bool | None]:
         """The bridge's cache figures for this device: ``hits``, ``misses``, ``cached_bytes`` and
         ``cached_blocks`` (counted under the tag, free for torch to reuse), ``live_blocks``,
-        ``epoch``, ``enabled`` (``alloc_bridge.cache_stats``). Thread rule: any thread."""
-        stats: dict[str, int | bool] = alloc_bridge.cache_stats(self.allocator.device_id)
+        ``limit``, ``evicted_blocks``, ``evicted_bytes``, ``epoch``, ``enabled``
+        (``alloc_bridge.cache_stats``). Thread rule: any thread."""
+        stats: dict[str, int | bool | None] = alloc_bridge.cache_stats(self.allocator.device_id)
         return stats
+
+    @property
+    def cache_limit(self) -> int | None:
+        """The most bytes the bridge's cache may hold idle for this device (None: no limit).
+        Thread rule: any thread."""
+        limit = alloc_bridge.cache_stats(self.allocator.device_id)["limit"]
+        return None if limit is None else int(limit)
+
+    def set_cache_limit(self, limit: int | None) -> int:
+        """Bound what the bridge's cache holds idle for this device (see the module docstring).
+
+        Args:
+            limit: bytes, >= 0 (0: nothing is cached), or None for no limit.
+        Returns:
+            the bytes given back now (the oldest cached blocks past the new limit).
+        Raises:
+            InvalidRequest: ``limit`` is not None nor an int >= 0, or the route's allocator is
+                no longer the one registered (closed); nothing changed.
+        Thread rule: any thread but the device actor's own.
+        """
+        _check_limit(limit)
+        if alloc_bridge.registered(self.allocator.device_id) is not self.allocator:
+            raise InvalidRequest(
+                f"device {self.allocator.device_id}: this torch route's allocator is no longer registered"
+            )
+        freed: int = alloc_bridge.set_cache_limit(self.allocator.device_id, limit)
+        return freed
 
     def empty_cache(self) -> int:
         """Give the bridge's cached blocks of this device back to it (what
@@ -85,24 +119,32 @@ class TorchRoute:
         return f"TorchRoute({self.allocator!r})"
 
 
-def use_device(ref_or_client: Any, tag: str = "torch") -> TorchRoute:
+def _check_limit(limit: object) -> None:
+    if limit is not None and (type(limit) is bool or not isinstance(limit, int) or limit < 0):
+        raise InvalidRequest(f"a cache limit is None or an int >= 0 (bytes), got {limit!r}")
+
+
+def use_device(ref_or_client: Any, tag: str = "torch", cache_limit: int | None = None) -> TorchRoute:
     """Route PyTorch's CUDA allocations on the device's ordinal through the device.
 
     Args:
         ref_or_client: a ``DeviceActor``'s ref or its ``DeviceClient``, on the CUDA driver.
         tag: the tag torch's blocks are counted under.
+        cache_limit: the most bytes the bridge's cache may hold idle (None, the default: no
+            limit, as torch's own cache; see the module docstring).
     Returns:
-        the route (its allocator, its last error).
+        the route (its allocator, its last error, its cache).
     Raises:
         ImportError: torch is not installed.
-        InvalidRequest: the device is not on the CUDA driver; its ordinal already routes to
-            another allocator; or torch already allocated on CUDA in this process (the
-            allocator can no longer be set). Nothing is changed then.
+        InvalidRequest: the device is not on the CUDA driver; a bad ``cache_limit``; its
+            ordinal already routes to another allocator; or torch already allocated on CUDA in
+            this process (the allocator can no longer be set). Nothing is changed then.
     Thread rule: any thread but the device actor's own.
     """
     import torch
 
     global _installed
+    _check_limit(cache_limit)
     client = as_client(ref_or_client)
     kind = driver_kind(client)
     if kind != "cuda":
@@ -125,4 +167,7 @@ def use_device(ref_or_client: Any, tag: str = "torch") -> TorchRoute:
                 f"the first CUDA allocation ({exc})"
             ) from exc
         _installed = True
-    return TorchRoute(allocator)
+    route = TorchRoute(allocator)
+    if cache_limit is not None:
+        route.set_cache_limit(cache_limit)
+    return route

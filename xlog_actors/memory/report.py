@@ -60,7 +60,10 @@ class MemoryReport:
     ``statistics`` is None where the stack has no statistics adaptor, ``budget_limit`` where it
     has no budget. ``pinned_count``/``pinned_bytes``/``pinned_by_tag`` are the device's pinned
     host memory not yet freed (zero where the report was taken without it; the device actor's
-    reports always include it).
+    reports always include it). ``cached_by_tag`` is the share of each tag's live blocks that
+    caches above the device hold idle (the allocator bridge's, for PyTorch): counted in
+    ``by_tag`` too, so a tag's bytes in use are its ``by_tag`` bytes less its cached bytes (empty
+    where the report was taken without caches; the device actor's reports include them).
 
     Immutable; any thread.
     """
@@ -80,6 +83,7 @@ class MemoryReport:
     pinned_count: int = 0
     pinned_bytes: int = 0
     pinned_by_tag: Mapping[AllocTag, GroupSummary] = field(default_factory=lambda: MappingProxyType({}))
+    cached_by_tag: Mapping[AllocTag, GroupSummary] = field(default_factory=lambda: MappingProxyType({}))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output).
@@ -121,6 +125,11 @@ class MemoryReport:
                 "nbytes": self.pinned_bytes,
                 "by_tag": {str(t): _group(g) for t, g in self.pinned_by_tag.items()},
             },
+            "cached": {
+                "count": sum(g.count for g in self.cached_by_tag.values()),
+                "nbytes": sum(g.nbytes for g in self.cached_by_tag.values()),
+                "by_tag": {str(t): _group(g) for t, g in self.cached_by_tag.items()},
+            },
         }
 
     def format(self) -> str:
@@ -160,6 +169,7 @@ class MemoryReport:
             lines.append("  live blocks: not listed by this stack")
             return "\n".join(lines)
         lines.append(f"  live blocks: {len(self.blocks)}")
+        shares = {str(t): g for t, g in self.cached_by_tag.items()}
         for title, groups in (("by tag", self.by_tag), ("by stream", self.by_stream)):
             if not groups:
                 continue
@@ -167,7 +177,9 @@ class MemoryReport:
             for key, g in sorted(groups.items(), key=lambda kv: -kv[1].nbytes):
                 name = f"stream {int(key)}" if isinstance(key, StreamId) else str(key)
                 age = "" if g.oldest_age_s is None else f", oldest {g.oldest_age_s:.1f} s"
-                lines.append(f"    {name}: {g.count} blocks, {human_bytes(g.nbytes)}{age}")
+                cached = None if isinstance(key, StreamId) else shares.get(str(key))
+                share = "" if cached is None else f" ({human_bytes(cached.nbytes)} in {cached.count} idle in a cache)"
+                lines.append(f"    {name}: {g.count} blocks, {human_bytes(g.nbytes)}{share}{age}")
         return "\n".join(lines)
 
 
@@ -217,12 +229,18 @@ def _mem_info(
     return driver.kind, free, total, None
 
 
-def memory_report(resource: DeviceMemoryResource, pinned: PinnedUsage | None = None) -> MemoryReport:
+def memory_report(
+    resource: DeviceMemoryResource,
+    pinned: PinnedUsage | None = None,
+    cached: Mapping[AllocTag, tuple[int, int]] | None = None,
+) -> MemoryReport:
     """A snapshot of ``resource`` (any stack, or a base resource alone).
 
     Args:
         resource: the outermost resource of the stack.
         pinned: the device's pinned host memory (``PinnedAllocator.usage()``); None reports none.
+        cached: what caches above the device hold idle, tag -> ``(count, nbytes)``
+            (``CacheShares.usage()``); None reports none.
     Returns:
         The :class:`MemoryReport`; a driver that cannot report its free memory gives its error
         text in ``mem_info_error`` instead of failing the report.
@@ -251,6 +269,9 @@ def memory_report(resource: DeviceMemoryResource, pinned: PinnedUsage | None = N
         pinned_bytes=0 if pinned is None else pinned.nbytes,
         pinned_by_tag=MappingProxyType(
             {} if pinned is None else {t: GroupSummary(c, n, None) for t, (c, n) in pinned.by_tag.items()}
+        ),
+        cached_by_tag=MappingProxyType(
+            {} if cached is None else {t: GroupSummary(c, n, None) for t, (c, n) in cached.items()}
         ),
     )
 

@@ -5,7 +5,8 @@ after its first rounds), beside the Python path a cache miss takes (``DeviceAllo
 on the host driver too. Then the loop itself: a PyTorch training-style loop (allocate, compute,
 free; mixed sizes from 4 KiB to 64 MiB) with torch allocating through a ``DeviceActor``
 (:mod:`xlog_actors.interop.torch`), beside the same loop on torch's own caching allocator, in the
-same run.
+same run. Last, the same loop on RMM's torch allocator (its pool), a peer row beside the same
+torch half, skipped with the reason where RMM is not installed or not usable.
 
 Each half of the loop runs in a process of its own (:mod:`.training_loop` says why: torch takes
 a pluggable allocator only before its first CUDA allocation, for good). One sample is one round
@@ -40,23 +41,27 @@ _HOST_STREAM = 0x51  # a foreign stream handle for the bridge's cache key (the h
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 _NO_CUDA = 3  # training_loop's exit status when torch cannot use CUDA
+_NO_RMM = 4  # and when RMM cannot be set up
 
 
 def run_half(half: str, steps: int, rounds: int, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run one half of the loop in a fresh process.
 
     Args:
-        half: ``"device"`` or ``"torch"``.
+        half: ``"device"``, ``"torch"`` or ``"rmm"``.
         steps: steps per round.
         rounds: timed rounds.
         timeout_s: the process's time limit.
     Returns:
         its JSON line: ``ns_per_step`` (one per round) and ``what``.
     Raises:
-        SkipRow: torch is absent, or cannot use CUDA here.
+        SkipRow: torch (or, for ``"rmm"``, RMM) is absent, or cannot be used here.
         RuntimeError: the process failed (its stderr's tail in the message).
     Thread rule: any thread.
     """
+    if half == "rmm" and importlib.util.find_spec("rmm") is None:
+        raise SkipRow("RMM is not installed (a peer, not a dependency: the rmm-cu13 wheel and its librmm-cu13, "
+                      "rapids-logger)")
     if importlib.util.find_spec("torch") is None:
         raise SkipRow("torch is not installed (an optional extra: pip install xlog-actors[torch])")
     env = dict(os.environ)
@@ -65,7 +70,7 @@ def run_half(half: str, steps: int, rounds: int, timeout_s: float = 600.0) -> di
         [sys.executable, "-m", "xlog_actors.cli.bench.training_loop", half, str(steps), str(rounds)],
         capture_output=True, text=True, env=env, timeout=timeout_s, check=False,
     )
-    if proc.returncode == _NO_CUDA:
+    if proc.returncode in (_NO_CUDA, _NO_RMM):
         raise SkipRow(f"not usable here: {proc.stderr.strip().splitlines()[-1]}")
     if proc.returncode != 0:
         raise RuntimeError(f"training loop ({half}) failed, exit status {proc.returncode}: {proc.stderr[-2000:]}")
@@ -79,6 +84,14 @@ def _measure(ctx: Context, _unused: Context) -> tuple[list[float], list[float]]:
     ref = run_half("torch", steps, rounds)
     _WHAT.update(ours=ours["what"], ref=ref["what"])
     return list(ours["ns_per_step"]), list(ref["ns_per_step"])
+
+
+def _measure_rmm(ctx: Context, _unused: Context) -> tuple[list[float], list[float]]:
+    steps, rounds = ctx.plan.train_steps, ctx.plan.train_rounds
+    peer = run_half("rmm", steps, rounds)  # first: without RMM the row skips before torch's half runs
+    ref = run_half("torch", steps, rounds)
+    _WHAT.update(rmm=peer["what"], ref=ref["what"])
+    return list(peer["ns_per_step"]), list(ref["ns_per_step"])
 
 
 _WHAT: dict[str, str] = {}
@@ -144,7 +157,7 @@ def _python_pair(f: _Bridge) -> Op:
 
 def _all_hits(f: _Bridge) -> None:
     stats = alloc_bridge.cache_stats(0)
-    if stats["misses"] != 1 or stats["hits"] < 1:
+    if stats["misses"] != 1 or int(stats["hits"] or 0) < 1:
         raise RuntimeError(f"the bridge's cache did not serve the timed pairs: {stats}")
 
 
@@ -166,4 +179,12 @@ TRAINING = Group("training loop", (
         note="steps per second; each half in its own process (torch takes a pluggable allocator only before its "
         "first CUDA allocation), one untimed round first; a round ends with torch.cuda.synchronize()",
         measure=_measure),
+    Row("torch training loop through RMM",
+        lambda f, p: f"the same {p.train_steps}-step rounds: {_WHAT.get('rmm', 'PyTorch through RMM torch allocator')}",
+        given, None, None, lambda p: (p.train_rounds, p.train_steps),
+        reference=lambda f, p: f"the same loop on {_WHAT.get('ref', 'PyTorch caching allocator')}",
+        kind="throughput", host_skip="CUDA driver only (torch allocates on a GPU)",
+        note="informational: a peer (RMM's torch allocator over its pool) beside the same torch half as the row "
+        "above; each half in its own process; skipped with the reason where RMM is not installed",
+        measure=_measure_rmm),
 ))

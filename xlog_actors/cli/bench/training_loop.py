@@ -1,12 +1,18 @@
-"""One half of the "torch training loop through device" row, run in a process of its own:
-``python -m xlog_actors.cli.bench.training_loop {device|torch} STEPS ROUNDS``.
+"""One half of the "torch training loop through device" row (or of the "through RMM" peer row),
+run in a process of its own:
+``python -m xlog_actors.cli.bench.training_loop {device|torch|rmm} STEPS ROUNDS``.
 
 Why a process per half: PyTorch takes a pluggable allocator only before its first CUDA
 allocation in a process, and never gives it back; so the loop through the device and the same
 loop on torch's own caching allocator cannot share one. Each half warms up with one untimed
 round, then times ``ROUNDS`` rounds of ``STEPS`` steps, and prints one JSON line:
-``{"ns_per_step": [...], "what": "..."}``. Exit status 3: torch cannot use CUDA here (the row
-is skipped with the message); any other failure is the row's error.
+``{"ns_per_step": [...], "what": "..."}``. Exit status 3: torch cannot use CUDA here; 4: RMM
+cannot be used here (either way the row is skipped with the message); any other failure is the
+row's error.
+
+The ``rmm`` half is the same loop on RMM's torch allocator (``rmm.allocators.torch``, also a
+``CUDAPluggableAllocator``) over RMM's pool (``PoolMemoryResource`` over ``CudaMemoryResource``,
+its default initial size), the setup RMM documents for PyTorch: a peer, not a twin.
 
 A step is what a training step does to an allocator: allocate a tensor (sizes drawn once,
 log-uniform from 4 KiB to 64 MiB, the same sequence in both halves), compute on it (a fill),
@@ -67,6 +73,24 @@ def _loop(torch: Any, steps: int, sizes: list[int]) -> int:
     return time.perf_counter_ns() - t0
 
 
+_NO_RMM = 4
+
+
+def _use_rmm(torch: Any) -> str:
+    """Make RMM's pool torch's allocator in this process; what the half measures."""
+    import rmm
+    from rmm.allocators.torch import rmm_torch_allocator
+
+    if rmm_torch_allocator is None:
+        raise RuntimeError("rmm.allocators.torch has no allocator (torch or its CUDA not found by RMM)")
+    rmm.mr.set_current_device_resource(rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource()))
+    torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+    return (
+        f"PyTorch {torch.__version__} through RMM {rmm.__version__}'s torch allocator "
+        "(PoolMemoryResource over CudaMemoryResource)"
+    )
+
+
 def main(argv: list[str]) -> int:
     """Run one half (see the module docstring).
 
@@ -77,8 +101,8 @@ def main(argv: list[str]) -> int:
     Thread rule: the program's main thread.
     """
     half, steps, rounds = argv[0], int(argv[1]), int(argv[2])
-    if half not in ("device", "torch") or steps < 1 or rounds < 1:
-        print(f"usage: training_loop {{device|torch}} STEPS ROUNDS (got {argv})", file=sys.stderr)
+    if half not in ("device", "torch", "rmm") or steps < 1 or rounds < 1:
+        print(f"usage: training_loop {{device|torch|rmm}} STEPS ROUNDS (got {argv})", file=sys.stderr)
         return 2
     import torch
 
@@ -88,6 +112,14 @@ def main(argv: list[str]) -> int:
     sizes = step_sizes()
     if half == "torch":
         what = f"PyTorch {torch.__version__} caching allocator"
+        _loop(torch, steps, sizes)
+        times = [_loop(torch, steps, sizes) for _ in range(rounds)]
+    elif half == "rmm":
+        try:
+            what = _use_rmm(torch)
+        except Exception as exc:  # noqa: BLE001 - any failure to set RMM up skips the peer row
+            print(f"RMM is not usable here: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return _NO_RMM
         _loop(torch, steps, sizes)
         times = [_loop(torch, steps, sizes) for _ in range(rounds)]
     else:
