@@ -51,6 +51,7 @@ import argparse
 import contextlib
 import gc
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -128,7 +129,7 @@ class _ProbeFuture(LatchFuture):
 
     def set_get_hook(self, func: Any) -> None:
         if self._result is not None or self._get_hook is not None:
-            raise pykka_internals.queue.Full
+            raise queue.Full
         pykka.Future.set_get_hook(self, func)
         self._unlatch()
 
@@ -153,8 +154,8 @@ class _ProbeFuture(LatchFuture):
             self._unlatch()
 
     def get(self, *, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._get_hook is None and "_shut" in self.__dict__:
-            deadline = None if timeout is None else time.monotonic() + timeout
             if self._bell is not None:
                 self._bell.wait(0, self.spin_s if timeout is None else min(self.spin_s, timeout))
             if self.chain:
@@ -276,7 +277,7 @@ class Variant:
         # pykka asks the actor class for each ask's future (``_create_future``); the batching loop
         # defers the wakes of replies of exactly the class ``pykka_internals.LatchFuture`` names.
         setattr(DeviceActor, "_create_future", staticmethod(self.make_future))  # noqa: B010
-        pykka_internals.LatchFuture = self.deferred  # type: ignore[misc]
+        setattr(pykka_internals, "LatchFuture", self.deferred)  # noqa: B010
         pykka_internals.DEFER_WAKES = self.defer
         inbox.apply(self.device_spin_s, self.gather_s, workers)
         try:
@@ -284,7 +285,7 @@ class Variant:
         finally:
             inbox.remove()
             pykka_internals.DEFER_WAKES = True
-            pykka_internals.LatchFuture = LatchFuture  # type: ignore[misc]
+            setattr(pykka_internals, "LatchFuture", LatchFuture)  # noqa: B010
             setattr(DeviceActor, "_create_future", own_future)  # noqa: B010
             baton = _late.baton
             if baton is not None:  # a late chain left on the main thread cannot be: workers hold them
@@ -395,19 +396,21 @@ def _summary(variants: list[Variant], tallies: dict[tuple[str, int], _Tally]) ->
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the probe (see the module docstring); ``argv`` as ``sys.argv[1:]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("driver", nargs="?", default="host", choices=["host", "cuda"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated; see the docstring")
     parser.add_argument("--force-spin", action="store_true", help="spin even on fewer than MIN_CORES cores")
     parser.add_argument("--detail", action="store_true", help="per kind of thread, per case")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     variants = [Variant.parse(name, args.force_spin) for name in args.variants.split(",")]
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit("a variant is named twice")
 
-    device = DeviceActor.start(0, open_driver(args.driver))
+    driver = open_driver(args.driver)
+    device = DeviceActor.start(0, driver)
     inbox = _InboxPatch(device.actor_inbox)
     many = [Worker.start(device) for _ in range(WORKERS)]
     one = [Worker.start(device)]
@@ -427,6 +430,7 @@ def main() -> None:
         for worker in [*many, *one]:
             worker.stop()
         device.stop()
+        driver.close()
     spin = "forced on" if args.force_spin else ("on" if hot_waits.spin_budget(1.0) else "off (too few cores)")
     print(
         f"{args.driver} driver, {os.cpu_count()} cores, Python {'.'.join(map(str, sys.version_info[:3]))}, "
