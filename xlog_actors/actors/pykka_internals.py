@@ -81,7 +81,7 @@ BATCH_LIMIT = 64
 #: Whether the askers of a batch whose replies are :class:`LatchFuture` objects (a ``DeviceActor``'s
 #: asks) are woken together once the whole batch is served, rather than each as its message is:
 #: an asker woken mid-batch finds the actor holding the GIL and goes back to sleep waiting for
-#: it. The bench script ``scripts/workers_anatomy.py --compare-wakes`` sets it both ways to
+#: it. The probe ``scripts/workers_anatomy.py`` sets it both ways (variants ``now`` and ``each``) to
 #: measure it (docs/performance.md, "Many threads and many actors").
 DEFER_WAKES = True
 
