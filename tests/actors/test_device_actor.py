@@ -378,7 +378,10 @@ def test_allocate_whose_asker_timed_out_is_reclaimed(host_driver: xa.HostDriver,
         assert gate.wait(5)
         return real(*args, **kwargs)
 
-    # Make the actor busy with an AllocateMany that blocks until we open the gate.
+    # Make the actor busy with an AllocateMany that blocks until we open the gate. Asks are
+    # served on the actor's thread here: one served in the asker's (an idle device's inbox does
+    # that) is answered before ask returns and cannot be abandoned.
+    device.actor_inbox.serve_in_caller((), None)  # type: ignore[attr-defined]
     client._cell.lifecycle.context.allocate_many = slow_allocate_many  # type: ignore[union-attr,method-assign]
     busy = device.ask(xa.AllocateMany([128] * 100), block=False)
     assert started.wait(5)

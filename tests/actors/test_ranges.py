@@ -53,8 +53,16 @@ def test_each_message_is_one_range_named_after_actor_and_message(recorder: _Reco
     assert all(depth == 0 for depth in recorder.depth.values()), "every range was closed on its thread"
 
 
+def serve_on_the_actors_thread(device: Any) -> None:
+    """Queue every ask, as these tests need: an idle device's inbox would serve an ``Allocate``
+    in the asker's thread (``CallerServedInbox``), and push its range there, under the lock the
+    test holds."""
+    device.actor_inbox.serve_in_caller((), None)
+
+
 def test_a_batch_of_allocations_is_one_range(recorder: _Recorder, driver: Any) -> None:
     device = xa.DeviceActor.start(0, driver)
+    serve_on_the_actors_thread(device)
     device.ask(xa.GetStats())
     # While the test holds the recorder's lock the device cannot open (or close) a range, so
     # all eight asks are queued before it serves the first: it then serves them in one wake-up.
@@ -95,6 +103,7 @@ def test_no_reply_outlives_its_asker_through_a_failure(
     import gc
 
     device = xa.DeviceActor.start(0, driver)
+    serve_on_the_actors_thread(device)
     device.ask(xa.GetStats())
     with recorder._lock:  # the recorder's lock holds the device until both asks are queued
         good = device.ask(xa.Allocate(256), block=False)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pykka
+from pykka._envelope import Envelope
 
 from ..driver.protocol import Driver
 from ..errors import (
@@ -39,6 +40,8 @@ from ..memory.report import MemoryReport, memory_report
 from ..memory.stream_pool import StreamPool
 from ..runtime.device_runtime import XlogDeviceRuntime
 from . import messages as m
+from . import ranges
+from .caller_inbox import CallerServedInbox
 from .device_client import ContextCell, DeviceClient
 from .device_config import DeviceConfig, ResourceSpec
 from .device_context import DeviceContext
@@ -126,6 +129,9 @@ class DeviceActor(ResilientActor):
         self._supervisor = config.supervisor
         self._lifecycle: DeviceLifecycle[DeviceContext] = DeviceLifecycle(DeviceState(self._ordinal))
         self._cell = ContextCell(self._ordinal, self.actor_ref, self._lifecycle)
+        inbox = self.actor_inbox
+        assert isinstance(inbox, CallerServedInbox)
+        inbox.serve_in_caller((m.Allocate, m.AllocateMany), self._serve_in_caller)
         self._subscribers: list[pykka.ActorRef[Any]] = []
         self._last_error: BaseException | None = None
         # Wake-ups that served a batch of queued allocations and frees (see on_batch).
@@ -160,6 +166,7 @@ class DeviceActor(ResilientActor):
             m.Attach: self._on_attach,
             m.Reclaim: self._on_reclaim,
             m.ReportFailure: self._on_report_failure,
+            m.FailedInCaller: self._on_failed_in_caller,
             m.RecordMemoryHistory: self._on_record_history,
             m.GetMemorySnapshot: self._on_memory_snapshot,
         }
@@ -188,6 +195,59 @@ class DeviceActor(ResilientActor):
         return super().start(*args, **kwargs)
 
     @staticmethod
+    def _create_actor_inbox() -> CallerServedInbox:
+        """The inbox (pykka calls it): ``Allocate`` and ``AllocateMany`` asks that find the
+        device idle are served in the asker's thread (see :meth:`_serve_in_caller`).
+        Thread rule: any thread."""
+        return CallerServedInbox()
+
+    def _serve_in_caller(self, envelope: Any) -> Any:
+        """Answer an ``Allocate``/``AllocateMany`` ask in the asker's thread, as the actor would:
+        through the running context, which any thread may use (as ``DeviceClient`` does).
+
+        Returns:
+            None when answered. Else the envelope to queue: ``envelope`` itself, with nothing
+            changed, when the actor must serve it (the device is not running or is being
+            rebuilt, or the history is recording: origins are the actor's bookkeeping); or, when
+            the allocation raised, a ``FailedInCaller`` ask with the same reply, so that the
+            actor's supervisor acts on the error before the asker gets it, as when a handler
+            raises (an allocation that fails changes nothing, so it is not tried twice).
+        Thread rule: the asking thread (``CallerServedInbox.put``), while the actor is idle.
+        """
+        if self._recording is not None:
+            return envelope
+        ctx = self._lifecycle.context
+        if ctx is None or not ctx.is_current():
+            return envelope
+        msg = envelope.message
+        tracer = ranges.RANGES
+        if tracer is not None:
+            tracer.push(type(self), type(msg))
+        try:
+            m.check_stream_and_tag(msg)
+            if type(msg) is m.Allocate:
+                value: Any = ctx.allocate(msg.nbytes, msg.stream, msg.tag)
+            else:
+                value = ctx.allocate_many(msg.sizes, msg.stream, msg.tag)
+        except Exception as exc:  # noqa: BLE001 - answered through the actor, below
+            return Envelope(m.FailedInCaller(exc, ctx.generation), reply_to=envelope.reply_to)
+        finally:
+            if tracer is not None:
+                tracer.pop()
+        if not ctx.is_current():
+            return envelope  # a rebuild took the context meanwhile: those handles are stale
+        envelope.reply_to.set(value)
+        return None
+
+    def _on_failed_in_caller(self, msg: m.FailedInCaller) -> None:
+        # What _dispatch does with a handler's error: the supervisor acts (when the context the
+        # error was met in is still the running one), then the asker gets the error.
+        ctx = self._lifecycle.context
+        if ctx is not None and msg.generation == ctx.generation:
+            self._after_failure(msg.error, counting=True)
+        raise SupervisedFailure(msg.error)
+
+    @staticmethod
     def _create_future() -> LatchFuture:
         """The future of every ``ask`` of this actor (pykka calls it): a :class:`LatchFuture`,
         one lock where pykka's own future takes a condition. Thread rule: any thread."""
@@ -210,6 +270,8 @@ class DeviceActor(ResilientActor):
     def on_stop(self) -> None:
         """Stop for good, freeing every live block, and give the ordinal back.
         Thread rule: the actor's thread (pykka calls it)."""
+        # The inbox outlives the actor (every ActorRef holds it): it must not keep the actor.
+        self.actor_inbox.serve_in_caller((), None)  # type: ignore[attr-defined]
         try:
             if self._lifecycle.status is not DeviceStatus.STOPPED:
                 ctx = self._lifecycle.stop()

@@ -28,6 +28,7 @@ __all__ = [
     "AllocatePinned",
     "Attach",
     "DeviceStats",
+    "FailedInCaller",
     "Free",
     "GenerationChanged",
     "GetClient",
@@ -303,6 +304,17 @@ class Attach:
     Reply: the running ``DeviceContext`` (a broken one is rebuilt first).
     Errors: ``ContextPoisoned``/``DeviceUnavailable`` (the device's status).
     """
+
+
+@dataclass(frozen=True, slots=True)
+class FailedInCaller:
+    """Internal: an ``Allocate``/``AllocateMany`` ask served in the asker's thread met ``error``
+    in the context of ``generation``; the device actor answers it with that error after its
+    supervisor acted on it (see ``DeviceActor._serve_in_caller``). Reply: raises ``error``.
+    """
+
+    error: BaseException
+    generation: int
 
 
 @dataclass(frozen=True, slots=True)

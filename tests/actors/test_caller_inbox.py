@@ -1,0 +1,120 @@
+"""Asks served in the asker's thread (``CallerServedInbox``): an ``Allocate`` or ``AllocateMany``
+that finds the device idle runs in the asking thread; anything queued or in service before it
+keeps it on the actor's thread, behind them; a failure reaches the supervisor before the asker."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.actors.caller_inbox import CallerServedInbox
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def spy_on_allocations(device: pykka.ActorRef[Any]) -> list[str]:
+    """The names of the threads that run the device's context allocations, from now on."""
+    ctx = device.ask(xa.GetClient())._cell.lifecycle.context
+    threads: list[str] = []
+    real_one, real_many = ctx.allocate, ctx.allocate_many
+
+    def one(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real_one(*args)
+
+    def many(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real_many(*args)
+
+    ctx.allocate, ctx.allocate_many = one, many
+    return threads
+
+
+def test_an_idle_device_serves_allocations_in_the_askers_thread(host_device: pykka.ActorRef[Any]) -> None:
+    threads = spy_on_allocations(host_device)
+    ref = host_device.ask(xa.Allocate(256))
+    refs = host_device.ask(xa.AllocateMany([64, 128]))
+    me = threading.current_thread().name
+    assert threads == [me, me]
+    assert ref.nbytes == 256 and [r.nbytes for r in refs] == [64, 128]
+    stats = host_device.ask(xa.GetStats())
+    assert (stats.live_blocks, stats.bytes_outstanding, stats.batches) == (3, 448, 0)
+
+
+def test_with_inline_serving_off_the_actor_serves(host_device: pykka.ActorRef[Any]) -> None:
+    threads = spy_on_allocations(host_device)
+    host_device.actor_inbox.serve_in_caller((), None)
+    host_device.ask(xa.Allocate(256))
+    assert threads and threads[0] != threading.current_thread().name
+
+
+def test_an_allocation_sent_behind_a_message_in_service_waits_for_it(host_device: pykka.ActorRef[Any]) -> None:
+    """Same-sender order: a told message the actor is serving is done before the allocation
+    runs, and the allocation then runs on the actor's thread."""
+    threads = spy_on_allocations(host_device)
+    inside, gate = threading.Event(), threading.Event()
+    order: list[str] = []
+    actor = host_device.actor_inbox.serve.__self__  # the DeviceActor behind the ref
+    stats_handler = actor._handlers[xa.GetStats]
+
+    def slow_stats(msg: Any) -> Any:
+        inside.set()
+        assert gate.wait(10)
+        order.append("stats")
+        return stats_handler(msg)
+
+    actor._handlers[xa.GetStats] = slow_stats
+    host_device.tell(xa.GetStats())
+    assert inside.wait(10)
+    future = host_device.ask(xa.Allocate(64), block=False)
+    assert threads == [], "served while an earlier message of this sender was in service"
+    gate.set()
+    assert future.get(timeout=10).nbytes == 64
+    order.append("allocated")
+    assert order == ["stats", "allocated"]
+    assert threads and threads[0] != threading.current_thread().name
+
+
+def test_a_failure_reaches_the_supervisor_before_the_asker(host_driver: xa.HostDriver,
+                                                           host_device: pykka.ActorRef[Any]) -> None:
+    old = host_device.ask(xa.Allocate(64))
+    host_driver.inject_fault(0, "context_lost")
+    with pytest.raises(xa.ContextLost):
+        host_device.ask(xa.Allocate(64))
+    # No other message was sent: the rebuild already ran when the asker got its error.
+    with pytest.raises(xa.GpuRefStale, match="context rebuilt"):
+        old.access()
+    stats = host_device.ask(xa.GetStats())
+    assert (stats.generation, stats.restarts) == (1, 1)
+    assert host_device.ask(xa.Allocate(64)).generation == 1
+
+
+def test_a_bad_request_is_refused_and_changes_nothing(host_device: pykka.ActorRef[Any]) -> None:
+    before = host_device.ask(xa.GetStats())
+    with pytest.raises(xa.InvalidRequest):
+        host_device.ask(xa.Allocate(-1))
+    with pytest.raises(xa.InvalidRequest):
+        host_device.ask(xa.AllocateMany([64, 0]))
+    after = host_device.ask(xa.GetStats())
+    assert (after.live_blocks, after.bytes_outstanding, after.status) == (before.live_blocks, 0, "running")
+
+
+def test_a_recording_history_keeps_allocations_on_the_actors_thread(host_device: pykka.ActorRef[Any]) -> None:
+    threads = spy_on_allocations(host_device)
+    host_device.ask(xa.RecordMemoryHistory(True))
+    host_device.ask(xa.Allocate(64))
+    assert threads and threads[0] != threading.current_thread().name
+
+
+def test_a_stopped_device_answers_through_its_inbox_as_before(host_driver: xa.HostDriver) -> None:
+    device = xa.DeviceActor.start(0, driver=host_driver)
+    inbox = device.actor_inbox
+    assert isinstance(inbox, CallerServedInbox) and inbox.serve is not None
+    device.stop()
+    assert inbox.serve is None, "the inbox, which every ActorRef holds, let go of the actor"
+    with pytest.raises(pykka.ActorDeadError):
+        device.ask(xa.Allocate(64))

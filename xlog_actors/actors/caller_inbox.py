@@ -1,0 +1,84 @@
+"""An actor inbox that lets the asker's own thread serve some asks while the actor is idle.
+
+A pykka ask costs two thread wake-ups: the actor's, to serve it, and the asker's, to read the
+reply. On virtual machines a sleeping thread takes tens of microseconds to wake, and with many
+askers every wake-up also fights for the GIL, so aggregate throughput falls as askers are added.
+Some messages need nothing of the actor's thread: a ``DeviceActor``'s ``Allocate`` runs through a
+context that any thread may use (``DeviceClient`` does exactly that). For those, this inbox calls
+a ``serve`` function in the asker's thread, and the reply is set before ``ask`` returns; no
+thread sleeps or wakes.
+
+Invariants (what keeps the actor's message order for each sender):
+
+* ``serve`` runs only when nothing is queued and the actor is not serving a message it took.
+  ``busy`` is set in ``_get``, under the queue's lock in the same step that takes a message, and
+  cleared when the actor asks for its next message (``get``), so it has served everything it
+  took. ``put`` reads the queue first and ``busy`` second: an asker that sees an empty queue and
+  then an idle actor knows that every message it put before was served. Messages that other
+  threads put meanwhile are concurrent with this one, and pykka orders nothing between senders.
+* ``serve`` returns None when it answered the ask, else the envelope to queue: the one it was
+  given, untouched (the actor must serve it: a refusal changes nothing), or another one for the
+  actor to finish the answer (a ``DeviceActor`` queues the error an allocation met, so that its
+  supervisor acts on it before the asker hears of it, as when its own handler raised).
+* Only asks (an envelope with a reply) of ``types`` are offered to ``serve``; tells and every
+  other message go through the queue.
+
+Thread rule: any thread puts; ``get`` and ``_get`` run on the actor's thread; ``serve`` runs on
+the putting thread and must be safe there. No lock is held while ``serve`` runs.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["CallerServedInbox"]
+
+
+class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
+    """A ``queue.Queue`` of pykka envelopes whose asks of ``types`` the asker's thread may serve
+    (see the module docstring).
+
+    Thread rule: any thread puts; the actor's thread gets.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = False
+        self.types: tuple[type, ...] = ()
+        self.serve: Callable[[Any], Any] | None = None  # set once the actor can be served this way
+
+    def serve_in_caller(self, types: tuple[type, ...], serve: Callable[[Any], Any] | None) -> None:
+        """Offer asks of ``types`` to ``serve(envelope)``, which answers ``envelope.reply_to`` and
+        returns None, or returns the envelope to queue instead (see the module docstring);
+        ``serve=None`` stops offering.
+
+        Args:
+            types: the message types (exact types, not subclasses).
+            serve: the function, or None.
+        Thread rule: any thread.
+        """
+        self.types = types
+        self.serve = serve
+
+    def _get(self) -> Any:
+        self.busy = True  # under the queue's lock, with the take itself
+        return super()._get()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The next message (``queue.Queue.get``); the actor asking for it has served every one it
+        took before. Thread rule: the actor's thread."""
+        self.busy = False
+        return super().get(block, timeout)
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Serve ``item`` in this thread when the module docstring's conditions hold, else queue
+        it. Thread rule: any thread."""
+        serve = self.serve
+        if (serve is not None and item.reply_to is not None and type(item.message) in self.types
+                and not self.queue and not self.busy):
+            item = serve(item)
+            if item is None:
+                return
+        super().put(item, block, timeout)
