@@ -181,12 +181,17 @@ class _Server:
                 return  # the parent is gone
             kind = frame[0]
             if kind == "ask":
+                if frame[3] is not None:
+                    self.free(*frame[3])  # dropped before the ask was made: freed before it is served
                 self.ask(frame[1], frame[2])
             elif kind == "free":
-                for ptr in frame[2]:
-                    self.handles.take(ptr, frame[1])  # the last reference: the device frees it
+                self.free(frame[1], frame[2])
             elif kind == "stop":
                 return
+
+    def free(self, generation: int, ptrs: list[int]) -> None:
+        for ptr in ptrs:
+            self.handles.take(ptr, generation)  # the last reference: the device frees it
 
     def ask(self, rid: int, message: Any) -> None:
         if self.fault is not None:

@@ -13,7 +13,9 @@ max_restarts, within_s)``
 ``("ready", t_driver, t_ready)``       child→parent  the device serves (driver opened at
                                                      ``t_driver``, actor ready at ``t_ready``)
 ``("failed", error)``                  child→parent  the configuration failed; the child exits
-``("ask", rid, message)``              parent→child  serve ``message``; answer with ``rid``
+``("ask", rid, message, frees)``       parent→child  free ``frees`` (None, or a ``"free"`` frame's
+                                                     ``(generation, ptrs)``), then serve
+                                                     ``message``; answer with ``rid``
 ``("reply", rid, ok, value)``          child→parent  the answer to ``rid``: a value, or an
                                                      encoded error when ``ok`` is False
 ``("free", generation, ptrs)``         parent→child  the parent dropped these handles of the

@@ -203,17 +203,21 @@ class _Child:
 
     # -- the proxy's side ---------------------------------------------------------------------
     def send_ask(self, payload: Any, future: pykka.Future[Any] | None, message: Any) -> bool:
-        """Send one ask; False when the child is known dead (nothing was sent)."""
+        """Send one ask, with the frees queued before it in the same frame (one write, one
+        read in the child, which frees them first); False when the child is known dead (nothing
+        was sent)."""
         with self.lock:
             if not self.alive:
                 return False
             rid = next(self.ids)
             self.pending[rid] = (future, message)
+        frees = self._take_frees()
         try:
-            self.proc.channel.send(("ask", rid, payload))
+            self.proc.channel.send(("ask", rid, payload, frees))
         except InvalidRequest as exc:  # (before ValueError, its base) it cannot be pickled: nothing sent
             with self.lock:
                 self.pending.pop(rid, None)
+            self._send_frees(frees)  # they were taken for this frame: they still go
             what = type(getattr(message, "message", message)).__name__
             raise InvalidRequest(
                 f"isolated device {self.ordinal}: {what} cannot cross to the device process (it must "
@@ -224,19 +228,27 @@ class _Child:
         return True
 
     def flush_frees(self) -> None:
-        """Send the frees of dropped handles of the current generation."""
+        """Send the frees of dropped handles of the current generation in a frame of their own."""
+        self._send_frees(self._take_frees())
+
+    def _take_frees(self) -> tuple[int, list[int]] | None:
+        """Empty the free queue: ``(child generation, addresses)`` of the current generation, or
+        None when none is (older ones went with their context)."""
         frees = self.frees
         if not frees:
-            return
+            return None
         current = self.ctx.child_generation
         ptrs = []
         while frees:
             generation, ptr = frees.popleft()
             if generation == current:
-                ptrs.append(ptr)  # older ones went with their context
-        if ptrs:
+                ptrs.append(ptr)
+        return (current, ptrs) if ptrs else None
+
+    def _send_frees(self, frees: tuple[int, list[int]] | None) -> None:
+        if frees is not None:
             try:
-                self.proc.channel.send(("free", current, ptrs))
+                self.proc.channel.send(("free", *frees))
             except (OSError, ValueError):
                 pass  # the child is gone, and its memory with it
 
@@ -475,7 +487,6 @@ class IsolatedDevice(ResilientActor):
         if not child.alive or child.stopping:
             return False
         try:
-            child.flush_frees()
             return child.send_ask(envelope.message, envelope.reply_to, envelope.message)
         except Exception:  # noqa: BLE001 - the proxy's own path raises it to the asker
             return False
@@ -560,7 +571,6 @@ class IsolatedDevice(ResilientActor):
                     return
                 assert self._stopped is not None
                 raise DeviceUnavailable(str(self._stopped))
-            child.flush_frees()
             payload: Any = message
             if isinstance(message, m.Free):
                 payload = self._free_payload(message, child)
