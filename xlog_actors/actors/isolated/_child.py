@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
 import time
@@ -46,7 +47,8 @@ from ..device_actor import DeviceActor
 from ..gpu_ref import GpuRef
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
-from ..messages import Allocate, Free, GenerationChanged, GetStats, Subscribe
+from ..device_client import DeviceClient
+from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
 from ..pykka_internals import ask_into
 from ..shared_ref import export_ref
 from ..supervisor import Supervisor, exit_process
@@ -74,6 +76,10 @@ _WRITE_TO_16 = Kernel(
     host=lambda mem, grid, block, ptr: mem.array(ptr, 4, np.uint8).fill(1),
     source='extern "C" __global__ void xlog_write_to_16(unsigned long long p) { *(volatile int*)p = 1; }',
 )
+
+
+#: What the frame reader serves itself when the device actor is quiet (see ``_Server.serve_here``).
+_SERVED_HERE = (Allocate, Free)
 
 
 class _Handles:
@@ -140,6 +146,55 @@ class _Reply:
             pass  # the parent is gone: the main loop ends at the end of the pipe
 
 
+class _QuietInbox(queue.Queue):  # type: ignore[type-arg]
+    """The child device actor's inbox, which says whether the actor has served everything put
+    to it (:meth:`quiet`): the frame reader serves an ``Allocate`` or a free itself only then.
+
+    Why that keeps the order of the frames: ``busy`` is set in ``_get``, which ``get`` calls
+    under the queue's lock in the same step that takes the message, and cleared only once the
+    actor has served it (:meth:`idle`). So when the reader sees an empty queue and then an idle
+    actor, every message it put before has been served.
+
+    Thread rule: ``put`` from any thread, ``get`` and ``idle`` from the actor's, ``quiet`` from
+    the frame reader's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = False
+
+    def _get(self) -> Any:
+        self.busy = True  # under the queue's lock, with the take itself
+        return super()._get()
+
+    def idle(self) -> None:
+        """The actor has served the message it took."""
+        self.busy = False
+
+    def quiet(self) -> bool:
+        """Nothing waits in the queue and the actor serves nothing."""
+        return not self.queue and not self.busy
+
+
+class _ChildDevice(DeviceActor):
+    """The child's ``DeviceActor``, with an inbox that says when it is quiet (see
+    :class:`_QuietInbox`). Thread rule: as ``DeviceActor``."""
+
+    @staticmethod
+    def _create_actor_inbox() -> _QuietInbox:
+        return _QuietInbox()
+
+    def _serve_envelope(self, envelope: Any) -> None:
+        box = [envelope]  # this frame must not hold the envelope while it is served
+        del envelope
+        try:
+            super()._serve_envelope(box.pop())
+        finally:
+            inbox = self.actor_inbox
+            assert isinstance(inbox, _QuietInbox)
+            inbox.idle()
+
+
 class _Listener(pykka.ThreadingActor):
     """Subscribed to the child's device: tells the parent of every status change."""
 
@@ -168,6 +223,10 @@ class _Server:
         self.handles = _Handles()
         self.held: list[Any] = []
         self.fault: ChildFault | None = None
+        inbox = device.actor_inbox
+        assert isinstance(inbox, _QuietInbox)
+        self.inbox = inbox
+        self.client: DeviceClient = device.ask(GetClient())  # type: ignore[assignment]
         #: The library actors serving the parent's, by the parent actor's URN.
         self.libraries: dict[str, pykka.ActorRef[Any]] = {}
 
@@ -191,7 +250,30 @@ class _Server:
 
     def free(self, generation: int, ptrs: list[int]) -> None:
         for ptr in ptrs:
-            self.handles.take(ptr, generation)  # the last reference: the device frees it
+            ref = self.handles.take(ptr, generation)
+            if ref is not None and self.inbox.quiet():
+                try:
+                    self.client.free(ref)  # now, in order, as the actor would at its next message
+                except Exception:  # noqa: BLE001 - nobody asked: dropped below, the device frees it
+                    pass
+            # else the last reference goes here: the device frees it before its next message
+
+    def serve_here(self, message: Any, reply: _Reply) -> bool:
+        """Serve an ``Allocate`` or a ``Free`` on this thread through the device's client, as
+        the actor would, when the actor is quiet; False when the actor must serve it."""
+        if not self.inbox.quiet() or getattr(message, "origin", None) is not None:
+            return False  # (an origin is recorded by the actor's memory history)
+        try:
+            if type(message) is Allocate:
+                value = self.client.allocate(message.nbytes, message.stream, message.tag)
+            else:
+                self.client.free(message.ref)
+                value = None
+        except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
+            reply.set_exception((type(exc), exc, None))
+        else:
+            reply.set(value)
+        return True
 
     def ask(self, rid: int, message: Any) -> None:
         if self.fault is not None:
@@ -224,6 +306,8 @@ class _Server:
                 reply.set(None)  # freed already, or of an older generation: nothing to free
                 return
             message = Free(ref)
+        if type(message) in _SERVED_HERE and self.serve_here(message, reply):
+            return
         ask_into(self.device, message, reply)
 
     def library_work(self, work: LibraryWork, reply: _Reply) -> None:
@@ -325,7 +409,7 @@ def serve(conn: Connection) -> None:
             driver = HostDriver(shared=True)
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
-        device = DeviceActor.start(ordinal, driver, resource, supervisor)
+        device = _ChildDevice.start(ordinal, driver, resource, supervisor)
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
         channel.send(("failed", encode_error(exc)))
         if driver is not None:
