@@ -45,6 +45,7 @@ from ...kernels import Kernel
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
 from ..gpu_ref import GpuRef
+from ..hot_waits import INBOX_SPIN_S, spin_budget
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
 from ..device_client import DeviceClient
@@ -233,8 +234,11 @@ class _Server:
     def loop(self) -> None:
         listener = _Listener.start(self.channel, self.handles)
         self.device.ask(Subscribe(listener))
+        spin = spin_budget(INBOX_SPIN_S)
         while True:
             try:
+                if spin:
+                    self.channel.spin(spin)  # the next ask of a burst: look for it before sleeping
                 frame = self.channel.recv()
             except (EOFError, OSError):
                 return  # the parent is gone

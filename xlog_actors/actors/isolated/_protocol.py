@@ -47,6 +47,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
+from ..._core.fdwait import wait_readable
 from ...errors import DriverError, InvalidRequest
 from ...memory.block import DeviceBlock
 
@@ -239,6 +240,11 @@ class Channel:
         """
         frame: tuple[Any, ...] = self._conn.recv()
         return frame
+
+    def spin(self, seconds: float) -> bool:
+        """Spin up to ``seconds``, the GIL released, until a frame (or the end of the pipe) can
+        be read (``_core.fdwait``); whether one can. Thread rule: the receiving thread."""
+        return wait_readable(self._conn.fileno(), seconds)
 
     def poll(self, timeout: float) -> bool:
         """Whether a frame (or the end of the pipe) can be read within ``timeout`` seconds.
