@@ -44,11 +44,11 @@ from ...errors import GpuRefStale, InvalidRequest
 from ...kernels import Kernel
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
+from ..device_client import DeviceClient
 from ..gpu_ref import GpuRef
 from ..hot_waits import INBOX_SPIN_S, spin_budget
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
-from ..device_client import DeviceClient
 from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
 from ..pykka_internals import ask_into
 from ..shared_ref import export_ref
