@@ -18,9 +18,21 @@ actor's URN until a ``LibraryStop``; the parent's handles in it are replaced by 
 :class:`_Handles` (``GpuRefStale("released")`` when one is gone), so writes are recorded on the
 child's handles, where the tracking of every library actor here, and an export, see them.
 
-Thread rules: frames are read on the child's main thread; replies are sent by the device
-actor's thread, through a future whose ``set`` sends them (no extra thread hop); generation
-frames by a listener actor. :class:`~._protocol.Channel` keeps concurrent frames whole.
+Ordering: the frame reader serves an ``Allocate`` or a ``Free`` itself, through the device's
+``DeviceClient``, only while the device actor is quiet (nothing queued, nothing being served:
+:class:`_QuietInbox`), so every frame read before it has been served; otherwise it goes to the
+actor's inbox behind them. The frees of dropped parent handles are freed the same way (through
+the client when the actor is quiet, else by dropping the last reference, which the actor frees
+before its next message). An ``Allocate`` with a memory-history origin always goes to the actor.
+
+Thread rules: frames are read on the child's main thread, which spins on the pipe a while after
+each frame before it sleeps (only on machines of four cores or more); replies are sent by the
+thread that served the ask (the reader's, or the device actor's through a future whose ``set``
+sends them: no extra thread hop); generation frames by a listener actor.
+:class:`~._protocol.Channel` keeps concurrent frames whole.
+
+Past 400 lines: the frame server, the quiet-inbox rule it serves by and the fault hook share one
+frame loop and its handle table; split apart, each would need the others' state in view.
 """
 
 from __future__ import annotations

@@ -10,7 +10,14 @@ Invariants:
 
 * **Pipelined asks.** The proxy's thread only pickles and sends an ask, registered under a request
   id with its asker's future; a reader thread per child resolves the futures as replies arrive.
-  Many asks are in flight at once.
+  Many asks are in flight at once. The frees of dropped handles queued before an ask ride in its
+  frame (the child frees them before it serves the ask).
+* **The fast path** (issue #18). An ``Allocate`` is sent from the asker's own thread when nothing
+  is queued before it in the proxy's inbox and the proxy is idle (``_DirectInbox`` says why each
+  sender's order is kept); the child's frame reader serves it itself when its device actor is
+  quiet (``_child``). On machines of four cores or more (``hot_waits.spin_budget``) the reader
+  spins on the pipe while a reply is due and the asker on its ``SpinningFuture`` before either
+  sleeps.
 * **The parent holds the generation.** Each child process has its own ``DeviceState`` in the
   parent, starting where the previous child's generation ended, plus one: a child's own rebuild
   bumps it, its death bumps it (``"context rebuilt"``) or poisons it (``"context poisoned"``,
