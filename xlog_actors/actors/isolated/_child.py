@@ -20,10 +20,11 @@ child's handles, where the tracking of every library actor here, and an export, 
 
 Ordering: the frame reader serves an ``Allocate`` or a ``Free`` itself, through the device's
 ``DeviceClient``, only while the device actor is quiet (nothing queued, nothing being served:
-:class:`_QuietInbox`), so every frame read before it has been served; otherwise it goes to the
-actor's inbox behind them. The frees of dropped parent handles are freed the same way (through
-the client when the actor is quiet, else by dropping the last reference, which the actor frees
-before its next message). An ``Allocate`` with a memory-history origin always goes to the actor.
+:class:`_QuietInbox`; no dropped handle waiting for it to free it), so every frame read before it
+has been served and every dropped handle freed; otherwise it goes to the actor's inbox behind
+them. The frees of dropped parent handles are freed the same way when the parent's was the last
+reference (an export's pin or a library actor's work keeps the block alive: then the reference
+is dropped, and the actor frees the block before its next message). An ``Allocate`` with a memory-history origin always goes to the actor.
 
 Thread rules: frames are read on the child's main thread, which spins on the pipe a while after
 each frame before it sleeps (only on machines of four cores or more); replies are sent by the
@@ -240,6 +241,7 @@ class _Server:
         assert isinstance(inbox, _QuietInbox)
         self.inbox = inbox
         self.client: DeviceClient = device.ask(GetClient())  # type: ignore[assignment]
+        self.lifecycle = self.client._cell.lifecycle  # the device's, read-only here
         #: The library actors serving the parent's, by the parent actor's URN.
         self.libraries: dict[str, pykka.ActorRef[Any]] = {}
 
@@ -264,20 +266,31 @@ class _Server:
             elif kind == "stop":
                 return
 
+    def quiet(self) -> bool:
+        """The device actor has served everything put to it, and no dropped handle waits for it
+        to free it: this thread may serve the next frame itself (see the module docstring)."""
+        if not self.inbox.quiet():
+            return False
+        ctx = self.lifecycle.context
+        return ctx is None or not ctx.reclaims
+
     def free(self, generation: int, ptrs: list[int]) -> None:
         for ptr in ptrs:
             ref = self.handles.take(ptr, generation)
-            if ref is not None and self.inbox.quiet():
+            # Two references (this name and getrefcount's argument): the table's was the last,
+            # so dropping it would free the block now; an export's pin or a library actor's work
+            # keeps it alive instead, and then only the drop below is right.
+            if ref is not None and sys.getrefcount(ref) == 2 and self.quiet():
                 try:
-                    self.client.free(ref)  # now, in order, as the actor would at its next message
+                    self.client.free(ref)  # at once, as the actor frees a dropped handle
                 except Exception:  # noqa: BLE001 - nobody asked: dropped below, the device frees it
                     pass
-            # else the last reference goes here: the device frees it before its next message
+            # else this was the table's reference: the device frees the block before its next message
 
     def serve_here(self, message: Any, reply: _Reply) -> bool:
         """Serve an ``Allocate`` or a ``Free`` on this thread through the device's client, as
-        the actor would, when the actor is quiet; False when the actor must serve it."""
-        if not self.inbox.quiet() or getattr(message, "origin", None) is not None:
+        the actor would, when it is :meth:`quiet`; False when the actor must serve it."""
+        if not self.quiet() or getattr(message, "origin", None) is not None:
             return False  # (an origin is recorded by the actor's memory history)
         try:
             if type(message) is Allocate:
