@@ -24,7 +24,8 @@ Ordering: the frame reader serves an ``Allocate`` or a ``Free`` itself, through 
 has been served and every dropped handle freed; otherwise it goes to the actor's inbox behind
 them. The frees of dropped parent handles are freed the same way when the parent's was the last
 reference (an export's pin or a library actor's work keeps the block alive: then the reference
-is dropped, and the actor frees the block before its next message). An ``Allocate`` with a memory-history origin always goes to the actor.
+is dropped, and the actor frees the block before its next message). An ``Allocate`` with a
+memory-history origin always goes to the actor.
 
 Thread rules: frames are read on the child's main thread, which spins on the pipe a while after
 each frame before it sleeps (only on machines of four cores or more); replies are sent by the
