@@ -28,6 +28,7 @@ _MODULES = (
     "context_core",
     "client_core",
     "doorbell",
+    "fdwait",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

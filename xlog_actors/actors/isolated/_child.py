@@ -18,15 +18,30 @@ actor's URN until a ``LibraryStop``; the parent's handles in it are replaced by 
 :class:`_Handles` (``GpuRefStale("released")`` when one is gone), so writes are recorded on the
 child's handles, where the tracking of every library actor here, and an export, see them.
 
-Thread rules: frames are read on the child's main thread; replies are sent by the device
-actor's thread, through a future whose ``set`` sends them (no extra thread hop); generation
-frames by a listener actor. :class:`~._protocol.Channel` keeps concurrent frames whole.
+Ordering: the frame reader serves an ``Allocate`` or a ``Free`` itself, through the device's
+``DeviceClient``, only while the device actor is quiet (nothing queued, nothing being served:
+:class:`_QuietInbox`; no dropped handle waiting for it to free it), so every frame read before it
+has been served and every dropped handle freed; otherwise it goes to the actor's inbox behind
+them. The frees of dropped parent handles are freed the same way when the parent's was the last
+reference (an export's pin or a library actor's work keeps the block alive: then the reference
+is dropped, and the actor frees the block before its next message). An ``Allocate`` with a
+memory-history origin always goes to the actor.
+
+Thread rules: frames are read on the child's main thread, which spins on the pipe a while after
+each frame before it sleeps (only on machines of four cores or more); replies are sent by the
+thread that served the ask (the reader's, or the device actor's through a future whose ``set``
+sends them: no extra thread hop); generation frames by a listener actor.
+:class:`~._protocol.Channel` keeps concurrent frames whole.
+
+Past 400 lines: the frame server, the quiet-inbox rule it serves by and the fault hook share one
+frame loop and its handle table; split apart, each would need the others' state in view.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
 import time
@@ -43,10 +58,12 @@ from ...errors import GpuRefStale, InvalidRequest
 from ...kernels import Kernel
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
+from ..device_client import DeviceClient
 from ..gpu_ref import GpuRef
+from ..hot_waits import INBOX_SPIN_S, spin_budget
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
-from ..messages import Allocate, Free, GenerationChanged, GetStats, Subscribe
+from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
 from ..pykka_internals import ask_into
 from ..shared_ref import export_ref
 from ..supervisor import Supervisor, exit_process
@@ -74,6 +91,10 @@ _WRITE_TO_16 = Kernel(
     host=lambda mem, grid, block, ptr: mem.array(ptr, 4, np.uint8).fill(1),
     source='extern "C" __global__ void xlog_write_to_16(unsigned long long p) { *(volatile int*)p = 1; }',
 )
+
+
+#: What the frame reader serves itself when the device actor is quiet (see ``_Server.serve_here``).
+_SERVED_HERE = (Allocate, Free)
 
 
 class _Handles:
@@ -140,6 +161,55 @@ class _Reply:
             pass  # the parent is gone: the main loop ends at the end of the pipe
 
 
+class _QuietInbox(queue.Queue):  # type: ignore[type-arg]
+    """The child device actor's inbox, which says whether the actor has served everything put
+    to it (:meth:`quiet`): the frame reader serves an ``Allocate`` or a free itself only then.
+
+    Why that keeps the order of the frames: ``busy`` is set in ``_get``, which ``get`` calls
+    under the queue's lock in the same step that takes the message, and cleared only once the
+    actor has served it (:meth:`idle`). So when the reader sees an empty queue and then an idle
+    actor, every message it put before has been served.
+
+    Thread rule: ``put`` from any thread, ``get`` and ``idle`` from the actor's, ``quiet`` from
+    the frame reader's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = False
+
+    def _get(self) -> Any:
+        self.busy = True  # under the queue's lock, with the take itself
+        return super()._get()
+
+    def idle(self) -> None:
+        """The actor has served the message it took."""
+        self.busy = False
+
+    def quiet(self) -> bool:
+        """Nothing waits in the queue and the actor serves nothing."""
+        return not self.queue and not self.busy
+
+
+class _ChildDevice(DeviceActor):
+    """The child's ``DeviceActor``, with an inbox that says when it is quiet (see
+    :class:`_QuietInbox`). Thread rule: as ``DeviceActor``."""
+
+    @staticmethod
+    def _create_actor_inbox() -> _QuietInbox:
+        return _QuietInbox()
+
+    def _serve_envelope(self, envelope: Any) -> None:
+        box = [envelope]  # this frame must not hold the envelope while it is served
+        del envelope
+        try:
+            super()._serve_envelope(box.pop())
+        finally:
+            inbox = self.actor_inbox
+            assert isinstance(inbox, _QuietInbox)
+            inbox.idle()
+
+
 class _Listener(pykka.ThreadingActor):
     """Subscribed to the child's device: tells the parent of every status change."""
 
@@ -168,25 +238,72 @@ class _Server:
         self.handles = _Handles()
         self.held: list[Any] = []
         self.fault: ChildFault | None = None
+        inbox = device.actor_inbox
+        assert isinstance(inbox, _QuietInbox)
+        self.inbox = inbox
+        self.client: DeviceClient = device.ask(GetClient())  # type: ignore[assignment]
+        self.lifecycle = self.client._cell.lifecycle  # the device's, read-only here
         #: The library actors serving the parent's, by the parent actor's URN.
         self.libraries: dict[str, pykka.ActorRef[Any]] = {}
 
     def loop(self) -> None:
         listener = _Listener.start(self.channel, self.handles)
         self.device.ask(Subscribe(listener))
+        spin = spin_budget(INBOX_SPIN_S)
         while True:
             try:
+                if spin:
+                    self.channel.spin(spin)  # the next ask of a burst: look for it before sleeping
                 frame = self.channel.recv()
             except (EOFError, OSError):
                 return  # the parent is gone
             kind = frame[0]
             if kind == "ask":
+                if frame[3] is not None:
+                    self.free(*frame[3])  # dropped before the ask was made: freed before it is served
                 self.ask(frame[1], frame[2])
             elif kind == "free":
-                for ptr in frame[2]:
-                    self.handles.take(ptr, frame[1])  # the last reference: the device frees it
+                self.free(frame[1], frame[2])
             elif kind == "stop":
                 return
+
+    def quiet(self) -> bool:
+        """The device actor has served everything put to it, and no dropped handle waits for it
+        to free it: this thread may serve the next frame itself (see the module docstring)."""
+        if not self.inbox.quiet():
+            return False
+        ctx = self.lifecycle.context
+        return ctx is None or not ctx.reclaims
+
+    def free(self, generation: int, ptrs: list[int]) -> None:
+        for ptr in ptrs:
+            ref = self.handles.take(ptr, generation)
+            # Two references (this name and getrefcount's argument): the table's was the last,
+            # so dropping it would free the block now; an export's pin or a library actor's work
+            # keeps it alive instead, and then only the drop below is right.
+            if ref is not None and sys.getrefcount(ref) == 2 and self.quiet():
+                try:
+                    self.client.free(ref)  # at once, as the actor frees a dropped handle
+                except Exception:  # noqa: BLE001 - nobody asked: dropped below, the device frees it
+                    pass
+            # else this was the table's reference: the device frees the block before its next message
+
+    def serve_here(self, message: Any, reply: _Reply) -> bool:
+        """Serve an ``Allocate`` or a ``Free`` on this thread through the device's client, as
+        the actor would, when it is :meth:`quiet`; False when the actor must serve it."""
+        if not self.quiet() or getattr(message, "origin", None) is not None:
+            return False  # (an origin is recorded by the actor's memory history)
+        try:
+            if type(message) is Allocate:
+                value = self.client.allocate(message.nbytes, message.stream, message.tag)
+            else:
+                self.client.free(message.ref)
+                value = None
+        except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
+            reply.set_exception((type(exc), exc, None))
+        else:
+            reply.set(value)
+        return True
 
     def ask(self, rid: int, message: Any) -> None:
         if self.fault is not None:
@@ -219,6 +336,8 @@ class _Server:
                 reply.set(None)  # freed already, or of an older generation: nothing to free
                 return
             message = Free(ref)
+        if type(message) in _SERVED_HERE and self.serve_here(message, reply):
+            return
         ask_into(self.device, message, reply)
 
     def library_work(self, work: LibraryWork, reply: _Reply) -> None:
@@ -320,7 +439,7 @@ def serve(conn: Connection) -> None:
             driver = HostDriver(shared=True)
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
-        device = DeviceActor.start(ordinal, driver, resource, supervisor)
+        device = _ChildDevice.start(ordinal, driver, resource, supervisor)
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
         channel.send(("failed", encode_error(exc)))
         if driver is not None:

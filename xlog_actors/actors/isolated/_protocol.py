@@ -13,7 +13,9 @@ max_restarts, within_s)``
 ``("ready", t_driver, t_ready)``       child→parent  the device serves (driver opened at
                                                      ``t_driver``, actor ready at ``t_ready``)
 ``("failed", error)``                  child→parent  the configuration failed; the child exits
-``("ask", rid, message)``              parent→child  serve ``message``; answer with ``rid``
+``("ask", rid, message, frees)``       parent→child  free ``frees`` (None, or a ``"free"`` frame's
+                                                     ``(generation, ptrs)``), then serve
+                                                     ``message``; answer with ``rid``
 ``("reply", rid, ok, value)``          child→parent  the answer to ``rid``: a value, or an
                                                      encoded error when ``ok`` is False
 ``("free", generation, ptrs)``         parent→child  the parent dropped these handles of the
@@ -45,6 +47,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
+from ..._core.fdwait import wait_readable
 from ...errors import DriverError, InvalidRequest
 from ...memory.block import DeviceBlock
 
@@ -237,6 +240,11 @@ class Channel:
         """
         frame: tuple[Any, ...] = self._conn.recv()
         return frame
+
+    def spin(self, seconds: float) -> bool:
+        """Spin up to ``seconds``, the GIL released, until a frame (or the end of the pipe) can
+        be read (``_core.fdwait``); whether one can. Thread rule: the receiving thread."""
+        return wait_readable(self._conn.fileno(), seconds)
 
     def poll(self, timeout: float) -> bool:
         """Whether a frame (or the end of the pipe) can be read within ``timeout`` seconds.

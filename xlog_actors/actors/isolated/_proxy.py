@@ -10,7 +10,14 @@ Invariants:
 
 * **Pipelined asks.** The proxy's thread only pickles and sends an ask, registered under a request
   id with its asker's future; a reader thread per child resolves the futures as replies arrive.
-  Many asks are in flight at once.
+  Many asks are in flight at once. The frees of dropped handles queued before an ask ride in its
+  frame (the child frees them before it serves the ask).
+* **The fast path** (issue #18). An ``Allocate`` is sent from the asker's own thread when nothing
+  is queued before it in the proxy's inbox and the proxy is idle (``_DirectInbox`` says why each
+  sender's order is kept); the child's frame reader serves it itself when its device actor is
+  quiet (``_child``). On machines of four cores or more (``hot_waits.spin_budget``) the reader
+  spins on the pipe while a reply is due and the asker on its ``SpinningFuture`` before either
+  sleeps.
 * **The parent holds the generation.** Each child process has its own ``DeviceState`` in the
   parent, starting where the previous child's generation ended, plus one: a child's own rebuild
   bumps it, its death bumps it (``"context rebuilt"``) or poisons it (``"context poisoned"``,
@@ -59,6 +66,7 @@ from ...memory.stack import check_description, default_description
 from .. import messages as m
 from ..device_state import DeviceState
 from ..gpu_ref import GpuRef
+from ..hot_waits import FUTURE_SPIN_S, SpinningFuture, spin_budget
 from ..pykka_internals import ResilientActor
 from ..subscribers import tell_subscribers
 from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
@@ -203,17 +211,21 @@ class _Child:
 
     # -- the proxy's side ---------------------------------------------------------------------
     def send_ask(self, payload: Any, future: pykka.Future[Any] | None, message: Any) -> bool:
-        """Send one ask; False when the child is known dead (nothing was sent)."""
+        """Send one ask, with the frees queued before it in the same frame (one write, one
+        read in the child, which frees them first); False when the child is known dead (nothing
+        was sent)."""
         with self.lock:
             if not self.alive:
                 return False
             rid = next(self.ids)
             self.pending[rid] = (future, message)
+        frees = self._take_frees()
         try:
-            self.proc.channel.send(("ask", rid, payload))
+            self.proc.channel.send(("ask", rid, payload, frees))
         except InvalidRequest as exc:  # (before ValueError, its base) it cannot be pickled: nothing sent
             with self.lock:
                 self.pending.pop(rid, None)
+            self._send_frees(frees)  # they were taken for this frame: they still go
             what = type(getattr(message, "message", message)).__name__
             raise InvalidRequest(
                 f"isolated device {self.ordinal}: {what} cannot cross to the device process (it must "
@@ -224,19 +236,27 @@ class _Child:
         return True
 
     def flush_frees(self) -> None:
-        """Send the frees of dropped handles of the current generation."""
+        """Send the frees of dropped handles of the current generation in a frame of their own."""
+        self._send_frees(self._take_frees())
+
+    def _take_frees(self) -> tuple[int, list[int]] | None:
+        """Empty the free queue: ``(child generation, addresses)`` of the current generation, or
+        None when none is (older ones went with their context)."""
         frees = self.frees
         if not frees:
-            return
+            return None
         current = self.ctx.child_generation
         ptrs = []
         while frees:
             generation, ptr = frees.popleft()
             if generation == current:
-                ptrs.append(ptr)  # older ones went with their context
-        if ptrs:
+                ptrs.append(ptr)
+        return (current, ptrs) if ptrs else None
+
+    def _send_frees(self, frees: tuple[int, list[int]] | None) -> None:
+        if frees is not None:
             try:
-                self.proc.channel.send(("free", current, ptrs))
+                self.proc.channel.send(("free", *frees))
             except (OSError, ValueError):
                 pass  # the child is gone, and its memory with it
 
@@ -259,8 +279,11 @@ class _Child:
 
     def _read(self, on_exit: Callable[[_Child], None], tell: Callable[[Any], None]) -> None:
         channel = self.proc.channel
+        spin = spin_budget(FUTURE_SPIN_S)
         while True:
             try:
+                if spin and self.pending:
+                    channel.spin(spin)  # a reply is due: look for it a while before sleeping
                 frame = channel.recv()
             except (EOFError, OSError):
                 break
@@ -453,6 +476,12 @@ class IsolatedDevice(ResilientActor):
     def _create_actor_inbox() -> _DirectInbox:
         return _DirectInbox()
 
+    @staticmethod
+    def _create_future() -> SpinningFuture:
+        # pykka's hook, for ``ask``: the asker spins a while for the reader's answer before it
+        # sleeps (hot_waits; nothing spins on a machine of fewer than four cores).
+        return SpinningFuture(spin_budget(FUTURE_SPIN_S))
+
     def on_start(self) -> None:
         """Boot the reserve child, and let askers send allocations to the child directly (see
         ``_DirectInbox``). Thread rule: the proxy's thread (pykka calls it)."""
@@ -475,7 +504,6 @@ class IsolatedDevice(ResilientActor):
         if not child.alive or child.stopping:
             return False
         try:
-            child.flush_frees()
             return child.send_ask(envelope.message, envelope.reply_to, envelope.message)
         except Exception:  # noqa: BLE001 - the proxy's own path raises it to the asker
             return False
@@ -560,7 +588,6 @@ class IsolatedDevice(ResilientActor):
                     return
                 assert self._stopped is not None
                 raise DeviceUnavailable(str(self._stopped))
-            child.flush_frees()
             payload: Any = message
             if isinstance(message, m.Free):
                 payload = self._free_payload(message, child)

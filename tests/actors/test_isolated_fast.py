@@ -1,0 +1,148 @@
+"""The isolated device's fast path (#18): frees ride in the next ask's frame, the child's frame
+reader serves ``Allocate``/``Free`` itself only while its device actor is quiet, and the pipe
+readers spin before they sleep (only on machines of four cores or more; forced here)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.actors.isolated import ChildFault, _child, _protocol, _proxy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process() -> Iterator[None]:
+    yield
+    pykka.ActorRegistry.stop_all()
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")] == []
+
+
+def test_channel_spin_sees_a_frame_and_the_end_of_the_pipe() -> None:
+    a, b = multiprocessing.Pipe()
+    mine, theirs = _protocol.Channel(a), _protocol.Channel(b)
+    assert mine.spin(0.002) is False  # nothing came: the spin ran out
+    theirs.send(("x",))
+    assert mine.spin(5.0) is True and mine.recv() == ("x",)
+    theirs.close()
+    assert mine.spin(5.0) is True  # the end of the pipe reads at once: the reader sees EOFError
+    with pytest.raises(EOFError):
+        mine.recv()
+    mine.close()
+
+
+class _Unpicklable(str):
+    """A tag that cannot cross to the child: its class is not importable there."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("not picklable on purpose")
+
+
+def test_an_unpicklable_allocate_is_refused_and_the_frees_before_it_still_go() -> None:
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    held = [device.ask(xa.Allocate(4096)) for _ in range(3)]
+    held.clear()  # their frees wait for the next ask's frame: the one that cannot be sent
+    with pytest.raises(xa.InvalidRequest, match="cannot cross to the device process"):
+        device.ask(xa.Allocate(64, tag=_Unpicklable("t")))  # type: ignore[arg-type]
+    stats = device.ask(xa.GetStats())
+    assert (stats.bytes_outstanding, stats.live_blocks, stats.status) == (0, 0, "running")
+    assert device.ask(xa.Allocate(64)).generation == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "reason"),
+    [("sticky", xa.GpuRefStale, "context poisoned"), ("kill", xa.DeviceUnavailable, None)],
+)
+def test_a_restart_answers_every_direct_allocation_in_flight(
+    kind: str, error: type[Exception], reason: str | None
+) -> None:
+    """Allocations from several threads at once, sent straight from their askers' threads, are
+    in flight when the child fails: each gets the typed error, none hangs, and the next child
+    serves."""
+    device = xa.DeviceActor.start(0, "host", supervisor=xa.Supervisor(max_restarts=3), isolate=True)
+    device.tell(ChildFault(kind, hold=6))  # type: ignore[arg-type]  # armed before the allocations reach it
+    outcomes: list[BaseException | object] = []
+    lock = threading.Lock()
+
+    def ask_two() -> None:
+        for future in [device.ask(xa.Allocate(64), block=False) for _ in range(2)]:
+            try:
+                value: object = future.get(timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                value = exc
+            with lock:
+                outcomes.append(value)
+
+    threads = [threading.Thread(target=ask_two) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(40)
+    assert not any(thread.is_alive() for thread in threads), "an asker hangs"
+    assert len(outcomes) == 6
+    for outcome in outcomes:
+        assert isinstance(outcome, error), outcome
+        assert reason is None or getattr(outcome, "reason", None) == reason
+    assert device.ask(xa.Allocate(64)).generation == 1
+
+
+def test_forced_spinning_readers_serve_and_free_as_the_sleeping_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's reader and the askers' futures spin (forced on this machine whatever its
+    cores); every reply still reaches its asker and every dropped handle is freed."""
+    monkeypatch.setattr(_proxy, "spin_budget", lambda seconds: seconds)
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    held = None
+    for _ in range(50):
+        held = None
+        held = device.ask(xa.Allocate(4096))
+    assert isinstance(held, xa.GpuRef)
+    stats = device.ask(xa.GetStats())
+    assert (stats.bytes_outstanding, stats.live_blocks) == (4096, 1)
+    del held
+    assert device.ask(xa.GetStats()).bytes_outstanding == 0
+
+
+class _RefusingClient:
+    """Stands in for the device's client: any use of the reader's own path is an error reply."""
+
+    def allocate(self, *_: Any) -> Any:
+        raise xa.InvalidRequest("served on the frame reader's thread")
+
+    def free(self, _ref: Any) -> None:
+        raise xa.InvalidRequest("freed on the frame reader's thread")
+
+
+def test_the_child_reader_serves_an_allocation_itself_only_while_the_device_actor_is_quiet() -> None:
+    """The ordering rule of the child: a frame that arrives while the device actor has work
+    queued or in hand goes to the actor's inbox behind it; only a quiet actor lets the reader
+    serve it. Run in this process, on a ``_Server`` over a pipe."""
+    driver = xa.HostDriver()
+    device = _child._ChildDevice.start(0, driver)
+    parent, child_end = multiprocessing.Pipe()
+    server = _child._Server(_protocol.Channel(child_end), driver, 0, device)
+    try:
+        inbox = server.inbox
+        assert inbox.quiet()
+        server.client = _RefusingClient()  # type: ignore[assignment]
+        inbox.busy = True  # as while the actor serves a message taken before this frame
+        server.ask(1, xa.Allocate(64))
+        kind, rid, ok, value = parent.recv()
+        assert (kind, rid, ok) == ("reply", 1, True) and value.block.nbytes == 64  # the actor served it
+        inbox.busy = False  # what the actor's idle() does once its handler returned (the reply goes first)
+        assert inbox.quiet()
+        server.ask(2, xa.Allocate(64))
+        kind, rid, ok, value = parent.recv()
+        assert (kind, rid, ok) == ("reply", 2, False)
+        assert "frame reader" in str(_protocol.decode_error(value))  # quiet: the reader served it
+    finally:
+        device.stop()
+        driver.close()
+        parent.close()
+        child_end.close()

@@ -1,0 +1,3 @@
+__all__ = ["wait_readable"]
+
+def wait_readable(fd: int, seconds: float) -> bool: ...

@@ -1,0 +1,63 @@
+# cython: language_level=3
+"""``wait_readable``: spin, the GIL released, until a file descriptor can be read, for a bounded
+time.
+
+Why: the isolated device's two pipe readers (the parent's reply reader, the child's frame reader)
+sleep in ``read`` between frames, and on the GPU machines a woken thread takes 30 to 230 µs to
+run again; an isolated ``Allocate`` crosses two of them. A reader that expects a frame soon (a
+reply to an ask in flight, the next ask of a burst) spins here first, like ``doorbell.Doorbell``
+does for a thread's counter: a ``poll`` of the descriptor with no timeout per turn, yielding the
+CPU on every turn, and blocks in its ordinary read only when the time is up.
+
+Invariants: returns True as soon as a read would not block (data, the end of the pipe, or an
+error the read then reports), False when ``seconds`` passed first; it never reads.
+
+Thread rule: any thread; releases the GIL while it spins.
+"""
+
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd* fds, unsigned long nfds, int timeout)
+    short POLLIN
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+def wait_readable(int fd, double seconds) -> bool:
+    """Spin, the GIL released, until ``fd`` can be read without blocking or ``seconds`` passed.
+
+    Args:
+        fd: an open file descriptor.
+        seconds: the longest spin; 0 or less looks once.
+    Returns:
+        Whether a read would not block now (data, end of file, or an error the read reports).
+    Thread rule: any thread; yields the CPU on every turn.
+    """
+    cdef pollfd p
+    cdef double deadline
+    cdef int ready
+    p.fd = fd
+    p.events = POLLIN
+    p.revents = 0
+    with nogil:
+        ready = poll(&p, 1, 0)
+        if ready == 0 and seconds > 0:
+            deadline = _now() + seconds
+            while True:
+                sched_yield()
+                ready = poll(&p, 1, 0)
+                if ready != 0 or _now() >= deadline:
+                    break
+    return ready != 0
