@@ -124,7 +124,7 @@ def test_the_child_reader_serves_an_allocation_itself_only_while_the_device_acto
     queued or in hand goes to the actor's inbox behind it; only a quiet actor lets the reader
     serve it. Run in this process, on a ``_Server`` over a pipe."""
     driver = xa.HostDriver()
-    device = _child._ChildDevice.start(0, driver)
+    device = xa.DeviceActor.start(0, driver)
     parent, child_end = multiprocessing.Pipe()
     server = _child._Server(_protocol.Channel(child_end), driver, 0, device)
     try:

@@ -72,6 +72,11 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
         self.busy = False
         return super().get(block, timeout)
 
+    def quiet(self) -> bool:
+        """Nothing waits in the queue and the actor serves nothing: every message put before this
+        call was served (read in that order: see the module docstring). Thread rule: any thread."""
+        return not self.queue and not self.busy
+
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         """Serve ``item`` in this thread when the module docstring's conditions hold, else queue
         it. Thread rule: any thread."""

@@ -26,10 +26,11 @@ It borrows, from the installed pykka:
   are put back at the head, so pykka's ``_actor_loop_teardown`` answers them as it answers the
   rest of the inbox (``ActorDeadError``).
 
-* for the isolated device's proxy (``isolated._proxy._DirectInbox``): ``ThreadingActor`` builds
-  its inbox with the static ``_create_actor_inbox()``, which a subclass may override to return
-  a ``queue.Queue`` subclass; every message of a ``ThreadingActor``, asked, told or its stop,
-  arrives through that queue's ``put``, and the loop takes it with ``get``, which calls the
+* for ``caller_inbox.CallerServedInbox`` (the inbox of ``DeviceActor`` and of the isolated
+  device's proxy): ``ThreadingActor`` builds its inbox with the static
+  ``_create_actor_inbox()``, which a subclass may override to return a ``queue.Queue``
+  subclass; every message of a ``ThreadingActor``, asked, told or its stop, arrives through
+  that queue's ``put``, and the loop takes it with ``get``, which calls the
   queue's ``_get`` under ``.mutex`` (the standard library's contract for ``Queue`` subclasses).
 
 * for :func:`ask_into` (and :func:`ask_posting` on it), what ``ActorRef.ask`` does: an

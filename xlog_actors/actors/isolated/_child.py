@@ -20,9 +20,9 @@ child's handles, where the tracking of every library actor here, and an export, 
 
 Ordering: the frame reader serves an ``Allocate`` or a ``Free`` itself, through the device's
 ``DeviceClient``, only while the device actor is quiet (nothing queued, nothing being served:
-:class:`_QuietInbox`; no dropped handle waiting for it to free it), so every frame read before it
-has been served and every dropped handle freed; otherwise it goes to the actor's inbox behind
-them. The frees of dropped parent handles are freed the same way when the parent's was the last
+``CallerServedInbox.quiet``; no dropped handle waiting for it to free it), so every frame read
+before it has been served and every dropped handle freed; otherwise it goes to the actor's
+inbox behind them. The frees of dropped parent handles are freed the same way when the parent's was the last
 reference (an export's pin or a library actor's work keeps the block alive: then the reference
 is dropped, and the actor frees the block before its next message). An ``Allocate`` with a
 memory-history origin always goes to the actor.
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import sys
 import time
@@ -56,6 +55,7 @@ from ...driver.open import open_driver
 from ...driver.protocol import Driver
 from ...errors import GpuRefStale, InvalidRequest
 from ...kernels import Kernel
+from ..caller_inbox import CallerServedInbox
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
 from ..device_client import DeviceClient
@@ -161,55 +161,6 @@ class _Reply:
             pass  # the parent is gone: the main loop ends at the end of the pipe
 
 
-class _QuietInbox(queue.Queue):  # type: ignore[type-arg]
-    """The child device actor's inbox, which says whether the actor has served everything put
-    to it (:meth:`quiet`): the frame reader serves an ``Allocate`` or a free itself only then.
-
-    Why that keeps the order of the frames: ``busy`` is set in ``_get``, which ``get`` calls
-    under the queue's lock in the same step that takes the message, and cleared only once the
-    actor has served it (:meth:`idle`). So when the reader sees an empty queue and then an idle
-    actor, every message it put before has been served.
-
-    Thread rule: ``put`` from any thread, ``get`` and ``idle`` from the actor's, ``quiet`` from
-    the frame reader's.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.busy = False
-
-    def _get(self) -> Any:
-        self.busy = True  # under the queue's lock, with the take itself
-        return super()._get()
-
-    def idle(self) -> None:
-        """The actor has served the message it took."""
-        self.busy = False
-
-    def quiet(self) -> bool:
-        """Nothing waits in the queue and the actor serves nothing."""
-        return not self.queue and not self.busy
-
-
-class _ChildDevice(DeviceActor):
-    """The child's ``DeviceActor``, with an inbox that says when it is quiet (see
-    :class:`_QuietInbox`). Thread rule: as ``DeviceActor``."""
-
-    @staticmethod
-    def _create_actor_inbox() -> _QuietInbox:
-        return _QuietInbox()
-
-    def _serve_envelope(self, envelope: Any) -> None:
-        box = [envelope]  # this frame must not hold the envelope while it is served
-        del envelope
-        try:
-            super()._serve_envelope(box.pop())
-        finally:
-            inbox = self.actor_inbox
-            assert isinstance(inbox, _QuietInbox)
-            inbox.idle()
-
-
 class _Listener(pykka.ThreadingActor):
     """Subscribed to the child's device: tells the parent of every status change."""
 
@@ -239,7 +190,7 @@ class _Server:
         self.held: list[Any] = []
         self.fault: ChildFault | None = None
         inbox = device.actor_inbox
-        assert isinstance(inbox, _QuietInbox)
+        assert isinstance(inbox, CallerServedInbox)
         self.inbox = inbox
         self.client: DeviceClient = device.ask(GetClient())  # type: ignore[assignment]
         self.lifecycle = self.client._cell.lifecycle  # the device's, read-only here
@@ -439,7 +390,7 @@ def serve(conn: Connection) -> None:
             driver = HostDriver(shared=True)
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
-        device = _ChildDevice.start(ordinal, driver, resource, supervisor)
+        device = DeviceActor.start(ordinal, driver, resource, supervisor)
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
         channel.send(("failed", encode_error(exc)))
         if driver is not None:

@@ -13,7 +13,7 @@ Invariants:
   Many asks are in flight at once. The frees of dropped handles queued before an ask ride in its
   frame (the child frees them before it serves the ask).
 * **The fast path** (issue #18). An ``Allocate`` is sent from the asker's own thread when nothing
-  is queued before it in the proxy's inbox and the proxy is idle (``_DirectInbox`` says why each
+  is queued before it in the proxy's inbox and the proxy is idle (``CallerServedInbox`` says why each
   sender's order is kept); the child's frame reader serves it itself when its device actor is
   quiet (``_child``). On machines of four cores or more (``hot_waits.spin_budget``) the reader
   spins on the pipe while a reply is due and the asker on its ``SpinningFuture`` before either
@@ -48,7 +48,6 @@ import itertools
 import logging
 import multiprocessing
 import pickle
-import queue
 import sys
 import threading
 import time
@@ -64,6 +63,7 @@ from ...driver.shared_memory import unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
 from ...memory.stack import check_description, default_description
 from .. import messages as m
+from ..caller_inbox import CallerServedInbox
 from ..device_state import DeviceState
 from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, SpinningFuture, spin_budget
@@ -381,45 +381,6 @@ class _Child:
                 future.set_exception((type(error), error, None))
 
 
-class _DirectInbox(queue.Queue):  # type: ignore[type-arg]
-    """The proxy's inbox, which lets an asker send an ``Allocate`` to the child itself.
-
-    An ask goes straight to the pipe from the asker's thread, skipping the proxy's thread, only
-    while nothing is queued and the proxy is idle; anything else, or when the send is not
-    possible (no serving child, the device stopped), is queued as usual.
-
-    Why that keeps the inbox FIFO for each sender: ``busy`` is set in ``_get``, which ``get``
-    calls under the queue's lock in the same step that takes the message, and cleared only once
-    the proxy has served it (:meth:`idle`). So when an asker reads an empty queue and then an idle
-    proxy, every message it put before has been served already. (Messages other threads put
-    meanwhile are concurrent with this one: they have no order to keep.) No lock is held across
-    the send: a handle collected during it (a finalizer runs in whatever thread allocates) queues
-    a ``_Flush`` through ``put``, which takes the queue's lock.
-
-    Thread rule: any thread.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.busy = False
-        self.direct: Callable[[Any], bool] | None = None  # set once the proxy serves
-
-    def _get(self) -> Any:
-        self.busy = True  # under the queue's lock, with the take itself
-        return super()._get()
-
-    def idle(self) -> None:
-        """The proxy has served the message it took. Thread rule: the proxy's thread."""
-        self.busy = False
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        direct = self.direct
-        if (direct is not None and type(getattr(item, "message", None)) is m.Allocate
-                and not self.queue and not self.busy and direct(item)):
-            return
-        super().put(item, block, timeout)
-
-
 class IsolatedDevice(ResilientActor):
     """The parent's proxy of a device served by its own child process; see the module docstring.
 
@@ -473,8 +434,8 @@ class IsolatedDevice(ResilientActor):
 
     # -- pykka hooks ------------------------------------------------------------------------------
     @staticmethod
-    def _create_actor_inbox() -> _DirectInbox:
-        return _DirectInbox()
+    def _create_actor_inbox() -> CallerServedInbox:
+        return CallerServedInbox()
 
     @staticmethod
     def _create_future() -> SpinningFuture:
@@ -484,42 +445,36 @@ class IsolatedDevice(ResilientActor):
 
     def on_start(self) -> None:
         """Boot the reserve child, and let askers send allocations to the child directly (see
-        ``_DirectInbox``). Thread rule: the proxy's thread (pykka calls it)."""
+        ``CallerServedInbox``). Thread rule: the proxy's thread (pykka calls it)."""
         self._spare = _Process(self._ordinal)
-        self._inbox().direct = self._send_direct
+        self._inbox().serve_in_caller((m.Allocate,), self._send_direct)
 
-    def _inbox(self) -> _DirectInbox:
+    def _inbox(self) -> CallerServedInbox:
         inbox = self.actor_inbox
-        assert isinstance(inbox, _DirectInbox)
+        assert isinstance(inbox, CallerServedInbox)
         return inbox
 
-    def _send_direct(self, envelope: Any) -> bool:
-        """Send ``envelope``'s ``Allocate`` to the serving child from the asker's thread; False
-        when the proxy must take it (no serving child, stopped). Called by ``_DirectInbox.put``
-        while the proxy is idle; a restart the proxy starts meanwhile marks the child dead, and
-        an ask that reaches a dying child is answered with its death, as on the proxy's path."""
+    def _send_direct(self, envelope: Any) -> Any:
+        """Send ``envelope``'s ``Allocate`` to the serving child from the asker's thread: None
+        once sent, or ``envelope`` when the proxy must take it (no serving child, stopped).
+        Called by ``CallerServedInbox.put`` while the proxy is idle; a restart the proxy starts
+        meanwhile marks the child dead, and an ask that reaches a dying child is answered with
+        its death, as on the proxy's path."""
         if self._stopped is not None:
-            return False
+            return envelope
         child = self._child
         if not child.alive or child.stopping:
-            return False
+            return envelope
         try:
-            return child.send_ask(envelope.message, envelope.reply_to, envelope.message)
+            sent = child.send_ask(envelope.message, envelope.reply_to, envelope.message)
         except Exception:  # noqa: BLE001 - the proxy's own path raises it to the asker
-            return False
-
-    def _serve_envelope(self, envelope: Any) -> None:
-        box = [envelope]  # this frame must not hold the envelope while it is served
-        del envelope
-        try:
-            super()._serve_envelope(box.pop())
-        finally:
-            self._inbox().idle()
+            return envelope
+        return None if sent else envelope
 
     def on_stop(self) -> None:
         """Stop the child (killed if it does not end in 10 s) and the reserve; every handle is
         ``"device shutting down"``. Thread rule: the proxy's thread (pykka calls it)."""
-        self._inbox().direct = None
+        self._inbox().serve_in_caller((), None)
         try:
             child = self._child
             child.stopping = True
