@@ -118,3 +118,24 @@ def test_a_stopped_device_answers_through_its_inbox_as_before(host_driver: xa.Ho
     assert inbox.serve is None, "the inbox, which every ActorRef holds, let go of the actor"
     with pytest.raises(pykka.ActorDeadError):
         device.ask(xa.Allocate(64))
+
+
+def test_a_context_reset_from_outside_leaves_the_ask_to_the_actor(host_driver: xa.HostDriver,
+                                                                  host_device: pykka.ActorRef[Any],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor checks the context before every message (a reset by another library leaves the
+    pool's handle dangling; CUDA may crash on it); an ask served in the caller's thread checks it
+    too, and leaves the ask to the actor when the check fails."""
+    threads = spy_on_allocations(host_device)
+    real = host_driver.check_context
+    failures = [xa.ContextLost("device 0: reset from outside (planted)")]
+
+    def check(ordinal: int) -> None:
+        if failures:
+            raise failures.pop()
+        real(ordinal)
+
+    monkeypatch.setattr(host_driver, "check_context", check)
+    assert host_device.ask(xa.Allocate(64)).nbytes == 64
+    assert not failures, "the caller's thread did not check the context"
+    assert threads and threads[0] != threading.current_thread().name

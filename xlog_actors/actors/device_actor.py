@@ -208,8 +208,9 @@ class DeviceActor(ResilientActor):
         Returns:
             None when answered. Else the envelope to queue: ``envelope`` itself, with nothing
             changed, when the actor must serve it (the device is not running or is being
-            rebuilt, or the history is recording: origins are the actor's bookkeeping); or, when
-            the allocation raised, a ``FailedInCaller`` ask with the same reply, so that the
+            rebuilt, its context was reset from outside, a rebuild raced the allocation, or the
+            history is recording: origins are the actor's bookkeeping); or, when the allocation
+            raised, a ``FailedInCaller`` ask with the same reply, so that the
             actor's supervisor acts on the error before the asker gets it, as when a handler
             raises (an allocation that fails changes nothing, so it is not tried twice).
         Thread rule: the asking thread (``CallerServedInbox.put``), while the actor is idle.
@@ -218,6 +219,13 @@ class DeviceActor(ResilientActor):
             return envelope
         ctx = self._lifecycle.context
         if ctx is None or not ctx.is_current():
+            return envelope
+        try:
+            # What the actor checks before every message: a primary context reset by another
+            # library leaves the pool's handle dangling, and CUDA may crash on it (a segfault,
+            # seen on an H200). The actor finds the reset again and rebuilds.
+            self._driver.check_context(self._ordinal)
+        except Exception:  # noqa: BLE001 - the actor's business
             return envelope
         msg = envelope.message
         tracer = ranges.RANGES
@@ -230,6 +238,8 @@ class DeviceActor(ResilientActor):
             else:
                 value = ctx.allocate_many(msg.sizes, msg.stream, msg.tag)
         except Exception as exc:  # noqa: BLE001 - answered through the actor, below
+            if not ctx.is_current():
+                return envelope  # a rebuild raced it (and may be why it failed): served anew
             return Envelope(m.FailedInCaller(exc, ctx.generation), reply_to=envelope.reply_to)
         finally:
             if tracer is not None:
