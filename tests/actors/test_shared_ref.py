@@ -14,6 +14,7 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -298,6 +299,38 @@ def test_gpu_exports_interfaces_staleness_and_pool_refusal(
         assert _table(block).pinned_count() == 0
     finally:
         pooled.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_a_fresh_process_s_first_use_of_an_imported_gpu_handle_is_its_address(
+    cuda_device: tuple[Any, pykka.ActorRef[Any]]
+) -> None:
+    """The first CUDA call of a fresh consumer is ``raw_device_ptr()`` (no wait, no interface
+    first): the import retains the context and maps the handle (it once deadlocked on its own
+    lock there), and the bytes read through that address are the owner's."""
+    _driver, device = cuda_device
+    ref = device.ask(xa.Allocate(4096))
+    copier = xa.CopyActor.start(device)
+    try:
+        copier.ask(xa.Fill(ref, 7))
+        copier.ask(xa.CopyToHost(ref, nbytes=4))
+        program = (
+            "import pickle, sys\n"
+            "from cuda.bindings import driver as cu\n"
+            "ref = pickle.loads(sys.stdin.buffer.read())\n"
+            "ptr = ref.raw_device_ptr()\n"
+            "out = bytearray(4)\n"
+            "(err,) = cu.cuMemcpyDtoH(out, ptr, 4)\n"
+            "print(int(err), bytes(out).hex())\n"
+            "ref.release()\n"
+        )
+        done = subprocess.run([sys.executable, "-c", program], input=pickle.dumps(ref), capture_output=True,
+                              timeout=90, check=False)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        assert done.stdout.decode().split() == ["0", "07070707"]
+    finally:
+        copier.stop()
 
 
 def _slow_writer_hazard(peer: Connection, device: pykka.ActorRef[Any], driver: Any, ordered: bool) -> None:

@@ -176,11 +176,13 @@ def open_memory(ordinal: int, export: CudaMemoryExport) -> OpenedMemory:
     if export.owner_pid == os.getpid():
         return OpenedMemory(ordinal, 0)
     key = (ordinal, export.handle)
+    # Before the lock: the first call in a process retains the context under that same lock
+    # (a first import that began here deadlocked, seen on an H200).
+    _current(ordinal)
     with _lock:
         opened = _opened.get(key)
         if opened is not None:
             return opened
-        _current(ordinal)
         # Under the lock: a second cuIpcOpenMemHandle of one handle in a process is refused.
         err, base = cu.cuIpcOpenMemHandle(
             _struct(cu.CUipcMemHandle, export.handle), cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
