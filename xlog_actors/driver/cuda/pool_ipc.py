@@ -231,16 +231,18 @@ def open_pointer(ordinal: int, export: CudaPoolExport) -> ImportedPointer:
         imported = _pointers.get(key)
         if imported is not None:
             return imported
-        make_current(ordinal)
         pool = _imported_pools.get(key[:2])
         if pool is None:
             fd = fetch_fd(export.server, export.key, FETCH_TIMEOUT_S)
             try:
+                make_current(ordinal)
                 err, pool = cu.cuMemPoolImportFromShareableHandle(fd, _handle_type(), 0)
             finally:
                 os.close(fd)  # the imported pool holds what it needs
             check(err, f"cuMemPoolImportFromShareableHandle (device {ordinal}, {export.key})")
             _imported_pools[key[:2]] = pool
+        else:
+            make_current(ordinal)
         err, base = cu.cuMemPoolImportPointer(pool, struct_of(cu.CUmemPoolPtrExportData, export.data))
         check(err, f"cuMemPoolImportPointer (device {ordinal}, {export.key})")
         imported = ImportedPointer(ordinal, int(base))
