@@ -30,6 +30,7 @@ import xlog_actors as xa
 from xlog_actors.actors.export_table import SLOTS, ExportTable
 from xlog_actors.actors.isolated import ChildFault
 from xlog_actors.actors.shared_ref import SharedGpuRef, export_ref, import_ref
+from xlog_actors.driver.fd_passing import served
 from xlog_actors.errors import DeviceUnavailable, GpuRefStale, InvalidRequest
 
 PEER_DIR = Path(__file__).resolve().parent / "ipc"
@@ -185,6 +186,30 @@ def test_an_import_of_a_gone_table_is_device_unavailable(device: pykka.ActorRef[
     import_ref(export).release()
 
 
+@pytest.mark.parametrize("drop", ["release", "collect"])
+def test_a_handle_drops_its_mapping_before_it_gives_its_count_back(device: pykka.ActorRef[Any], drop: str) -> None:
+    """CUDA wants a pool block freed in every importer before its owner frees it: the mapping a
+    handle opened goes before its count does, whether it is released or collected."""
+    ref = device.ask(xa.Allocate(64))
+    table = _table(ref)
+    shared = _round_trip(ref)
+    slot = shared.export.slot
+    seen: list[int] = []
+
+    class Mapping:  # stands in for the CUDA mapping raw_device_ptr() keeps
+        def __del__(self) -> None:
+            seen.append(table.count(slot))
+
+    shared._opened.append(Mapping())
+    if drop == "release":
+        shared.release()
+    else:
+        del shared
+        gc.collect()
+    assert seen == [1], "the mapping was dropped after the count went back"
+    assert table.count(slot) == 0
+
+
 def _fill_behind_a_sleep(device: pykka.ActorRef[Any], driver: Any) -> tuple[Any, Any]:
     """A handle whose last write (a fill with 3) waits 0.3 s behind a sleep on its copy actor's
     stream, and its import in this process."""
@@ -331,6 +356,85 @@ def test_a_fresh_process_s_first_use_of_an_imported_gpu_handle_is_its_address(
         assert done.stdout.decode().split() == ["0", "07070707"]
     finally:
         copier.stop()
+
+
+@pytest.fixture
+def pool_device() -> Iterator[tuple[Any, pykka.ActorRef[Any]]]:
+    """A device on the GPU whose ``async`` stack allocates from an IPC-capable pool."""
+    drv = xa.CudaDriver(ipc_pool=True)
+    device = xa.DeviceActor.start(0, drv, resource="async")
+    yield drv, device
+    pykka.ActorRegistry.stop_all()
+    drv.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.concurrent_streams)])
+def test_cross_process_slow_writer_hazard_on_the_ipc_pool(
+    peer: Connection, pool_device: tuple[Any, pykka.ActorRef[Any]], ordered: bool
+) -> None:
+    """The same hazard for a block of the IPC-capable pool: its export data, the pool's fd from
+    the owner's fd server, and the interprocess event of its last write."""
+    driver, device = pool_device
+    _slow_writer_hazard(peer, device, driver, ordered)
+
+
+@pytest.mark.gpu
+def test_gpu_ipc_pool_bytes_release_order_and_staleness(
+    peer: Connection, pool_device: tuple[Any, pykka.ActorRef[Any]]
+) -> None:
+    """An async-stack block in another process: the right bytes and interfaces; in the owner's
+    own process the owner's address; the owner frees only after the peer dropped its import; a
+    rebuild makes the peer's handle stale and withdraws the old pool's fd, and blocks of the new
+    pool import again (a second pool import in the peer)."""
+    from xlog_actors.driver.cuda.pool_ipc import CudaPoolExport
+
+    driver, device = pool_device
+    copy = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(4096))
+    copy.ask(xa.Fill(ref, 7))
+    here = _round_trip(ref)
+    assert isinstance(here.export.memory, CudaPoolExport)
+    assert here.raw_device_ptr() == ref.raw_device_ptr()
+    here.release()
+    peer.send(("read", ref, True, 16))
+    assert _reply(peer) == b"\x07" * 16
+    peer.send(("interfaces", ref))
+    assert _reply(peer) == (True, "|u1", (4096,), (2, 0))
+    old_key = pickle.loads(pickle.dumps(ref)).export.memory.key
+
+    table = _table(ref)
+    peer.send(("hold", ref))
+    assert _reply(peer) == ("held", "SharedGpuRef")
+    peer.send(("read_held", 4))
+    assert _reply(peer) == b"\x07" * 4, "the held handle imported the block"
+    del ref
+    gc.collect()
+    assert device.ask(xa.GetStats()).live_blocks == 1 and table.pinned_count() == 1
+    peer.send(("drop",))
+    assert _reply(peer) == "dropped"
+    assert table.wait_unpinned(10.0)
+    assert device.ask(xa.GetStats()).live_blocks == 0, "the owner freed once the peer's import was gone"
+
+    ref = device.ask(xa.Allocate(256))
+    copy.ask(xa.Fill(ref, 5))
+    peer.send(("hold", ref))
+    assert _reply(peer) == ("held", "SharedGpuRef")
+    peer.send(("read_held", 4))
+    assert _reply(peer) == b"\x05" * 4, "the peer holds an import across the rebuild"
+    assert old_key in served().offered()
+    device.ask(xa.Rebuild("test"))
+    peer.send(("access",))
+    assert _reply(peer) == "context rebuilt"
+    assert old_key not in served().offered(), "the retired pool's fd is withdrawn"
+    peer.send(("drop",))  # the peer frees its import of a block its owner's rebuild freed
+    assert _reply(peer) == "dropped"
+
+    fresh = device.ask(xa.Allocate(256))
+    xa.CopyActor.start(device).ask(xa.Fill(fresh, 9))
+    assert pickle.loads(pickle.dumps(fresh)).export.memory.key != old_key
+    peer.send(("read", fresh, True, 8))
+    assert _reply(peer) == b"\x09" * 8
 
 
 def _slow_writer_hazard(peer: Connection, device: pykka.ActorRef[Any], driver: Any, ordered: bool) -> None:

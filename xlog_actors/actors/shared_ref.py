@@ -2,7 +2,8 @@
 
 Pickling a ``GpuRef`` (``pickle``, a ``multiprocessing`` queue or pipe) exports it
 (:func:`export_ref`): the device's driver names the allocation for other processes (a
-shared-memory segment and offset on the host driver, a CUDA IPC memory handle on the GPU) and
+shared-memory segment and offset on the host driver, a CUDA IPC memory handle on the GPU, or
+for a block of an IPC-capable pool its pool's export data) and
 records an interprocess event at the end of the stream of the handle's last write (of its
 allocation stream when nothing wrote it yet), and the device's :class:`ExportTable` takes one
 reference count for the pickle. The bytes carry a :class:`GpuRefExport`; unpickling it anywhere
@@ -183,10 +184,12 @@ def import_ref(export: GpuRefExport) -> SharedGpuRef:
     return SharedGpuRef(export)
 
 
-def _give_back(table: str, slot: int, serial: int) -> None:
+def _give_back(table: str, slot: int, serial: int, opened: list[Any]) -> None:
     """Give back one count of ``slot`` (a handle released or collected); tell the owner at zero.
-    Runs from a finalizer: it never raises."""
+    The handle's CUDA mapping (``opened``) is dropped first: CUDA wants a pool block freed in
+    every importer before its owner frees it. Runs from a finalizer: it never raises."""
     try:
+        opened.clear()
         segment = mapped_if_open(table)
         if segment is None:
             return
@@ -209,7 +212,7 @@ class SharedGpuRef:
     Thread rule: any thread.
     """
 
-    __slots__ = ("__weakref__", "_cell", "_export", "_finalizer", "_memory", "_released", "_word")
+    __slots__ = ("__weakref__", "_cell", "_export", "_finalizer", "_memory", "_opened", "_released", "_word")
 
     def __init__(self, export: GpuRefExport) -> None:
         """Open ``export`` (use :func:`import_ref`).
@@ -222,8 +225,11 @@ class SharedGpuRef:
         self._cell = _table_cells(export.cell)[0:1]
         self._word = state_word(export.generation, STATUS_RUNNING)
         self._memory: Any = None
+        # The CUDA mapping lives in a list the finalizer holds too, so that it is dropped before
+        # the count goes back even when the handle is collected (a slot would be cleared after).
+        self._opened: list[Any] = []
         self._released = False
-        self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial)
+        self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial, self._opened)
         if cells[HEADER_CELLS + 2 * export.slot + 1] != export.serial:
             # The owner freed the slot before this import (a late pickle): never adopt a stranger.
             self._finalizer.detach()
@@ -303,22 +309,28 @@ class SharedGpuRef:
         return view
 
     def raw_device_ptr(self) -> int:
-        """The device address of the memory in this process (CUDA driver), after validating.
+        """The device address of the memory in this process (CUDA driver), after validating. The
+        first call opens the memory: legacy IPC, or a block of an IPC-capable pool (its pool
+        imported once per process, through the owner's fd server).
 
         Raises:
             GpuRefStale: the handle cannot be used.
             InvalidRequest: the owner runs the host driver (use :meth:`view`).
             DriverError: the CUDA driver could not open the memory.
+            DeviceUnavailable: a pool block whose owner's fd server is gone, refused or mute.
         Thread rule: any thread.
         """
         self.access()
         if isinstance(self._export.memory, HostMemoryExport):
             raise InvalidRequest(f"{self._export.where()} runs the host driver: use view()")
-        if self._memory is None:
+        if not self._opened:
             from ..driver.cuda import ipc as cuda_ipc
 
-            self._memory = cuda_ipc.open_memory(self._export.ordinal, self._export.memory)
-        ptr: int = self._memory.ptr(self._export.memory)
+            opened = cuda_ipc.open_memory(self._export.ordinal, self._export.memory)
+            if self._released:  # released meanwhile: the finalizer has run, keep nothing
+                raise GpuRefStale("released", self._export.where())
+            self._opened.append(opened)
+        ptr: int = self._opened[0].ptr(self._export.memory)
         return ptr
 
     @property

@@ -9,6 +9,7 @@ modules names a child cannot import. It starts no ``DeviceActor``: the handles a
 Commands (tuples): ``("read", ref, ordered, nbytes)`` reads the first bytes at once and answers
 them (host driver: through ``view``; CUDA: ``cuMemcpyDtoH`` from ``raw_device_ptr``);
 ``("interfaces", ref)`` answers what the CUDA exports say; ``("hold", ref)`` keeps the handle;
+``("read_held", nbytes)`` reads the held handle as ``read`` does (ordered) and keeps it;
 ``("access",)`` answers ``"ok"`` or the stale reason of the held handle; ``("drop",)`` releases
 the held handle; ``("stop",)`` ends the peer.
 """
@@ -57,6 +58,8 @@ def serve(conn: Connection) -> None:
         elif kind == "hold":
             held = command[1]
             conn.send(("held", type(held).__name__))
+        elif kind == "read_held":
+            conn.send(_read(held, True, command[1]))
         elif kind == "access":
             try:
                 held.access()

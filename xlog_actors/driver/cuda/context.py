@@ -9,7 +9,10 @@
   it after foreign code changed the thread's context behind the driver's back).
 * **The memory pool.** Stream-ordered allocations come from the device's default memory pool
   (``cuDeviceGetDefaultMemPool``), set up here on every retain with
-  ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` at ``UINT64_MAX`` so freed memory stays cached.
+  ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` at ``UINT64_MAX`` so freed memory stays cached. A device
+  of a ``CudaDriver(ipc_pool=True)`` (``ipc_pool``) makes an IPC-capable pool of its own instead
+  (:func:`.pool_ipc.create_pool`, same threshold) on every activation, and retires it with the
+  context's other objects (rebuild, close).
 * **Modules.** A kernel's cubin (see :mod:`.nvrtc`) is loaded into each context with
   ``cuModuleLoadData`` once per (context, kernel); ``rebuild`` unloads every module of the
   context it leaves.
@@ -43,6 +46,7 @@ from ..kernel import Kernel
 from .call import STICKY_CODES, SUCCESS, cu, error_for, result_name
 from .held import HeldCalls
 from .nvrtc import compile_cubin
+from .pool_ipc import create_pool, retire_pool
 
 if TYPE_CHECKING:
     # A type-only back reference: a device holds its streams, and each stream its device.
@@ -130,6 +134,7 @@ class CudaDevice(Stamped):
         self.closed = False
         self.poisoned: str | None = None
         self.pool: Any = None
+        self.ipc_pool = False  # set by the CudaDriver: make an IPC-capable pool (see the module docstring)
         # Allocations not yet freed, which a rebuild or close frees itself: it keeps the primary
         # context (other libraries of the process live in it), and even a primary-context reset
         # from outside leaves the default pool's blocks taken (the pool is a device object).
@@ -287,9 +292,22 @@ class CudaDevice(Stamped):
     def _setup_pool(self) -> Any:
         if not self._attribute("CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED"):
             return None  # alloc_async then raises CUDA_ERROR_NOT_SUPPORTED
-        err, pool = cu.cuDeviceGetDefaultMemPool(self.cudev)
-        if err != SUCCESS:
-            self.fail(err, "cuDeviceGetDefaultMemPool")
+        if self.ipc_pool:
+            if not self._attribute("CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES") & int(
+                cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            ):
+                raise DriverError(
+                    f"device {self.ordinal}: its memory pools cannot be shared as POSIX file descriptors "
+                    "(CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES); make the driver without ipc_pool",
+                    code="CUDA_ERROR_NOT_SUPPORTED",
+                )
+            err, pool = create_pool(self.ordinal)
+            if err != SUCCESS:
+                self.fail(err, "cuMemPoolCreate(POSIX_FILE_DESCRIPTOR)")
+        else:
+            err, pool = cu.cuDeviceGetDefaultMemPool(self.cudev)
+            if err != SUCCESS:
+                self.fail(err, "cuDeviceGetDefaultMemPool")
         # Keep freed memory cached in the pool instead of returning it at every synchronize.
         (err,) = cu.cuMemPoolSetAttribute(
             pool,
@@ -297,6 +315,7 @@ class CudaDevice(Stamped):
             cu.cuuint64_t(_UINT64_MAX),
         )
         if err != SUCCESS:
+            retire_pool(pool)  # a no-op for the default pool
             self.fail(err, "cuMemPoolSetAttribute(RELEASE_THRESHOLD)")
         return pool
 
@@ -471,6 +490,8 @@ class CudaDevice(Stamped):
                     cu.cuModuleUnload(module)
                 self.drop_orphans(destroy=True)
             self.modules = []
+            if pool is not None:
+                retire_pool(pool, destroy=self.poisoned is None)  # an IPC pool of this epoch
 
     def _sync_quietly(self) -> None:
         """Synchronize the context, ignoring non-sticky failures (a lost context has nothing to
@@ -498,6 +519,7 @@ class CudaDevice(Stamped):
                 # Foreign code reset the primary context: every handle of ours dangles, and
                 # CUDA may crash on one rather than report it (seen on an H200). Touch none of
                 # them: forget them, give our retain back, and retain a fresh context below.
+                old_pool = self.pool
                 self._forget_context("context reset from outside")
                 self.retain()
                 # The pool is a device object: its blocks outlived the foreign reset. Free them
@@ -505,6 +527,8 @@ class CudaDevice(Stamped):
                 self.set_current()
                 self._free_pool_leftovers()
                 self._trim_pool()
+                if old_pool is not None:
+                    retire_pool(old_pool)  # an IPC pool is a device object too: destroy it now
                 return
             if self.ctx is None:
                 self.retain()
@@ -544,6 +568,8 @@ class CudaDevice(Stamped):
                     self._release_everything("driver closed")
             else:
                 # Poisoned, or reset from outside (every handle dangles): touch none of them.
+                if self.pool is not None:
+                    retire_pool(self.pool, destroy=False)  # only its fd: no CUDA call
                 self._teardown("driver closed")
                 self.modules = []
             self.graveyard.clear()

@@ -163,20 +163,33 @@ class CudaDriver(CudaPeer, CudaMemory):
     ``DriverError``, when the context was reset from outside), and ``ContextPoisoned`` once the
     device saw a sticky error; ``OutOfMemory`` where the device runs out of memory.
 
+    ``ipc_pool`` (read-only after construction): whether the devices' ``async`` stacks allocate
+    from IPC-capable pools (see ``__init__``).
+
     Thread rule: any thread (see the module docstring).
     """
 
     kind: Literal["cuda"] = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, *, ipc_pool: bool = False) -> None:
         """Run ``cuInit``, count the devices and query each one's architecture.
 
+        Args:
+            ipc_pool: each device's ``async`` stack allocates from an IPC-capable pool of its own
+                (``cuMemPoolCreate`` with POSIX file descriptor handles) instead of the device's
+                default pool, so that its blocks can be pickled to other processes (see
+                :mod:`.pool_ipc`); a device whose pools cannot be shared then fails its first
+                use with ``DriverError`` (``CUDA_ERROR_NOT_SUPPORTED``).
+
         Raises:
+            InvalidRequest: ``ipc_pool`` is not a bool.
             DeviceUnavailable: cuda-python or libcuda cannot be loaded, ``cuInit`` fails, no device is
                 visible, or a device cannot be queried; the message says which, with no cuda-python
                 exception chained.
         Thread rule: any thread.
         """
+        if type(ipc_pool) is not bool:
+            raise InvalidRequest(f"ipc_pool is a bool, not {ipc_pool!r}")
         if cu is None:
             raise DeviceUnavailable(
                 f"cuda-python is not importable ({IMPORT_ERROR}); install cuda-python>=13"
@@ -214,12 +227,15 @@ class CudaDriver(CudaPeer, CudaMemory):
                 raise DeviceUnavailable(f"device {ordinal} cannot be queried: {exc}") from None
         for dev in devices:
             dev.owner = self
+            dev.ipc_pool = ipc_pool
+        self.ipc_pool = ipc_pool
         self._devices = devices
         self._closed = False
         self._close_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"CudaDriver(device_count={len(self._devices)}{', closed' if self._closed else ''})"
+        ipc = ", ipc_pool=True" if self.ipc_pool else ""
+        return f"CudaDriver(device_count={len(self._devices)}{ipc}{', closed' if self._closed else ''})"
 
     # -- queries ----------------------------------------------------------------------------
     def fast_path(self, ordinal: object) -> tuple[Any, ...] | None:

@@ -8,10 +8,9 @@ node, which needs no ``CudaDriver`` of its own: it retains the device's primary 
   ``cuMemGetAddressRange``), plus the block's offset in it; the importer maps it once per
   process with ``cuIpcOpenMemHandle`` (an :class:`OpenedMemory`, counted, closed with
   ``cuIpcCloseMemHandle`` when the last handle of it goes). Legacy IPC works on ``cuMemAlloc``
-  memory: the ``direct`` stack. Blocks of the stream-ordered pool (the ``async`` stack) are
-  refused with ``InvalidRequest``: the device's default pool is not IPC-capable, and exporting
-  them needs an IPC-enabled pool (``cuMemPoolCreate`` with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``,
-  ``cuMemPoolExportPointer``) in the async resource, which is not built yet.
+  memory: the ``direct`` stack. A block of a stream-ordered pool (the ``async`` stack) goes
+  through :mod:`.pool_ipc` when the pool is one made IPC-capable (``CudaDriver(ipc_pool=True)``);
+  one of the device's default pool, which is not IPC-capable, is refused with ``InvalidRequest``.
 * **Events**: ``cuEventCreate(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)``, recorded on
   the writer's stream, its ``cuIpcGetEventHandle`` carried in the descriptor. The owner keeps the
   event (a :class:`RecordedEvent`) while the export is held; the importer opens it with
@@ -19,27 +18,28 @@ node, which needs no ``CudaDriver`` of its own: it retains the device's primary 
   ``cuEventSynchronize`` could not be interrupted by a restart).
 
 Handles are 64 opaque bytes: they travel as ``bytes`` and are copied in and out of the bindings'
-structs through their addresses.
+structs through their addresses (:mod:`.importer`, which also retains an importer's context).
 
 Invariants: an opened mapping is closed only once no ``SharedGpuRef`` of it is left in the
 process (the table holds mappings weakly); nothing here frees the owner's memory.
 
-Thread rule: any thread. The importer's table of opened mappings is guarded by a lock; every
+Thread rule: any thread. The importer's table of opened mappings is guarded by
+:data:`.importer.lock`; every
 call makes the device's primary context current on the calling thread first.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ...errors import DeviceUnavailable, InvalidRequest
-from .call import NOT_READY, check, cu
+from . import pool_ipc
+from .call import NOT_READY, SUCCESS, check, cu
+from .importer import bytes_of, lock, make_current, struct_of
 
 __all__ = [
     "CudaMemoryExport",
@@ -51,39 +51,8 @@ __all__ = [
     "wait_event",
 ]
 
-_HANDLE_BYTES = 64
 _POLL_MAX_S = 0.001
-_contexts: dict[int, Any] = {}
 _opened: weakref.WeakValueDictionary[tuple[int, bytes], OpenedMemory] = weakref.WeakValueDictionary()
-_lock = threading.Lock()
-
-
-def _bytes_of(struct: Any) -> bytes:
-    return ctypes.string_at(struct.getPtr(), _HANDLE_BYTES)
-
-
-def _struct(kind: Any, data: bytes) -> Any:
-    struct = kind()
-    ctypes.memmove(struct.getPtr(), data, _HANDLE_BYTES)
-    return struct
-
-
-def _current(ordinal: int) -> None:
-    """Make ``ordinal``'s primary context current here, retaining it once per process."""
-    ctx = _contexts.get(ordinal)
-    if ctx is None:
-        with _lock:
-            ctx = _contexts.get(ordinal)
-            if ctx is None:
-                (err,) = cu.cuInit(0)
-                check(err, "cuInit")
-                err, dev = cu.cuDeviceGet(ordinal)
-                check(err, f"cuDeviceGet({ordinal})")
-                err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
-                check(err, f"cuDevicePrimaryCtxRetain({ordinal})")
-                _contexts[ordinal] = ctx
-    (err,) = cu.cuCtxSetCurrent(ctx)
-    check(err, f"cuCtxSetCurrent (device {ordinal})")
 
 
 class CudaMemoryExport(NamedTuple):
@@ -102,7 +71,7 @@ class CudaMemoryExport(NamedTuple):
     ptr: int
 
 
-def export_memory(driver: Any, ordinal: int, ptr: int, nbytes: int) -> CudaMemoryExport:
+def export_memory(driver: Any, ordinal: int, ptr: int, nbytes: int) -> CudaMemoryExport | pool_ipc.CudaPoolExport:
     """Name ``nbytes`` bytes at ``ptr`` of device ``ordinal`` for other processes.
 
     Args:
@@ -111,25 +80,30 @@ def export_memory(driver: Any, ordinal: int, ptr: int, nbytes: int) -> CudaMemor
         ptr: a live block's address.
         nbytes: its size.
     Returns:
-        The picklable export.
+        The picklable export: a :class:`CudaMemoryExport`, or for a block of an IPC-capable pool
+        a :class:`~.pool_ipc.CudaPoolExport`.
     Raises:
-        InvalidRequest: the block is in the stream-ordered pool (not IPC-capable; see the module
-            docstring).
+        InvalidRequest: the block is in the device's default stream-ordered pool (not IPC-capable;
+            see the module docstring).
+        DeviceUnavailable: this process's fd server cannot start (a pool block's first export).
         DriverError, ContextPoisoned: from the driver.
     Thread rule: any thread.
     """
     driver.make_current(ordinal)
     err, pool = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr)
-    if err == cu.CUresult.CUDA_SUCCESS and int(pool) != 0:
+    if err == SUCCESS and int(pool) != 0:
+        if pool_ipc.is_shareable(pool):
+            return pool_ipc.export_pointer(ordinal, ptr, nbytes, pool)
         raise InvalidRequest(
-            f"device {ordinal}: block {ptr:#x} is in the stream-ordered pool, which is not IPC-capable; "
-            "export handles of a device on the 'direct' stack (resource='direct')"
+            f"device {ordinal}: block {ptr:#x} is in the device's default stream-ordered pool, which is not "
+            "IPC-capable; make the driver with CudaDriver(ipc_pool=True), or export handles of a device on "
+            "the 'direct' stack (resource='direct')"
         )
     err, base, _size = cu.cuMemGetAddressRange(ptr)
     check(err, f"cuMemGetAddressRange({ptr:#x})")
     err, handle = cu.cuIpcGetMemHandle(base)
     check(err, f"cuIpcGetMemHandle({int(base):#x})")
-    return CudaMemoryExport(_bytes_of(handle), ptr - int(base), nbytes, os.getpid(), ptr)
+    return CudaMemoryExport(bytes_of(handle), ptr - int(base), nbytes, os.getpid(), ptr)
 
 
 class OpenedMemory:
@@ -155,37 +129,42 @@ class OpenedMemory:
         if self.base == 0:
             return
         try:
-            _current(self._ordinal)
+            make_current(self._ordinal)
             cu.cuIpcCloseMemHandle(self.base)
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone with the process
             return
 
 
-def open_memory(ordinal: int, export: CudaMemoryExport) -> OpenedMemory:
+def open_memory(
+    ordinal: int, export: CudaMemoryExport | pool_ipc.CudaPoolExport
+) -> OpenedMemory | pool_ipc.ImportedPointer:
     """Map ``export`` in this process (once per allocation; later handles share the mapping).
 
     Args:
         ordinal: the owner's device ordinal (the same numbering in this process).
         export: what the owner exported.
     Returns:
-        The mapping; the caller keeps it as long as it uses ``ptr``.
+        The mapping (``ptr(export)`` is the block's address here); the caller keeps it as long as
+        it uses the address, and drops it before it gives its reference count back.
     Raises:
-        DriverError: ``cuIpcOpenMemHandle`` refused (the owner freed or ended), or no GPU.
+        DriverError: CUDA refused the open (the owner freed or ended), or no GPU.
+        DeviceUnavailable: a pool block whose owner's fd server is gone or refused (see
+            :func:`.pool_ipc.open_pointer`).
     Thread rule: any thread.
     """
+    if isinstance(export, pool_ipc.CudaPoolExport):
+        return pool_ipc.open_pointer(ordinal, export)
     if export.owner_pid == os.getpid():
         return OpenedMemory(ordinal, 0)
     key = (ordinal, export.handle)
-    # Before the lock: the first call in a process retains the context under that same lock
-    # (a first import that began here deadlocked, seen on an H200).
-    _current(ordinal)
-    with _lock:
+    with lock:
         opened = _opened.get(key)
         if opened is not None:
             return opened
+        make_current(ordinal)
         # Under the lock: a second cuIpcOpenMemHandle of one handle in a process is refused.
         err, base = cu.cuIpcOpenMemHandle(
-            _struct(cu.CUipcMemHandle, export.handle), cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            struct_of(cu.CUipcMemHandle, export.handle), cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         )
         check(err, f"cuIpcOpenMemHandle (device {ordinal})")
         opened = OpenedMemory(ordinal, int(base))
@@ -233,7 +212,7 @@ def record_event(driver: Any, stream: Any) -> RecordedEvent:
     except BaseException:
         cu.cuEventDestroy(event)
         raise
-    return RecordedEvent(event, _bytes_of(handle))
+    return RecordedEvent(event, bytes_of(handle))
 
 
 def wait_event(ordinal: int, handle: bytes, timeout_s: float, abort: Callable[[], object]) -> None:
@@ -249,8 +228,8 @@ def wait_event(ordinal: int, handle: bytes, timeout_s: float, abort: Callable[[]
         DriverError, ContextPoisoned: from the driver.
     Thread rule: any thread.
     """
-    _current(ordinal)
-    err, event = cu.cuIpcOpenEventHandle(_struct(cu.CUipcEventHandle, handle))
+    make_current(ordinal)
+    err, event = cu.cuIpcOpenEventHandle(struct_of(cu.CUipcEventHandle, handle))
     check(err, "cuIpcOpenEventHandle")
     try:
         deadline = time.monotonic() + timeout_s

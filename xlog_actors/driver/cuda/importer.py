@@ -1,0 +1,74 @@
+"""What every CUDA IPC import needs, in a process that has no ``CudaDriver`` of its own: the
+device's primary context, and the 64-byte handles copied in and out of the bindings' structs.
+
+Shared by the legacy IPC path (:mod:`.ipc`) and the IPC-capable pool (:mod:`.pool_ipc`).
+
+Invariants: the primary context of an ordinal is retained at most once per process, and never
+released (an importer's mappings live in it until the process ends or they are closed); a handle
+is exactly :data:`HANDLE_BYTES` bytes.
+
+Thread rule: any thread. :data:`lock` guards the tables of opened mappings of both IPC modules
+(an open maps at most once per process); the retain table has a lock of its own, because an
+open holding :data:`lock` retains the context (one lock for both deadlocked the first open of a
+process that had not waited for an event before).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Final
+
+from .call import check, cu
+
+__all__ = ["HANDLE_BYTES", "bytes_of", "lock", "make_current", "struct_of"]
+
+#: The size of a CUDA IPC memory or event handle, and of a pool pointer's export data.
+HANDLE_BYTES: Final = 64
+#: Guards the importers' tables (see the module docstring).
+lock = threading.Lock()
+_contexts: dict[int, Any] = {}
+_contexts_lock = threading.Lock()
+
+
+def bytes_of(struct: Any) -> bytes:
+    """The :data:`HANDLE_BYTES` bytes of a bindings handle struct. Thread rule: any thread."""
+    return ctypes.string_at(struct.getPtr(), HANDLE_BYTES)
+
+
+def struct_of(kind: Any, data: bytes) -> Any:
+    """A new bindings struct of type ``kind`` holding ``data``. Thread rule: any thread.
+
+    Raises:
+        InvalidRequest: ``data`` is not :data:`HANDLE_BYTES` bytes long.
+    """
+    if not isinstance(data, bytes) or len(data) != HANDLE_BYTES:
+        from ...errors import InvalidRequest
+
+        raise InvalidRequest(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {data!r:.40}")
+    struct = kind()
+    ctypes.memmove(struct.getPtr(), data, HANDLE_BYTES)
+    return struct
+
+
+def make_current(ordinal: int) -> None:
+    """Make ``ordinal``'s primary context current on the calling thread, retaining it once per process.
+
+    Raises:
+        DriverError: ``cuInit``, ``cuDeviceGet`` or the retain failed (no GPU, a bad ordinal).
+    Thread rule: any thread; acts on the calling thread.
+    """
+    ctx = _contexts.get(ordinal)
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(ordinal)
+            if ctx is None:
+                (err,) = cu.cuInit(0)
+                check(err, "cuInit")
+                err, dev = cu.cuDeviceGet(ordinal)
+                check(err, f"cuDeviceGet({ordinal})")
+                err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+                check(err, f"cuDevicePrimaryCtxRetain({ordinal})")
+                _contexts[ordinal] = ctx
+    (err,) = cu.cuCtxSetCurrent(ctx)
+    check(err, f"cuCtxSetCurrent (device {ordinal})")
