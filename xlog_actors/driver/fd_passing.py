@@ -152,15 +152,17 @@ class FdServer:
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(ANSWER_TIMEOUT_S)
         _pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        if uid != os.getuid():
-            conn.sendall(b"no:a process of another user")
-            return
+        # The key is read before any answer, a refusal's too: a socket closed with unread bytes
+        # resets the connection, and the client would read a reset instead of the reason.
         raw = b""
         while len(raw) <= MAX_KEY:  # the client shuts its side after the key: read to the end
             chunk = conn.recv(MAX_KEY + 1 - len(raw))
             if not chunk:
                 break
             raw += chunk
+        if uid != os.getuid():
+            conn.sendall(b"no:a process of another user")
+            return
         key = raw.decode("utf-8", "replace")
         with self._lock:
             fd = self._fds.get(key)
