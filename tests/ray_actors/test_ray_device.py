@@ -254,3 +254,54 @@ def test_a_supervised_rebuild_bumps_the_generation(cluster: Any) -> None:
     finally:
         ray.kill(device, no_restart=True)
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@ray.remote(num_cpus=0)
+class Listener:
+    """A subscriber of a device: records every ``GenerationChanged`` it is told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, str]] = []
+
+    def on_generation_changed(self, message: xa.GenerationChanged) -> None:
+        self.seen.append((message.device_id, message.generation, message.status))
+
+    def messages(self) -> list[tuple[int, int, str]]:
+        return list(self.seen)
+
+
+def heard(listener: Any, want: tuple[int, int, str], timeout_s: float = 30.0) -> list[tuple[int, int, str]]:
+    """The listener's messages once ``want`` is among them (told fire-and-forget: polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen: list[tuple[int, int, str]] = ray.get(listener.messages.remote(), timeout=30)
+        if want in seen:
+            return seen
+        assert time.monotonic() < deadline, f"{want} not heard in {timeout_s} s: {seen}"
+        time.sleep(0.02)
+
+
+def test_a_subscriber_on_another_node_hears_rebuilds_and_restarts(cluster: Any, device: Any) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    on_b = NodeAffinitySchedulingStrategy(node_id=cluster.b, soft=False)
+    listener = Listener.options(scheduling_strategy=on_b).remote()
+    witness = Listener.options(scheduling_strategy=on_b).remote()
+    generation = ray.get(device.generation.remote(), timeout=30)
+    assert ask(device, xa.Subscribe(listener)) is None
+    assert ask(device, xa.Subscribe(listener)) is None  # a second subscription is a no-op
+    ask(device, xa.Rebuild("test"))
+    heard(listener, (0, generation + 1, "running"))
+    ray.kill(device, no_restart=False)  # Ray restarts it: the restart's bump is told too
+    wait_generation(device, generation + 2)
+    seen = heard(listener, (0, generation + 2, "running"))
+    assert seen.count((0, generation + 1, "running")) == 1, seen
+    assert ask(device, xa.Unsubscribe(listener)) is None
+    assert ask(device, xa.Subscribe(witness)) is None
+    ask(device, xa.Rebuild("after"))
+    heard(witness, (0, generation + 3, "running"))
+    assert (0, generation + 3, "running") not in ray.get(listener.messages.remote(), timeout=30)
+    with pytest.raises(InvalidRequest, match="on_generation_changed"):
+        ask(device, xa.Subscribe("not an actor"))  # type: ignore[arg-type]
+    ray.kill(listener)
+    ray.kill(witness)

@@ -77,6 +77,7 @@ from ..actors import (
     Rebuild,
     Subscribe,
     Supervisor,
+    Unsubscribe,
     exit_process,
 )
 from ..actors.device_config import ResourceSpec
@@ -106,7 +107,8 @@ _STAGING_TAG = AllocTag("ray-fetch-staging")
 #: ``DeviceClient``) that cannot travel.
 _RAY_MESSAGES = (
     "Allocate, AllocateMany, Free (of a RemoteGpuRef), GetStats, Rebuild, "
-    "CopyToDevice, CopyToHost, Fill or Launch (of RemoteGpuRefs)"
+    "CopyToDevice, CopyToHost, Fill or Launch (of RemoteGpuRefs), "
+    "Subscribe or Unsubscribe (of a Ray actor handle)"
 )
 
 
@@ -323,12 +325,16 @@ class RayDevice:
             message: ``Allocate``, ``AllocateMany``, ``Free`` (its ``ref`` a
                 :class:`RemoteGpuRef` of this device), ``GetStats``, ``Rebuild``, or
                 ``CopyToDevice``, ``CopyToHost``, ``Fill``, ``Launch`` with descriptors of this
-                device (whole blocks) where they take handles.
+                device (whole blocks) where they take handles; ``Subscribe``/``Unsubscribe``
+                of a Ray actor handle whose ``on_generation_changed(message)`` is then told
+                ``GenerationChanged`` on every restart, rebuild, poisoning and shutdown, by
+                the generation's keeper (so across restarts of this actor, on any node).
         Returns:
             ``Allocate``: a :class:`RemoteGpuRef`; ``AllocateMany``: a list of them; ``Free``:
             None; ``GetStats``: the hosted device's ``DeviceStats`` (its ``generation`` is the
             local one; :meth:`generation` is the cluster's); ``Rebuild``: as the device; the
-            library messages: as the hosted ``CopyActor``/``KernelActor`` reply.
+            library messages: as the hosted ``CopyActor``/``KernelActor`` reply; ``Subscribe``,
+            ``Unsubscribe``: None (idempotent).
         Raises:
             InvalidRequest: another message, a descriptor of another device, or a carve where a
                 block is needed; nothing changes.
@@ -362,7 +368,23 @@ class RayDevice:
             return reply
         if isinstance(message, (CopyToDevice, CopyToHost, Fill, Launch)):
             return self._library(message)
+        if isinstance(message, (Subscribe, Unsubscribe)):
+            return self._subscription(message)
         raise InvalidRequest(f"a RayDevice answers {_RAY_MESSAGES}, not {type(message).__name__}")
+
+    def _subscription(self, message: Subscribe | Unsubscribe) -> None:
+        # The keeper holds the subscribers: they are told of this device's restarts too.
+        subscriber = message.actor_ref
+        if not callable(getattr(getattr(subscriber, "on_generation_changed", None), "remote", None)):
+            raise InvalidRequest(
+                f"a RayDevice's {type(message).__name__} takes the handle of a Ray actor with an "
+                f"on_generation_changed method, got {type(subscriber).__name__}"
+            )
+        if isinstance(message, Subscribe):
+            call = self._keeper.subscribe.remote(subscriber, self._ordinal)
+        else:
+            call = self._keeper.unsubscribe.remote(subscriber)
+        self._ray.get(call, timeout=_KEEPER_TIMEOUT_S)
 
     def read(self, ref: RemoteGpuRef) -> np.ndarray:
         """The bytes of a descriptor (a block, or a carve of one), once every write recorded on

@@ -6,7 +6,11 @@ a :class:`~xlog_actors.ray.device.RayDevice` bumps it on every (re)start before 
 after every context rebuild of the device it hosts.
 
 The keeper also holds the Ray actor handle of the device that serves its generation, so a process
-holding only a descriptor finds the device that owns its bytes (:func:`~xlog_actors.ray.fetch.fetch`).
+holding only a descriptor finds the device that owns its bytes (:func:`~xlog_actors.ray.fetch.fetch`),
+and the Ray actors subscribed to the device (:meth:`GenerationKeeper.subscribe`), whatever node
+they run on: it tells each of them ``GenerationChanged`` on every bump (``"running"``), retirement
+(``"stopped"``) and poisoning (``"poisoned"``). The list lives here, not in the device, so it
+outlives the device's restarts, and the restart's own bump is told like any other.
 
 Invariants: the generation only grows (``bump`` is the only writer of it); the stale reason is
 None only between a ``bump`` and the next ``retire`` or ``poison``; a ``poison`` of an older
@@ -20,9 +24,13 @@ Thread rule: a Ray actor runs its methods one at a time; :func:`keeper_handle` a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from ..actors.messages import GenerationChanged
 from ._require import NAMESPACE, require_ray
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["POISONED", "SHUTTING_DOWN", "GenerationKeeper", "find_keeper", "keeper_handle", "keeper_name"]
 
@@ -42,6 +50,7 @@ class GenerationKeeper:
         self._generation = 0
         self._stale: str | None = SHUTTING_DOWN
         self._device: Any = None
+        self._subscribers: list[tuple[Any, int]] = []  # (Ray actor handle, the device's ordinal)
 
     def bump(self, device: Any = None) -> int:
         """Start a new generation (a device (re)started or rebuilt its context) and accept again.
@@ -56,6 +65,7 @@ class GenerationKeeper:
         self._stale = None
         if device is not None:
             self._device = device
+        self._tell("running")
         return self._generation
 
     def retire(self) -> None:
@@ -65,6 +75,7 @@ class GenerationKeeper:
         Thread rule: the keeper's Ray actor.
         """
         self._stale = SHUTTING_DOWN
+        self._tell("stopped")
 
     def poison(self, generation: int) -> None:
         """The device of ``generation`` met a sticky error: its handles then fail with
@@ -74,8 +85,39 @@ class GenerationKeeper:
             generation: the cluster generation the device served; an older one changes nothing.
         Thread rule: the keeper's Ray actor.
         """
-        if generation == self._generation:
+        if generation == self._generation and self._stale != POISONED:
             self._stale = POISONED
+            self._tell("poisoned")
+
+    def subscribe(self, subscriber: Any, ordinal: int) -> None:
+        """Tell ``subscriber`` ``GenerationChanged`` from now on (a no-op when it is already).
+
+        Args:
+            subscriber: a Ray actor handle with a method ``on_generation_changed(message)``,
+                called fire-and-forget; one that died is dropped at its next message.
+            ordinal: the device's ordinal, the messages' ``device_id``.
+        Thread rule: the keeper's Ray actor.
+        """
+        if all(_actor_id(s) != _actor_id(subscriber) for s, _ in self._subscribers):
+            self._subscribers.append((subscriber, ordinal))
+
+    def unsubscribe(self, subscriber: Any) -> None:
+        """Stop telling ``subscriber`` (a no-op when it is not subscribed).
+
+        Thread rule: the keeper's Ray actor.
+        """
+        self._subscribers = [(s, o) for s, o in self._subscribers if _actor_id(s) != _actor_id(subscriber)]
+
+    def _tell(self, status: str) -> None:
+        kept = []
+        for subscriber, ordinal in self._subscribers:
+            try:
+                subscriber.on_generation_changed.remote(GenerationChanged(ordinal, self._generation, status))
+            except Exception as exc:  # noqa: BLE001 - a dead or wrong subscriber must not stop the device
+                logger.info("generation keeper: dropped subscriber %r: %r", subscriber, exc)
+                continue
+            kept.append((subscriber, ordinal))
+        self._subscribers = kept
 
     def state(self) -> tuple[int, str | None]:
         """``(generation, stale)``.
@@ -95,6 +137,11 @@ class GenerationKeeper:
         Thread rule: the keeper's Ray actor.
         """
         return self._generation, self._stale, self._device
+
+
+def _actor_id(handle: Any) -> Any:
+    # Two handles of one Ray actor compare by the actor's id.
+    return getattr(handle, "_actor_id", handle)
 
 
 def keeper_name(node_id: str, ordinal: int) -> str:
