@@ -462,3 +462,25 @@ def test_an_actor_may_build_its_own_inbox_and_every_message_comes_through_its_pu
     assert seen[:2] == ["put int", "get int"], seen
     assert puts[1:] == ["put str", puts[2]] and puts[2] != "put str", "the stop comes through put as well"
     assert [g[4:] for g in gets] == [p[4:] for p in puts], "every message is taken through _get, in order"
+
+
+def test_an_actor_may_replace_its_ref_with_a_subclass_which_start_returns_and_registers() -> None:
+    class Ref(pykka.ActorRef[Any]):
+        pass
+
+    class WithRef(pykka.ThreadingActor):
+        def __init__(self) -> None:
+            super().__init__()
+            self._actor_ref = Ref(self)
+
+        def on_receive(self, message: Any) -> Any:
+            return message
+
+    ref = WithRef.start()
+    try:
+        assert type(ref) is Ref and ref.ask("x", timeout=5) == "x"
+        assert pykka.ActorRegistry.get_by_urn(ref.actor_urn) is ref
+        actor = ref._actor_weakref()
+        assert isinstance(actor, WithRef) and actor.actor_ref is ref
+    finally:
+        ref.stop()

@@ -38,6 +38,7 @@ class CopyActor(LibraryActor):
     """
 
     expected_messages = "CopyToDevice, CopyToHost, CopyDeviceToDevice or Fill"
+    caller_served = (CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill)
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         handlers: dict[type, Callable[[Any], Any]] = {

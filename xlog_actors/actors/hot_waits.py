@@ -7,7 +7,8 @@ through a short reply. CUDA's synchronize spins instead; these do the same, for 
 with the GIL released (``_core.doorbell``), then block the ordinary way.
 
 * :class:`SpinningInbox`: a library actor's inbox. After each message the actor looks for the
-  next one for up to ``INBOX_SPIN_S`` before it sleeps.
+  next one for up to ``INBOX_SPIN_S`` before it sleeps. It also counts the messages put and not
+  yet served, which tells an asker when it may serve its own ask (:mod:`.served_ref`).
 * :class:`SpinningFuture`: the future of an ask to a library actor. ``get`` spins up to
   ``FUTURE_SPIN_S`` before it waits on the condition; a ``get`` with a timeout spins no longer
   than that timeout.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from typing import Any
 
 import pykka
@@ -60,11 +62,27 @@ class SpinningInbox(queue.SimpleQueue):  # type: ignore[type-arg]
         super().__init__()
         self._bell = Doorbell()
         self._spin_s = spin_s
+        self._count_lock = threading.Lock()
+        self._unserved = 0
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        """Queue ``item`` (never blocks) and ring the bell."""
+        """Count ``item`` as unserved, queue it (never blocks) and ring the bell."""
+        with self._count_lock:
+            self._unserved += 1
         super().put(item, block, timeout)
         self._bell.ring()
+
+    def served(self) -> None:
+        """The actor served one message it took: the unserved count goes down.
+        Thread rule: the actor's thread, after the message's handler returned."""
+        with self._count_lock:
+            self._unserved -= 1
+
+    def unserved(self) -> int:
+        """Messages put and not yet served (taken ones included; those a stopped actor's
+        teardown answered stay counted). Zero means every message put before this call was
+        served (``served_ref``). Thread rule: any thread."""
+        return self._unserved
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The next item; a blocking ``get`` spins up to ``spin_s`` before it sleeps.

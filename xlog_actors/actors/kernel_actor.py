@@ -29,6 +29,7 @@ class KernelActor(LibraryActor):
     """
 
     expected_messages = "Launch or Launches"
+    caller_served = (Launch, Launches)
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         kind = type(message)

@@ -6,14 +6,16 @@ around each piece of work (validate, ``prepare_block_use``, enqueue, ``finish_bl
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import pykka
 
 from ..driver.protocol import Driver, Stream
 from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
+from . import ranges
 from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
@@ -23,6 +25,7 @@ from .isolated._proxy import IsolatedDevice
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
 from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
+from .served_ref import NOT_SERVED, ServedRef
 from .supervisor import SupervisedFailure
 
 __all__ = ["LibraryActor"]
@@ -45,12 +48,21 @@ class LibraryActor(ResilientActor):
     No message stops it: an unknown or malformed one that is told is logged and dropped; one that
     is asked is answered with ``InvalidRequest`` naming the field at fault.
 
-    Thread rules: everything runs on the actor's thread, where ``on_start`` made the context
-    current; the resource's tracking calls are thread-safe.
+    Its ``ActorRef`` is a :class:`.served_ref.ServedRef`: a blocking ask with no timeout, of the
+    types in :attr:`caller_served`, is served in the asker's own thread while the actor is idle,
+    with the same reply and errors (see :mod:`.served_ref` for the conditions and the order kept).
+
+    Thread rules: one handler runs at a time, on the actor's thread or on the thread of an asker
+    served in its own thread, under the actor's ``exclusive`` lock (``on_start`` and the stop
+    too); every driver call makes the device's context current in its calling thread; the
+    resource's tracking calls are thread-safe.
     """
 
     #: The names of the messages a subclass serves, for the answer to one it does not understand.
     expected_messages: str = ""
+
+    #: The message types whose blocking asks may be served in the asker's thread (exact types).
+    caller_served: ClassVar[tuple[type, ...]] = ()
 
     @classmethod
     def start(cls, *args: Any, **kwargs: Any) -> pykka.ActorRef[Any]:
@@ -77,6 +89,8 @@ class LibraryActor(ResilientActor):
             return start_library(cls, device, rest.get("track", True))
         ref: pykka.ActorRef[Any] = super().start(*args, **kwargs)
         return ref
+
+    actor_inbox: SpinningInbox  # what _create_actor_inbox makes
 
     @staticmethod
     def _create_actor_inbox() -> SpinningInbox:
@@ -121,10 +135,22 @@ class LibraryActor(ResilientActor):
         self._tracking = False
         self._driver: Driver | None = None
         self._peers = PeerBridges()
+        #: Held by whoever runs a handler (module docstring of ``served_ref``).
+        self._exclusive = threading.Lock()
+        #: Set once ``on_start`` ran: no asker serves before it.
+        self._started = False
+        self._actor_ref = ServedRef(self)  # pykka's own ref, made in its __init__, is replaced
 
     def on_start(self) -> None:
         """Subscribe to the device's status changes and attach to its context.
-        Thread rule: the actor's thread (pykka calls it)."""
+        Thread rule: the actor's thread (pykka calls it), holding ``exclusive``."""
+        with self._exclusive:
+            try:
+                self._start()
+            finally:
+                self._started = True
+
+    def _start(self) -> None:
         try:
             self._device.tell(Subscribe(self.actor_ref))
         except pykka.ActorDeadError:
@@ -141,6 +167,48 @@ class LibraryActor(ResilientActor):
             logger.info("%s: device not ready at start (%r); attaching later", type(self).__name__, exc)
             if isinstance(exc, (ContextLost, ContextPoisoned)):
                 self._report(exc, None)
+
+    def _serve_envelope(self, envelope: Any) -> None:
+        # Every message the actor takes is served holding ``exclusive`` and counted as served
+        # after its handler returned (served_ref). The box: this frame must not hold the envelope
+        # while it is served (ResilientActor's loop says why).
+        box = [envelope]
+        del envelope
+        with self._exclusive:
+            try:
+                super()._serve_envelope(box.pop())
+            finally:
+                self.actor_inbox.served()
+
+    def serve_in_caller(self, message: Any) -> Any:
+        """Serve ``message`` in the calling thread, as the actor would, when nothing is queued
+        or being served and the actor runs (see :mod:`.served_ref`).
+
+        Args:
+            message: a message of one of :attr:`caller_served`.
+        Returns:
+            the reply, or :data:`.served_ref.NOT_SERVED` (the ask must go through the inbox).
+        Raises:
+            the message's own errors, as ``on_receive`` raises them (a lost or poisoned context is
+            reported to the device's supervisor first, as on the actor's thread).
+        Thread rule: any thread; runs the handler holding ``exclusive``.
+        """
+        exclusive = self._exclusive
+        if not exclusive.acquire(blocking=False):
+            return NOT_SERVED
+        try:
+            if not self._started or self.actor_stopped.is_set() or self.actor_inbox.unserved():
+                return NOT_SERVED
+            tracer = ranges.RANGES
+            if tracer is None:
+                return self.on_receive(message)
+            tracer.push(type(self), type(message))
+            try:
+                return self.on_receive(message)
+            finally:
+                tracer.pop()
+        finally:
+            exclusive.release()
 
     def on_stop(self) -> None:
         """Unsubscribe from the device. Thread rule: the actor's thread (pykka calls it)."""

@@ -40,6 +40,11 @@ It borrows, from the installed pykka:
   object's ``set(value)`` or ``set_exception(exc_info=None)`` and nothing else (so the reply
   object need not be a ``pykka.Future``: the one here only posts the answer on a queue).
 
+* for ``served_ref.ServedRef`` (a library actor's ref): ``Actor.__init__`` keeps the actor's ref
+  in ``self._actor_ref``, which the ``actor_ref`` property returns and ``start`` registers, so an
+  ``__init__`` may replace it with an ``ActorRef`` subclass made the same way (``Ref(self)``);
+  and an ``ActorRef`` keeps a weak reference to its actor in ``_actor_weakref``.
+
 * for ``LatchFuture`` (``latch_future``, whose docstring lists what it borrows): nothing here;
   the batching loop fills a ``LatchFuture`` reply and opens it later (:data:`DEFER_WAKES`).
 

@@ -25,6 +25,7 @@ only the stream's gate around its liveness check and its CUDA call.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,12 @@ __all__ = ["CudaMemory"]
 
 def _address(buf: Any) -> int:
     """The address of a contiguous buffer's first byte (``buf`` must stay referenced)."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    try:
+        # A writable buffer: 0.3 us, against 2 us through numpy's ctypes attribute (every copy
+        # between host and device takes this path).
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):  # read-only or empty
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class CudaMemory(CudaHostMemory):
