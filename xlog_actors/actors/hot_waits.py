@@ -32,7 +32,7 @@ import pykka
 
 from .._core.doorbell import Doorbell
 
-__all__ = ["FUTURE_SPIN_S", "INBOX_SPIN_S", "MIN_CORES", "SpinningFuture", "SpinningInbox", "spin_budget"]
+__all__ = ["CORES", "FUTURE_SPIN_S", "INBOX_SPIN_S", "MIN_CORES", "SpinningFuture", "SpinningInbox", "spin_budget"]
 
 #: How long an idle library actor looks for its next message before it sleeps.
 INBOX_SPIN_S = 0.001
@@ -42,10 +42,15 @@ FUTURE_SPIN_S = 0.010
 MIN_CORES = 4
 
 
+#: The machine's cores, read once: ``os.cpu_count()`` reads a file on Linux (a few µs), and an
+#: ask to a library actor asks for its budget every time.
+CORES = os.cpu_count() or 1
+
+
 def spin_budget(seconds: float) -> float:
-    """``seconds``, or 0 on a machine with fewer than :data:`MIN_CORES` cores.
+    """``seconds``, or 0 on a machine with fewer than :data:`MIN_CORES` cores (:data:`CORES`).
     Thread rule: any thread."""
-    return seconds if (os.cpu_count() or 1) >= MIN_CORES else 0.0
+    return seconds if CORES >= MIN_CORES else 0.0
 
 
 class SpinningInbox(queue.SimpleQueue):  # type: ignore[type-arg]
