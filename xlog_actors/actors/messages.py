@@ -69,6 +69,24 @@ class Allocate:
         if ORIGIN_CAPTURE[0] and self.origin is None:
             object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # An isolated device's every allocation crosses a pipe: plain fields pickle in about 3 µs,
+        # against 7 µs for the dataclass's own state. Unpickling makes no origin (as before).
+        if type(self.stream) is StreamId and type(self.tag) is AllocTag:
+            return (_allocate, (self.nbytes, int(self.stream), str(self.tag), self.origin, True))
+        return (_allocate, (self.nbytes, self.stream, self.tag, self.origin, False))
+
+
+def _allocate(nbytes: Any, stream: Any, tag: Any, origin: Frames | None, plain: bool) -> Allocate:
+    """An :class:`Allocate` from its ``__reduce__``, fields as they were (no check, no origin
+    captured: unpickling is not where it was made)."""
+    msg = object.__new__(Allocate)
+    object.__setattr__(msg, "nbytes", nbytes)
+    object.__setattr__(msg, "stream", StreamId(stream) if plain else stream)
+    object.__setattr__(msg, "tag", AllocTag(tag) if plain else tag)
+    object.__setattr__(msg, "origin", origin)
+    return msg
+
 
 @dataclass(frozen=True, slots=True)
 class AllocatePinned:

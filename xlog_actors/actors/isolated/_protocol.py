@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from ..._core.fdwait import wait_readable
 from ...errors import DriverError, InvalidRequest
-from ...memory.block import DeviceBlock
+from ...memory.block import AllocTag, BlockState, DeviceBlock, Generation, StreamId, make_block
 
 __all__ = [
     "Channel",
@@ -99,6 +99,26 @@ class RemoteBlock:
 
     block: DeviceBlock
     generation: int
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Plain ints and a str on the wire (about 1 µs each way, against 12 µs and 9 µs for the
+        # dataclasses' own pickling): every allocation's reply is one.
+        b = self.block
+        if type(b.alloc_stream) is StreamId and type(b.tag) is AllocTag and type(b.generation) is Generation:
+            return (_remote_block, (b.ptr, b.device_ordinal, int(b.alloc_stream), b.nbytes, b.align, str(b.tag),
+                                    int(b.generation), b.state.value, self.generation))
+        return (RemoteBlock, (b, self.generation))
+
+
+_STATES = {state.value: state for state in BlockState}
+
+
+def _remote_block(ptr: int, ordinal: int, stream: int, nbytes: int, align: int, tag: str, block_generation: int,
+                  state: str, generation: int) -> RemoteBlock:
+    """A :class:`RemoteBlock` from its plain fields (its ``__reduce__``)."""
+    block = make_block(ptr, ordinal, StreamId(stream), nbytes, align, AllocTag(tag), Generation(block_generation),
+                       _STATES[state])
+    return RemoteBlock(block, generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +244,15 @@ class Channel:
         """
         try:
             # What Connection.send does, split so that a pickling failure is told apart from a
-            # broken pipe (and pickling holds no lock).
-            data = ForkingPickler.dumps(frame)
-        except Exception as exc:  # noqa: BLE001 - any pickling failure: reported as bad input
-            raise InvalidRequest(f"a {frame[0]!r} frame cannot be pickled: {exc!r}") from None
+            # broken pipe (and pickling holds no lock). The standard pickler first: the
+            # ForkingPickler that Connection.send uses builds a pickler and a buffer per frame
+            # (about 3 µs) for reducers that only a few objects need, which are tried second.
+            data = pickle.dumps(frame, pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - perhaps an object only multiprocessing's reducers know
+            try:
+                data = bytes(ForkingPickler.dumps(frame))
+            except Exception as exc:  # noqa: BLE001 - any pickling failure: reported as bad input
+                raise InvalidRequest(f"a {frame[0]!r} frame cannot be pickled: {exc!r}") from None
         with self._lock:
             self._conn.send_bytes(data)
 

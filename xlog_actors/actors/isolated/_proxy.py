@@ -66,7 +66,7 @@ from .. import messages as m
 from ..caller_inbox import CallerServedInbox
 from ..device_state import DeviceState
 from ..gpu_ref import GpuRef
-from ..hot_waits import FUTURE_SPIN_S, SpinningFuture, spin_budget
+from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, spin_budget
 from ..pykka_internals import ResilientActor
 from ..subscribers import tell_subscribers
 from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
@@ -279,11 +279,14 @@ class _Child:
 
     def _read(self, on_exit: Callable[[_Child], None], tell: Callable[[Any], None]) -> None:
         channel = self.proc.channel
-        spin = spin_budget(FUTURE_SPIN_S)
+        spin, idle_spin = spin_budget(FUTURE_SPIN_S), spin_budget(INBOX_SPIN_S)
         while True:
             try:
-                if spin and self.pending:
-                    channel.spin(spin)  # a reply is due: look for it a while before sleeping
+                # A reply is due: look for it a while before sleeping. Else look a shorter while:
+                # an asker answered just now sends its next ask a few µs later, and a reader that
+                # went to sleep in between would be woken for that reply (tens of µs on a VM).
+                if spin:
+                    channel.spin(spin if self.pending else idle_spin)
                 frame = channel.recv()
             except (EOFError, OSError):
                 break
