@@ -38,6 +38,47 @@ def test_channel_spin_sees_a_frame_and_the_end_of_the_pipe() -> None:
     mine.close()
 
 
+def test_allocate_and_remote_block_cross_as_plain_fields_and_come_back_equal_and_of_their_types() -> None:
+    import pickle
+
+    from xlog_actors.memory.block import BlockState, Generation, make_block
+
+    for msg in (xa.Allocate(4096), xa.Allocate(64, stream=xa.StreamId(3), tag=xa.AllocTag("weights"))):
+        back = pickle.loads(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+        assert back == msg and type(back.stream) is xa.StreamId and type(back.tag) is xa.AllocTag
+        assert back.origin is None
+    odd = xa.Allocate(64, stream="not a stream", tag=7)  # type: ignore[arg-type]
+    back = pickle.loads(pickle.dumps(odd))
+    assert (back.stream, back.tag) == ("not a stream", 7)  # kept as they were: the device refuses them
+    gen = Generation.next()
+    block = make_block(0x1000, 0, xa.StreamId(2), 4096, 256, xa.AllocTag("t"), gen, BlockState.RETIRED)
+    remote = _protocol.RemoteBlock(block, 5)
+    back = pickle.loads(pickle.dumps(remote, pickle.HIGHEST_PROTOCOL))
+    assert back == remote and back.generation == 5
+    assert (type(back.block.generation), type(back.block.alloc_stream), type(back.block.tag)) == (
+        Generation, xa.StreamId, xa.AllocTag)
+    assert back.block.state is BlockState.RETIRED
+    assert len(pickle.dumps(remote)) < 200
+
+
+def test_a_frame_only_multiprocessing_can_pickle_still_crosses() -> None:
+    import socket
+
+    a, b = multiprocessing.Pipe()
+    mine, theirs = _protocol.Channel(a), _protocol.Channel(b)
+    left, right = socket.socketpair()
+    try:
+        theirs.send(("x", left))  # a socket: multiprocessing's reducers pickle it, pickle does not
+        frame = mine.recv()
+        assert frame[0] == "x" and isinstance(frame[1], socket.socket)
+        frame[1].close()
+    finally:
+        left.close()
+        right.close()
+        mine.close()
+        theirs.close()
+
+
 class _Unpicklable(str):
     """A tag that cannot cross to the child: its class is not importable there."""
 
