@@ -187,3 +187,14 @@ def test_the_child_reader_serves_an_allocation_itself_only_while_the_device_acto
         driver.close()
         parent.close()
         child_end.close()
+
+
+def test_ipc_pool_is_checked_and_accepted_on_the_host_driver() -> None:
+    with pytest.raises(xa.InvalidRequest, match="ipc_pool must be a bool"):
+        xa.DeviceActor.start(0, "host", isolate=True, ipc_pool="yes")
+    with pytest.raises(xa.InvalidRequest, match="ipc_pool is an option of isolate=True"):
+        xa.DeviceActor.start(0, xa.HostDriver(), ipc_pool=True)
+    assert pykka.ActorRegistry.get_all() == []  # nothing was started by either
+    device = xa.DeviceActor.start(0, "host", isolate=True, ipc_pool=True)  # host memory is shared anyway
+    ref = device.ask(xa.Allocate(4096))
+    assert ref.nbytes == 4096 and device.ask(xa.GetStats()).live_blocks == 1

@@ -495,6 +495,39 @@ def test_cross_process_lifetime_and_staleness(
     assert _reply(peer) == "dropped"
 
 
+@pytest.mark.gpu
+def test_an_isolated_cuda_device_with_the_ipc_pool_hands_its_async_blocks_to_a_third_process(
+    peer: Connection,
+) -> None:
+    """``isolate=True, ipc_pool=True`` on CUDA: a block of the child's async stack, written by the
+    child's copy actor, is read by a third process through the pool import; a kill of the child
+    makes it stale there."""
+    from xlog_actors.driver.cuda.pool_ipc import CudaPoolExport
+
+    device = xa.DeviceActor.start(0, "cuda", resource="async", isolate=True, ipc_pool=True)
+    try:
+        copy = xa.CopyActor.start(device)
+        ref = device.ask(xa.Allocate(4096))
+        copy.ask(xa.Fill(ref, 9))
+        here = _round_trip(ref)
+        assert isinstance(here.export.memory, CudaPoolExport)
+        here.release()
+        peer.send(("read", ref, True, 16))
+        assert _reply(peer) == b"\x09" * 16
+        peer.send(("hold", ref))
+        assert _reply(peer) == ("held", "SharedGpuRef")
+        with pytest.raises(xa.DeviceUnavailable):
+            device.ask(ChildFault("kill"))
+        peer.send(("access",))
+        assert _reply(peer) == "context rebuilt"
+        peer.send(("drop",))
+        assert _reply(peer) == "dropped"
+        fresh = device.ask(xa.Allocate(256))
+        assert isinstance(_round_trip(fresh).export.memory, CudaPoolExport)
+    finally:
+        pykka.ActorRegistry.stop_all()
+
+
 def test_an_isolated_devices_handles_cross_to_a_third_process(peer: Connection) -> None:
     """A parent-side handle of an isolated device, sent on: the peer sees the child's memory;
     the child keeps it while the peer holds it (after the parent dropped its handle) and frees it

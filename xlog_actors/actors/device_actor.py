@@ -179,7 +179,8 @@ class DeviceActor(ResilientActor):
         With ``isolate=True`` the device lives in a child process of its own (spawned), behind a
         proxy actor in this process whose ``ActorRef`` is returned and stays valid across
         restarts of the child (``xlog_actors.actors.isolated``); ``driver`` is then a kind
-        (``"auto"``, ``"cuda"``, ``"host"``) or None (the child follows ``XLOG_ACTORS_DRIVER``).
+        (``"auto"``, ``"cuda"``, ``"host"``) or None (the child follows ``XLOG_ACTORS_DRIVER``),
+        and ``ipc_pool=True`` gives a CUDA child an IPC-capable pool (``start_isolated``).
 
         Raises:
             InvalidRequest, DeviceUnavailable: as :meth:`__init__` (or, isolated, as
@@ -188,6 +189,10 @@ class DeviceActor(ResilientActor):
         """
         if type(isolate) is not bool:
             raise InvalidRequest(f"isolate must be a bool, got {isolate!r}")
+        if not isolate and "ipc_pool" in kwargs:
+            raise InvalidRequest(
+                "ipc_pool is an option of isolate=True; an in-process device takes a CudaDriver(ipc_pool=True)"
+            )
         if isolate:
             from .isolated._proxy import start_isolated  # here: the isolated child imports this module
 

@@ -372,7 +372,7 @@ def serve(conn: Connection) -> None:
         return
     if frame[0] != "config":
         return  # "stop": the parent stopped before it needed this spare
-    _, ordinal, kind, resource, max_restarts, within_s = frame
+    _, ordinal, kind, resource, max_restarts, within_s, ipc_pool = frame
 
     def report_poisoned(device_id: int, error: BaseException) -> None:
         try:
@@ -383,6 +383,11 @@ def serve(conn: Connection) -> None:
     driver: Driver | None = None
     try:
         driver = open_driver(kind)
+        if ipc_pool and driver.kind == "cuda":
+            from ...driver.cuda import CudaDriver
+
+            driver.close()  # one cuInit more, once per child: it is what resolved "auto"
+            driver = CudaDriver(ipc_pool=True)
         if driver.kind == "host":
             # Emulated device memory in shared memory, so that the parent's handles can be sent
             # to other processes (shared_ref); an unused private driver costs nothing to close.

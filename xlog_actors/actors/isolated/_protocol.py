@@ -8,8 +8,9 @@ frame                                  direction     meaning
 =====================================  ============  ============================================
 ``("booted", t)``                      child→parent  the interpreter is up and imported (``t``:
                                                      ``time.monotonic()``, one clock per machine)
-``("config", ordinal, kind, resource,  parent→child  open the driver, start the device actor
-max_restarts, within_s)``
+``("config", ordinal, kind, resource,  parent→child  open the driver (``ipc_pool``: a CUDA
+max_restarts, within_s, ipc_pool)``                  driver with an IPC-capable pool), start the
+                                                     device actor
 ``("ready", t_driver, t_ready)``       child→parent  the device serves (driver opened at
                                                      ``t_driver``, actor ready at ``t_ready``)
 ``("failed", error)``                  child→parent  the configuration failed; the child exits

@@ -393,7 +393,12 @@ class IsolatedDevice(ResilientActor):
     """
 
     def __init__(
-        self, ordinal: int, kind: str | None, resource: str | Callable[..., Any] | None, supervisor: Supervisor
+        self,
+        ordinal: int,
+        kind: str | None,
+        resource: str | Callable[..., Any] | None,
+        supervisor: Supervisor,
+        ipc_pool: bool = False,
     ) -> None:
         """Start the first child and wait until it serves.
 
@@ -403,6 +408,7 @@ class IsolatedDevice(ResilientActor):
             resource: a stack description, a picklable factory, or None (the child's default).
             supervisor: the restart intensity (its ``max_restarts``/``within_s`` also bound the
                 child's in-process rebuilds).
+            ipc_pool: a CUDA child opens ``CudaDriver(ipc_pool=True)`` (see ``start_isolated``).
         Raises:
             InvalidRequest, DeviceUnavailable: as the child met them (a bad ordinal, no driver);
                 nothing is left running.
@@ -411,6 +417,7 @@ class IsolatedDevice(ResilientActor):
         super().__init__()
         self._ordinal = ordinal
         self._kind = kind
+        self._ipc_pool = ipc_pool
         self._resource = resource
         self._supervisor = supervisor
         self._subscribers: list[pykka.ActorRef[Any]] = []
@@ -609,7 +616,8 @@ class IsolatedDevice(ResilientActor):
         supervisor = self._supervisor
         try:
             proc.channel.send(
-                ("config", self._ordinal, self._kind, self._resource, supervisor.max_restarts, supervisor.within_s)
+                ("config", self._ordinal, self._kind, self._resource, supervisor.max_restarts, supervisor.within_s,
+                 self._ipc_pool)
             )
             booted, frame = self._await_ready(proc)
         except BaseException:
@@ -714,7 +722,12 @@ class IsolatedDevice(ResilientActor):
 
 
 def start_isolated(
-    ordinal: object = 0, driver: object = None, resource: object = None, supervisor: object = None
+    ordinal: object = 0,
+    driver: object = None,
+    resource: object = None,
+    supervisor: object = None,
+    *,
+    ipc_pool: object = False,
 ) -> pykka.ActorRef[Any]:
     """``DeviceActor.start(..., isolate=True)``: check the configuration, start the proxy and
     its first child, and return the proxy's ``ActorRef`` once the child serves.
@@ -727,6 +740,11 @@ def start_isolated(
         resource: a stack description, a picklable factory, or None.
         supervisor: a ``Supervisor`` without an ``on_poisoned`` hook of its own (a poisoned
             child always ends and is replaced), or None for the defaults.
+        ipc_pool: True: a child on the CUDA driver opens ``CudaDriver(ipc_pool=True)``, so the
+            blocks of its ``async`` stack come from an IPC-capable pool and its handles open in
+            other processes through ``cuMemPoolImportPointer`` (without it only the ``direct``
+            stack's blocks cross, through legacy ``cuIpc*``). A host-driver child's memory is
+            shared memory either way, so there it changes nothing.
     Returns:
         the proxy's ``ActorRef``.
     Raises:
@@ -737,6 +755,8 @@ def start_isolated(
     """
     if isinstance(ordinal, bool) or not isinstance(ordinal, int) or ordinal < 0:
         raise InvalidRequest(f"ordinal must be a non-negative int, got {ordinal!r}")
+    if type(ipc_pool) is not bool:
+        raise InvalidRequest(f"ipc_pool must be a bool, got {ipc_pool!r}")
     if driver is not None and driver not in DRIVER_KINDS:
         raise InvalidRequest(
             f"with isolate=True, driver must be a kind, one of {DRIVER_KINDS}, or None (the child opens "
@@ -764,5 +784,5 @@ def start_isolated(
             "with isolate=True a poisoned device's process always ends and is replaced: give a Supervisor "
             "without on_poisoned"
         )
-    ref: pykka.ActorRef[Any] = IsolatedDevice.start(ordinal, driver, resource, supervisor)
+    ref: pykka.ActorRef[Any] = IsolatedDevice.start(ordinal, driver, resource, supervisor, ipc_pool)
     return ref
