@@ -79,7 +79,7 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 16  # the sixteen rows with a target that run on the host
+    assert len(targeted) == 17  # the seventeen rows with a target that run on the host
 
 
 def test_quick_host_measures_the_history_row(quick_doc: dict) -> None:
@@ -243,3 +243,11 @@ def test_profile_and_decompose_run_on_the_host(what: str) -> None:
     assert proc.returncode == 0, proc.stderr
     marker = "=== GpuRef.access" if what == "profile" else "GpuRef.access()"
     assert marker in proc.stdout
+
+
+def test_quick_host_measures_the_cross_process_read(quick_doc: dict) -> None:
+    """A consumer process reads the owner's shared block (#18); its check compared the bytes."""
+    row = {r["name"]: r for r in quick_doc["rows"]}["cross-process read"]
+    assert row["unit"] == "GB/s" and row["target"]["text"] == ">= 0.95x"
+    assert _positive_finite(row["median"]) and _positive_finite(row["reference"]["median"])
+    assert quick_doc["errors"] == []

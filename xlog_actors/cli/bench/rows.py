@@ -17,12 +17,13 @@ from .rows_copies import COPIES
 from .rows_isolated import ISOLATED
 from .rows_peers import PEERS
 from .rows_pipeline import PIPELINE
+from .rows_shared import SHARED
 from .rows_training import TRAINING
 
 __all__ = ["GROUPS", "row_names"]
 
 GROUPS: tuple[Group, ...] = (
-    ASYNC, DIRECT, ACTOR, ISOLATED, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS, TRAINING
+    ASYNC, DIRECT, ACTOR, ISOLATED, SHARED, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS, TRAINING
 )
 
 
