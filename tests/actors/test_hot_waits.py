@@ -117,3 +117,39 @@ def test_library_actors_use_them(host_driver: xa.Driver) -> None:
         copy.stop()
         device.stop()
     assert SpinningFuture()._spin_s == spin_budget(hot_waits.FUTURE_SPIN_S)  # pykka's no-argument form
+
+
+def test_fill_sets_the_reply_without_ringing_and_hands_the_bell_over() -> None:
+    future = SpinningFuture(5.0)
+    bell = future.fill(41)
+    assert bell.count == 0  # not rung: the answering thread rings it once it let go of the GIL
+    assert future.get(timeout=1) == 41  # the reply is there all the same
+    bell.ring()
+    failed = SpinningFuture(0.0)
+    failed.fill(exc_info=(ValueError, ValueError("bad"), None))
+    with pytest.raises(ValueError, match="bad"):
+        failed.get(timeout=1)
+
+
+def test_a_getter_asleep_on_the_condition_is_woken_by_fill_alone() -> None:
+    future = SpinningFuture(0.0)  # no spin: the getter sleeps on the condition at once
+    thread = later(0.01, future.fill, "late")
+    assert future.get(timeout=5) == "late"
+    thread.join()
+
+
+def test_wait_readable_rings_the_bell_it_is_given_before_it_looks() -> None:
+    import os
+
+    from xlog_actors._core.fdwait import wait_readable
+
+    r, w = os.pipe()
+    try:
+        bell = Doorbell()
+        assert wait_readable(r, 0.0, bell) is False and bell.count == 1
+        os.write(w, b"x")
+        assert wait_readable(r, 1.0, None) is True and bell.count == 1
+        assert wait_readable(r, 1.0, bell) is True and bell.count == 2
+    finally:
+        os.close(r)
+        os.close(w)

@@ -20,19 +20,6 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
-cdef extern from *:
-    """
-    static inline unsigned long long xlog_bell_load(unsigned long long* p) {
-        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-    }
-    static inline void xlog_bell_ring(unsigned long long* p) {
-        __atomic_add_fetch(p, 1ULL, __ATOMIC_RELEASE);
-    }
-    """
-    unsigned long long xlog_bell_load(unsigned long long* p) nogil
-    void xlog_bell_ring(unsigned long long* p) nogil
-
-
 cdef inline double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -44,8 +31,6 @@ cdef class Doorbell:
 
     Thread rule: any thread.
     """
-
-    cdef unsigned long long _count
 
     def ring(self) -> None:
         """Add one to the count (release ordering: what the ringer wrote before is visible to a

@@ -1,3 +1,5 @@
+from .doorbell import Doorbell
+
 __all__ = ["wait_readable"]
 
-def wait_readable(fd: int, seconds: float) -> bool: ...
+def wait_readable(fd: int, seconds: float, bell: Doorbell | None = None) -> bool: ...

@@ -141,6 +141,18 @@ class SpinningFuture(pykka.ThreadingFuture[Any]):
         super().set_exception(exc_info)
         self._bell.ring()
 
+    def fill(self, value: Any = None, exc_info: Any | None = None) -> Doorbell:
+        """Set the reply (``value``), or the error when ``exc_info`` is given, *without* ringing,
+        and return the bell the caller must ring (``ring()``, or ``_core.fdwait.wait_readable``,
+        which rings it once the GIL is released, so the woken getter takes the GIL at once). A
+        getter that already sleeps on the condition is woken by the set itself.
+        Thread rule: the one thread that answers this future."""
+        if exc_info is None:
+            pykka.ThreadingFuture.set(self, value)
+        else:
+            pykka.ThreadingFuture.set_exception(self, exc_info)
+        return self._bell
+
     def get(self, *, timeout: float | None = None) -> Any:
         """The reply, or its error raised; spins up to ``spin_s`` (and no longer than ``timeout``)
         before it blocks. Raises what ``ThreadingFuture.get`` raises (``pykka.Timeout`` included)."""

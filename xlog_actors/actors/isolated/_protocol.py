@@ -48,6 +48,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
+from ..._core.doorbell import Doorbell
 from ..._core.fdwait import wait_readable
 from ...errors import DriverError, InvalidRequest
 from ...memory.block import AllocTag, BlockState, DeviceBlock, Generation, StreamId, make_block
@@ -267,10 +268,11 @@ class Channel:
         frame: tuple[Any, ...] = self._conn.recv()
         return frame
 
-    def spin(self, seconds: float) -> bool:
+    def spin(self, seconds: float, bell: Doorbell | None = None) -> bool:
         """Spin up to ``seconds``, the GIL released, until a frame (or the end of the pipe) can
-        be read (``_core.fdwait``); whether one can. Thread rule: the receiving thread."""
-        return wait_readable(self._conn.fileno(), seconds)
+        be read (``_core.fdwait``); whether one can. ``bell``: rung first, once the GIL is
+        released. Thread rule: the receiving thread."""
+        return wait_readable(self._conn.fileno(), seconds, bell)
 
     def poll(self, timeout: float) -> bool:
         """Whether a frame (or the end of the pipe) can be read within ``timeout`` seconds.

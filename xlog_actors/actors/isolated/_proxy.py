@@ -58,6 +58,7 @@ from typing import Any
 
 import pykka
 
+from ..._core.doorbell import Doorbell
 from ...driver.open import DRIVER_KINDS, env_driver_kind
 from ...driver.shared_memory import unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
@@ -280,29 +281,36 @@ class _Child:
     def _read(self, on_exit: Callable[[_Child], None], tell: Callable[[Any], None]) -> None:
         channel = self.proc.channel
         spin, idle_spin = spin_budget(FUTURE_SPIN_S), spin_budget(INBOX_SPIN_S)
+        bell: Doorbell | None = None  # of the asker answered last, rung once the GIL is let go
         while True:
             try:
                 # A reply is due: look for it a while before sleeping. Else look a shorter while:
                 # an asker answered just now sends its next ask a few µs later, and a reader that
                 # went to sleep in between would be woken for that reply (tens of µs on a VM).
                 if spin:
-                    channel.spin(spin if self.pending else idle_spin)
+                    channel.spin(spin if self.pending else idle_spin, bell)
+                elif bell is not None:
+                    bell.ring()
+                bell = None
                 frame = channel.recv()
             except (EOFError, OSError):
                 break
             try:
-                self._serve_frame(frame, tell)
+                bell = self._serve_frame(frame, tell)
             except Exception as exc:  # this thread must go on reading frames
                 logger.error("isolated device %d: a frame from the child failed: %r", self.ordinal, exc, exc_info=exc)
+        if bell is not None:
+            bell.ring()
         self._died()
         if not self.stopping:
             on_exit(self)
 
-    def _serve_frame(self, frame: tuple[Any, ...], tell: Callable[[Any], None]) -> None:
+    def _serve_frame(self, frame: tuple[Any, ...], tell: Callable[[Any], None]) -> Doorbell | None:
+        """Serve one frame of the child; the bell of an asker it answered, for the caller to ring."""
         kind = frame[0]
         if kind == "reply":
-            self._resolve(frame[1], frame[2], frame[3])
-        elif kind == "generation":
+            return self._resolve(frame[1], frame[2], frame[3])
+        if kind == "generation":
             _, generation, status = frame
             if status == "running":
                 self.context_for(generation)
@@ -312,12 +320,15 @@ class _Child:
         elif kind == "poisoned":
             self.poisoned_at = time.monotonic()
             self.poisoned = decode_error(frame[1])
+        return None
 
-    def _resolve(self, rid: int, ok: bool, value: Any) -> None:
+    def _resolve(self, rid: int, ok: bool, value: Any) -> Doorbell | None:
+        """Answer the asker of ``rid``; a ``SpinningFuture``'s bell is returned unrung (the reader
+        rings it once it let go of the GIL: see ``_read``), any other reply is set as usual."""
         with self.lock:
             entry = self.pending.pop(rid, None)
         if entry is None:
-            return
+            return None
         future, message = entry
         error: BaseException | None = None
         if ok:
@@ -333,11 +344,15 @@ class _Child:
             if isinstance(message, m.Free) and not isinstance(error, CorruptionDetected):
                 message.ref._unmark_released()  # the child kept the block: the handle stays usable
         if future is None:
-            return  # told: the value (a handle, say) is dropped, and freed
-        if error is None:
+            return None  # told: the value (a handle, say) is dropped, and freed
+        exc_info = None if error is None else (type(error), error, None)
+        if type(future) is SpinningFuture:
+            return future.fill(value, exc_info)
+        if exc_info is None:
             future.set(value)
         else:
-            future.set_exception((type(error), error, None))
+            future.set_exception(exc_info)
+        return None
 
     def _decode(self, message: Any, value: Any) -> Any:
         if isinstance(value, RemoteBlock):
