@@ -86,7 +86,12 @@ from ._protocol import (
 )
 from ._remote import RemoteContext, RemoteDriverFace
 
-__all__ = ["READY_TIMEOUT_S", "ChildTimeline", "IsolatedDevice", "start_isolated"]
+__all__ = ["READY_TIMEOUT_S", "RING_AFTER_RELEASE", "ChildTimeline", "IsolatedDevice", "start_isolated"]
+
+#: Whether the reply reader rings an answered asker's ``SpinningFuture`` only once it released
+#: the GIL (``_read``), rather than as it sets the reply. ``scripts/isolated_anatomy.py`` sets it
+#: both ways to measure it (docs/performance.md, "Isolated Allocate round trip").
+RING_AFTER_RELEASE = True
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +351,7 @@ class _Child:
         if future is None:
             return None  # told: the value (a handle, say) is dropped, and freed
         exc_info = None if error is None else (type(error), error, None)
-        if type(future) is SpinningFuture:
+        if RING_AFTER_RELEASE and type(future) is SpinningFuture:
             return future.fill(value, exc_info)
         if exc_info is None:
             future.set(value)

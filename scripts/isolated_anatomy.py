@@ -1,0 +1,67 @@
+"""An isolated device's ``Allocate`` round trip, variant by variant, in one process, rounds
+interleaved: the product as it is, and with the knobs of ``xlog_actors.actors.isolated._proxy``
+flipped; each beside a bare pykka ask of the same round.
+
+    python scripts/isolated_anatomy.py [cuda|host] [rounds] [asks per round]
+
+Prints the median µs per ask of each variant and its ratio to the bare ask.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import pykka
+
+from xlog_actors.actors import Allocate, DeviceActor
+from xlog_actors.actors.isolated import _proxy
+
+
+class _Echo(pykka.ThreadingActor):
+    def on_receive(self, message: Any) -> Any:
+        return None
+
+
+def _time(ask: Any, msg: Any, n: int) -> float:
+    held: list[Any] = [None]
+    t = time.perf_counter()
+    for _ in range(n):
+        held[0] = None
+        held[0] = ask(msg)
+    per = (time.perf_counter() - t) / n * 1e6
+    held[0] = None
+    return per
+
+
+def main(kind: str, rounds: int, n: int) -> None:
+    device = DeviceActor.start(0, kind, isolate=True)
+    echo = _Echo.start()
+    msg = Allocate(4096)
+    variants = {"ring after release": True, "ring on set": False}
+    times: dict[str, list[float]] = {name: [] for name in [*variants, "bare ask"]}
+    try:
+        for value in variants.values():  # warm both
+            _proxy.RING_AFTER_RELEASE = value
+            _time(device.ask, msg, n)
+        for r in range(rounds):
+            order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
+            for name, value in order:
+                _proxy.RING_AFTER_RELEASE = value
+                times[name].append(_time(device.ask, msg, n))
+            times["bare ask"].append(_time(echo.ask, msg, n))
+    finally:
+        _proxy.RING_AFTER_RELEASE = True
+        echo.stop()
+        device.stop()
+    bare = statistics.median(times["bare ask"])
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"{name:22s} {m:8.1f} us  {m / bare:6.3f}x the bare ask   (rounds: {', '.join(f'{t:.0f}' for t in ts)})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "cuda", int(sys.argv[2]) if len(sys.argv) > 2 else 10,
+         int(sys.argv[3]) if len(sys.argv) > 3 else 2000)
