@@ -81,9 +81,10 @@ from ..actors import (
     exit_process,
 )
 from ..actors.device_config import ResourceSpec
+from ..actors.isolated import ChildFault
 from ..actors.library_messages import BufferArg
 from ..driver.host import HostDriver
-from ..driver.open import open_driver
+from ..driver.open import DRIVER_KINDS, open_driver
 from ..driver.protocol import Driver
 from ..errors import ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest
 from ..memory import AllocTag, PinnedBuffer
@@ -108,7 +109,7 @@ _STAGING_TAG = AllocTag("ray-fetch-staging")
 _RAY_MESSAGES = (
     "Allocate, AllocateMany, Free (of a RemoteGpuRef), GetStats, Rebuild, "
     "CopyToDevice, CopyToHost, Fill or Launch (of RemoteGpuRefs), "
-    "Subscribe or Unsubscribe (of a Ray actor handle)"
+    "Subscribe or Unsubscribe (of a Ray actor handle), ChildFault (isolated devices only)"
 )
 
 
@@ -140,6 +141,7 @@ class RayDevice:
         driver_factory: Callable[[], Driver] | None = None,
         resource: ResourceSpec = None,
         restart_on_poison: bool = False,
+        isolate: str | None = None,
     ) -> None:
         """Bump the cluster generation of (this node, ``ordinal``), then start the device.
 
@@ -150,6 +152,12 @@ class RayDevice:
             restart_on_poison: on a sticky error, mark the generation poisoned, then end the
                 worker process (``EXIT_POISONED``) so that Ray restarts the actor on a new
                 generation (within its ``max_restarts``); False: stay poisoned.
+            isolate: None: the device runs in this worker. A driver kind (``"host"``,
+                ``"cuda"``, ``"auto"``): the device runs in the process mode
+                (``DeviceActor.start(..., isolate=True, ipc_pool=True)``), in a child process of
+                the worker that the worker's proxy replaces after a sticky error or a crash,
+                each replacement a new cluster generation, while this Ray actor lives on
+                (``driver_factory`` and ``restart_on_poison`` must then be left out).
         Raises:
             InvalidRequest, DeviceUnavailable: as ``DeviceActor.start``.
         Thread rule: the Ray actor's (re)start, before any call.
@@ -162,9 +170,14 @@ class RayDevice:
         self._refs: dict[int, GpuRef] = {}
         self._stopped = False
         self._stage: PinnedBuffer | None = None
-        driver = (driver_factory or _host_driver)()
-        supervisor = Supervisor(on_poisoned=self._exit_poisoned) if restart_on_poison else None
-        self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource, supervisor=supervisor)
+        self._isolated = isolate is not None
+        if self._isolated:
+            # The child process opens its own driver; a poisoned child is replaced by the proxy.
+            self._device = DeviceActor.start(ordinal, isolate, resource, isolate=True, ipc_pool=True)
+        else:
+            driver = (driver_factory or _host_driver)()
+            supervisor = Supervisor(on_poisoned=self._exit_poisoned) if restart_on_poison else None
+            self._device = DeviceActor.start(ordinal=ordinal, driver=driver, resource=resource, supervisor=supervisor)
         self._local_generation: int = self._device.ask(GetStats(), block=True).generation
         self._copy = CopyActor.start(self._device)
         self._kernels = KernelActor.start(self._device)
@@ -370,7 +383,36 @@ class RayDevice:
             return self._library(message)
         if isinstance(message, (Subscribe, Unsubscribe)):
             return self._subscription(message)
+        if isinstance(message, ChildFault) and self._isolated:
+            return self._device.ask(message)  # the process mode's test hook
         raise InvalidRequest(f"a RayDevice answers {_RAY_MESSAGES}, not {type(message).__name__}")
+
+    def export(self, ref: RemoteGpuRef) -> GpuRef:
+        """The handle a descriptor names, for a process on this node to open in place: Ray
+        pickles it here, which exports the block (CUDA IPC, or shared memory on the host
+        driver), and the caller's ``ray.get`` gets a ``SharedGpuRef`` of the same memory (see
+        :func:`xlog_actors.ray.open_on_node`).
+
+        Args:
+            ref: a whole-block descriptor of this device and generation, still held.
+        Returns:
+            The worker's ``GpuRef`` (it arrives as a ``SharedGpuRef``).
+        Raises:
+            GpuRefStale, InvalidRequest, DeviceUnavailable: as :meth:`read`; ``InvalidRequest``
+                also when the device's memory cannot be exported (an in-process device on the
+                plain host driver or on CUDA's default pool: start it with ``isolate``).
+        Thread rule: a Ray call.
+        """
+        self._check_running()
+        local = self._local("export", ref)
+        if not self._isolated:
+            driver = local.context.driver
+            if isinstance(driver, HostDriver) and not driver.shared:
+                raise InvalidRequest(
+                    f"export: {ref.where()} lives in this worker's private memory; a RayDevice started "
+                    "with isolate= keeps it in memory other processes of the node can open"
+                )
+        return local
 
     def _subscription(self, message: Subscribe | Unsubscribe) -> None:
         # The keeper holds the subscribers: they are told of this device's restarts too.
@@ -417,6 +459,10 @@ class RayDevice:
                 view = driver.device_view(local.context.ordinal, ref.ptr, ref.nbytes)
                 return np.frombuffer(view, dtype=np.uint8)
             # CopyToHost copies from the start of the block; a carve's bytes are a suffix of that.
+            if self._isolated:
+                # The memory is the child's: its copy actor copies it out, after the last write.
+                data = cast(bytes, self._copy.ask(CopyToHost(local, start + ref.nbytes)))
+                return np.frombuffer(data, dtype=np.uint8)[start:]
             stage = self._after_last_write(local, start + ref.nbytes)
             array: np.ndarray = stage.array()[start : start + ref.nbytes]
             return array
@@ -505,6 +551,7 @@ def start_ray_device(
     num_gpus: float = 0,
     name: str | None = None,
     restart_on_poison: bool = False,
+    isolate: str | None = None,
 ) -> Any:
     """Start a :class:`RayDevice` as a Ray actor pinned to a node.
 
@@ -519,11 +566,15 @@ def start_ray_device(
         name: an optional Ray actor name (in the caller's namespace).
         restart_on_poison: a sticky error ends the worker process (after marking the generation
             poisoned), so Ray restarts the device on a new generation; False: it stays poisoned.
+        isolate: None, or a driver kind (``"host"``, ``"cuda"``, ``"auto"``): the device runs in
+            the process mode, in a child process of the Ray worker (see :class:`RayDevice`); a
+            sticky error then restarts only that child, and the Ray actor lives on.
     Returns:
         The Ray actor handle; call ``handle.ask.remote(message)``.
     Raises:
         ImportError: ray is not installed.
-        InvalidRequest: a negative ``max_restarts``.
+        InvalidRequest: a negative ``max_restarts``; ``isolate`` not a driver kind, or given with
+            ``driver_factory`` or ``restart_on_poison``. Nothing is started.
     Thread rule: any thread of a process connected to Ray.
     """
     ray = require_ray()
@@ -531,6 +582,14 @@ def start_ray_device(
 
     if max_restarts < 0:
         raise InvalidRequest(f"max_restarts must be >= 0, got {max_restarts}")
+    if isolate is not None:
+        if isolate not in DRIVER_KINDS:
+            raise InvalidRequest(f"isolate must be None or a driver kind, one of {DRIVER_KINDS}, got {isolate!r}")
+        if driver_factory is not None or restart_on_poison:
+            raise InvalidRequest(
+                "isolate= runs the device in a child process that opens its own driver and is replaced after a "
+                "sticky error: leave out driver_factory and restart_on_poison"
+            )
     node = node_id or ray.get_runtime_context().get_node_id()
     options: dict[str, Any] = {
         "max_restarts": max_restarts,
@@ -540,4 +599,5 @@ def start_ray_device(
     }
     if name is not None:
         options["name"] = name
-    return ray.remote(RayDevice).options(**options).remote(ordinal, driver_factory, resource, restart_on_poison)
+    device = ray.remote(RayDevice).options(**options)
+    return device.remote(ordinal, driver_factory, resource, restart_on_poison, isolate)

@@ -36,7 +36,7 @@ from ._require import require_ray
 from .landing import land
 from .remote_ref import RemoteGpuRef
 
-__all__ = ["FETCH_TIMEOUT_S", "fetch", "fetch_into", "fetch_to", "ray_get"]
+__all__ = ["FETCH_TIMEOUT_S", "fetch", "fetch_into", "fetch_to", "open_on_node", "ray_get"]
 
 #: How long a fetch waits for each Ray call, in seconds, by default.
 FETCH_TIMEOUT_S = 30.0
@@ -144,6 +144,37 @@ def fetch_into(
         land(copy, dst, data, timeout_s)
     except pykka.Timeout:
         raise DeviceUnavailable(f"{ref.where()}: the CopyActor did not take the bytes in {timeout_s} s") from None
+
+
+def open_on_node(ref: RemoteGpuRef, *, timeout_s: float = FETCH_TIMEOUT_S) -> Any:
+    """Open ``ref`` in place from a process on its device's own node: no bytes move. The device
+    exports the block (CUDA IPC; shared memory on the host driver) and this process gets a
+    ``SharedGpuRef`` of the same memory: ``view()`` on the host driver, ``raw_device_ptr()``,
+    ``__cuda_array_interface__`` and DLPack on CUDA; ``wait_write()`` or an ordered read waits for
+    the block's last write; it validates against the device's generation on every ``access()``,
+    so a restart of the device process makes it stale at once. ``release()`` it when done.
+
+    Args:
+        ref: a whole-block descriptor of a ``RayDevice`` started with ``isolate=`` (or of one
+            whose memory can be exported).
+        timeout_s: the bound on each Ray wait, in seconds.
+    Returns:
+        The ``SharedGpuRef``.
+    Raises:
+        InvalidRequest: ``ref`` is on another node (fetch it instead), not a ``RemoteGpuRef``,
+            or of a device whose memory cannot be exported.
+        GpuRefStale, DeviceUnavailable: as :func:`fetch`.
+        ImportError: ray is not installed.
+    Thread rule: any thread of a process connected to Ray.
+    """
+    ray = require_ray()
+    if not isinstance(ref, RemoteGpuRef):
+        raise InvalidRequest(f"open_on_node takes a RemoteGpuRef, not {type(ref).__name__}")
+    here = ray.get_runtime_context().get_node_id()
+    if here != ref.node_id:
+        raise InvalidRequest(f"open_on_node: {ref.where()} is on another node than this one ({here[:12]}): fetch it")
+    device = _producer(ref, timeout_s)
+    return ray_get(device.export.remote(ref), ref.where(), timeout_s)
 
 
 def _producer(ref: RemoteGpuRef, timeout_s: float) -> Any:
