@@ -56,7 +56,9 @@ def cluster() -> Iterator[Nodes]:
             initialize_head=True,
             head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False},
         )
-        a = sim.add_node(num_cpus=1, node_ip_address=LOOPBACK)
+        # A declares one GPU (a logical resource: nothing checks it on a machine without one),
+        # so the GPU tests can start a device there with num_gpus=1.
+        a = sim.add_node(num_cpus=1, num_gpus=1, node_ip_address=LOOPBACK)
         b = sim.add_node(num_cpus=1, node_ip_address=LOOPBACK)
         ray.init(address=sim.address, log_to_driver=False)
         sim.wait_for_nodes()
