@@ -15,14 +15,23 @@ raw ``cuMemcpyPeerAsync`` on the group's raw stream of device 0. It needs two de
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pykka
 
-from ...actors import Allocate, CopyActor, CopyDeviceToDevice, CopyToDevice, CopyToHost, DeviceActor, Fill
+from ...actors import (
+    Allocate,
+    AllocatePinned,
+    CopyActor,
+    CopyDeviceToDevice,
+    CopyToDevice,
+    CopyToHost,
+    DeviceActor,
+    Fill,
+)
 from ...driver.protocol import Driver, Stream
 from .harness import Context, Group, Op, Row, SkipRow
 from .plan import MIB, Plan, size_text
@@ -39,6 +48,7 @@ class _Copies:
     device: pykka.ActorRef[Any]
     copy: pykka.ActorRef[Any]
     stream: Stream
+    probe: Any  # a pinned buffer of device 0 that the rows' waits copy one byte into
 
 
 @contextlib.contextmanager
@@ -46,9 +56,11 @@ def _copies(ctx: Context) -> Iterator[_Copies]:
     device = DeviceActor.start(0, ctx.driver)
     copy = CopyActor.start(device)
     stream = ctx.driver.create_stream(0)
+    probe: Any = device.ask(AllocatePinned(64))
     try:
-        yield _Copies(ctx.driver, ctx.plan, device, copy, stream)
+        yield _Copies(ctx.driver, ctx.plan, device, copy, stream, probe)
     finally:
+        probe.release()
         copy.stop()
         device.stop()
         stream.synchronize()
@@ -105,15 +117,36 @@ def _h2d(b: _Copies) -> Iterator[_H2D]:
         host.close()
 
 
-def _copy_actor_h2d(f: _H2D) -> Op:
+def _waiter(ask: Any, ref: Any, b: _Copies, pinned: bool) -> Callable[[], None]:
+    """How a row waits for its copies through the actor: a 1-byte ``CopyToHost`` of ``ref``, on
+    the copy actor's stream after them. ``pinned``: into the pinned probe, then its
+    ``CopyDone.wait()`` (an event synchronize, the runtime's way to wait for one copy);
+    else into new pageable bytes, which the ask returns once they landed (a pageable copy back,
+    synchronous in CUDA, then a stream synchronize)."""
+    if pinned:
+        into_probe = CopyToHost(ref, nbytes=1, out=b.probe)
+
+        def wait_pinned() -> None:
+            ask(into_probe).wait()
+
+        return wait_pinned
+    pageable = CopyToHost(ref, nbytes=1)
+
+    def wait_pageable() -> None:
+        ask(pageable)
+
+    return wait_pageable
+
+
+def _copy_actor_h2d(f: _H2D, pinned_wait: bool = True) -> Op:
     ask = f.ask
     to_device = CopyToDevice(f.ref, f.arr)
-    sync = CopyToHost(f.ref, nbytes=1)
+    wait = _waiter(ask, f.ref, f.base, pinned_wait)
 
     def ours(n: int) -> None:
         for _ in range(n):
             ask(to_device)
-            ask(sync)  # synchronizes the copy actor's stream
+            wait()
 
     return ours
 
@@ -176,16 +209,16 @@ def _d2d(b: _Copies) -> Iterator[_D2D]:
     del src, dst
 
 
-def _copy_actor_d2d(ask: Any, f: _D2D | _Peer) -> Op:
+def _copy_actor_d2d(ask: Any, f: _D2D | _Peer, pinned_wait: bool = True) -> Op:
     d2d = CopyDeviceToDevice(f.src, f.dst)
-    sync = CopyToHost(f.dst, nbytes=1)
+    wait = _waiter(ask, f.dst, f.base, pinned_wait)
     k = f.base.plan.d2d_per_sync
 
     def ours_d2d(n: int) -> None:
         for _ in range(n):
             for _ in range(k):
                 ask(d2d)
-            ask(sync)
+            wait()
 
     return ours_d2d
 
@@ -267,15 +300,25 @@ def _check_peer(f: _Peer) -> None:
 
 COPIES = Group("copies", (
     Row("CopyActor H2D pinned", lambda f, p: f"copy.ask(CopyToDevice(ref, {size_text(p.h2d_bytes)} pinned)) + "
-        "ask(CopyToHost(ref, nbytes=1)) to synchronize", _h2d, _copy_actor_h2d, lambda f: f.raw,
+        "ask(CopyToHost(ref, nbytes=1, out=pinned)).wait() to wait for it", _h2d, _copy_actor_h2d, lambda f: f.raw,
         lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
         target=Target("ratio", ">=", 0.98), check=_check_h2d),
+    Row("CopyActor H2D pinned, pageable wait", lambda f, p: "as CopyActor H2D pinned, waiting with "
+        "ask(CopyToHost(ref, nbytes=1)) (a pageable copy back) instead", _h2d,
+        lambda f: _copy_actor_h2d(f, pinned_wait=False), lambda f: f.raw, lambda p: (p.h2d_samples, 1),
+        kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
+        note="informational: the row's figure until session 6, and what the wait's kind costs"),
     Row("driver copy_to_device H2D pinned", lambda f, p: f"driver.copy_to_device({size_text(p.h2d_bytes)} pinned) "
         "+ stream.synchronize(), no actor", _h2d, lambda f: _driver_h2d(f.base.driver, f.base.stream, f.dptr, f.arr),
         lambda f: f.raw, lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
         note="informational: separates the driver's share (its snapshot of the source) from the actor's"),
+    Row("CopyActor D2D, pageable wait", lambda f, p: "as CopyActor D2D, waiting with ask(CopyToHost(dst, "
+        "nbytes=1)) (a pageable copy back) instead; per copy", _d2d,
+        lambda f: _copy_actor_d2d(f.ask, f, pinned_wait=False), lambda f: f.raw,
+        **_d2d_rate(note="informational: the row's figure until session 6, and what the wait's kind costs")),
     Row("CopyActor D2D", lambda f, p: f"{p.d2d_per_sync} x copy.ask(CopyDeviceToDevice({size_text(p.d2d_bytes)}))"
-        " + ask(CopyToHost(dst, nbytes=1)); per copy", _d2d, lambda f: _copy_actor_d2d(f.ask, f), lambda f: f.raw,
+        " + ask(CopyToHost(dst, nbytes=1, out=pinned)).wait(); per copy", _d2d, lambda f: _copy_actor_d2d(f.ask, f),
+        lambda f: f.raw,
         **_d2d_rate(target=Target("ratio", ">=", 0.98), check=_check_d2d,
                     note=lambda f, p: "bandwidth counts the bytes copied once (read + write traffic is twice "
                     f"that); {p.d2d_per_sync} copies per synchronize on both sides")),
@@ -288,7 +331,8 @@ COPIES = Group("copies", (
         **_d2d_rate(host_skip="on the host driver this is the reference itself",
                     note="informational: the driver's share of the CopyActor D2D row")),
     Row(f"CopyActor peer {size_text(_PEER_BYTES)}", lambda f, p: f"{p.d2d_per_sync} x copy.ask(CopyDeviceToDevice("
-        f"{size_text(_PEER_BYTES)} of device 1 -> device 0)) + ask(CopyToHost(dst, nbytes=1)); per copy", _peer,
+        f"{size_text(_PEER_BYTES)} of device 1 -> device 0)) + ask(CopyToHost(dst, nbytes=1, out=pinned)).wait();"
+        " per copy", _peer,
         _copy_actor_peer, _raw_peer, lambda p: (p.d2d_samples, 1), reference=_peer_reference,
         ours_ops=lambda p: p.d2d_per_sync, ref_ops=lambda p: p.d2d_per_sync, kind="rate",
         bytes_per_op=_PEER_BYTES, target=Target("ratio", ">=", 0.95), check=_check_peer,
