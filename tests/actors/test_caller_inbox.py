@@ -139,3 +139,48 @@ def test_a_context_reset_from_outside_leaves_the_ask_to_the_actor(host_driver: x
     assert host_device.ask(xa.Allocate(64)).nbytes == 64
     assert not failures, "the caller's thread did not check the context"
     assert threads and threads[0] != threading.current_thread().name
+
+
+def test_a_dropped_handle_is_freed_by_the_next_allocation_served_in_the_caller(host_driver: xa.HostDriver) -> None:
+    """A budget that holds one block: the dropped handle's block (queued to be reclaimed, too
+    small to wake the actor) is freed by the asker before its own allocation, in its thread."""
+    device = xa.DeviceActor.start(0, host_driver, resource="async+budget:4KiB")
+    try:
+        threads = spy_on_allocations(device)  # (an ask of the actor: before the drop below)
+        device.ask(xa.Allocate(4096))  # its handle is dropped at once
+        assert device.ask(xa.Allocate(4096)).nbytes == 4096  # BudgetExceeded if the first still held
+        assert threads == [threading.current_thread().name] * 2
+        stats = device.ask(xa.GetStats())
+        assert (stats.live_blocks, stats.bytes_outstanding) == (0, 0)
+    finally:
+        device.stop()
+
+
+def test_a_queue_of_wake_ups_only_counts_as_empty_and_nothing_else_does() -> None:
+    from pykka._envelope import Envelope
+
+    class Ask:
+        pass
+
+    class Wake:
+        pass
+
+    served: list[Any] = []
+    inbox = CallerServedInbox()
+    inbox.serve_in_caller((Ask,), lambda envelope: served.append(envelope), wake_types=(Wake,))
+    inbox.put(Envelope(Wake(), reply_to=None))  # a told wake-up: queued
+    first = Envelope(Ask(), reply_to=pykka.ThreadingFuture())
+    inbox.put(first)
+    assert served == [first] and len(inbox.queue) == 1  # served past the wake-up
+    inbox.put(Envelope(Wake(), reply_to=pykka.ThreadingFuture()))  # an *asked* Wake orders: not a wake-up
+    inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
+    assert served == [first] and len(inbox.queue) == 3
+    inbox.queue.clear()
+    inbox.put(Envelope(object(), reply_to=None))  # any other told message orders too
+    inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
+    assert served == [first] and len(inbox.queue) == 2
+    inbox.queue.clear()
+    inbox.serve_in_caller((Ask,), lambda envelope: served.append(envelope))  # no wake types: as before
+    inbox.put(Envelope(Wake(), reply_to=None))
+    inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
+    assert served == [first] and len(inbox.queue) == 2

@@ -208,7 +208,9 @@ cdef class ContextCore:
 
         Raises:
             CorruptionDetected: reported, not retried. ResourceError: the free failed.
-        Thread rule: the device actor's thread only.
+        Thread rule: the device actor's thread, or an asker's thread that the actor's inbox lets
+        serve an allocation while the actor is idle (``caller_inbox``): two drains at once each
+        take distinct blocks (``popleft`` is atomic) and frees are thread-safe.
         """
         self.wake_pending = False
         reclaims = self.reclaims

@@ -22,6 +22,10 @@ Invariants (what keeps the actor's message order for each sender):
   supervisor acts on it before the asker hears of it, as when its own handler raised).
 * Only asks (an envelope with a reply) of ``types`` are offered to ``serve``; tells and every
   other message go through the queue.
+* A queue that holds only *wake-ups* (tells of ``wake_types``: a ``DeviceActor``'s ``Reclaim``,
+  which asks it to free the blocks of dropped handles) counts as empty: a wake-up orders nothing
+  for any sender, and ``serve`` does what it asks before it serves (it frees the dropped handles
+  itself), so the actor, waking later, finds nothing left to do.
 
 Thread rule: any thread puts; ``get`` and ``_get`` run on the actor's thread; ``serve`` runs on
 the putting thread and must be safe there. No lock is held while ``serve`` runs.
@@ -47,9 +51,12 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
         super().__init__()
         self.busy = False
         self.types: tuple[type, ...] = ()
+        self.wake_types: tuple[type, ...] = ()
         self.serve: Callable[[Any], Any] | None = None  # set once the actor can be served this way
 
-    def serve_in_caller(self, types: tuple[type, ...], serve: Callable[[Any], Any] | None) -> None:
+    def serve_in_caller(
+        self, types: tuple[type, ...], serve: Callable[[Any], Any] | None, wake_types: tuple[type, ...] = ()
+    ) -> None:
         """Offer asks of ``types`` to ``serve(envelope)``, which answers ``envelope.reply_to`` and
         returns None, or returns the envelope to queue instead (see the module docstring);
         ``serve=None`` stops offering.
@@ -57,9 +64,12 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
         Args:
             types: the message types (exact types, not subclasses).
             serve: the function, or None.
+            wake_types: the told messages a queue may hold and still count as empty (wake-ups
+                whose work ``serve`` does first; see the module docstring).
         Thread rule: any thread.
         """
         self.types = types
+        self.wake_types = wake_types
         self.serve = serve
 
     def _get(self) -> Any:
@@ -82,8 +92,16 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
         it. Thread rule: any thread."""
         serve = self.serve
         if (serve is not None and item.reply_to is not None and type(item.message) in self.types
-                and not self.queue and not self.busy):
+                and (not self.queue or self._only_wakes()) and not self.busy):
             item = serve(item)
             if item is None:
                 return
         super().put(item, block, timeout)
+
+    def _only_wakes(self) -> bool:
+        # Under the queue's lock: the deque must not change while it is read.
+        wakes = self.wake_types
+        if not wakes:
+            return False
+        with self.mutex:
+            return all(e.reply_to is None and type(e.message) in wakes for e in self.queue)

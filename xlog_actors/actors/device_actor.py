@@ -131,7 +131,7 @@ class DeviceActor(ResilientActor):
         self._cell = ContextCell(self._ordinal, self.actor_ref, self._lifecycle)
         inbox = self.actor_inbox
         assert isinstance(inbox, CallerServedInbox)
-        inbox.serve_in_caller((m.Allocate, m.AllocateMany), self._serve_in_caller)
+        inbox.serve_in_caller((m.Allocate, m.AllocateMany), self._serve_in_caller, wake_types=(m.Reclaim,))
         self._subscribers: list[pykka.ActorRef[Any]] = []
         self._last_error: BaseException | None = None
         # Wake-ups that served a batch of queued allocations and frees (see on_batch).
@@ -232,6 +232,15 @@ class DeviceActor(ResilientActor):
             self._driver.check_context(self._ordinal)
         except Exception:  # noqa: BLE001 - the actor's business
             return envelope
+        if ctx.reclaims:
+            # Dropped handles wait to be freed (perhaps with their Reclaim wake-up queued: the
+            # inbox lets this ask by it): free them here first, as the actor would before any
+            # message, so that what they held is free for this allocation.
+            try:
+                ctx.drain_reclaims()
+            except Exception as exc:  # noqa: BLE001 - the supervisor's business, not this ask's
+                self.actor_ref.tell(m.ReportFailure(exc, ctx.generation))
+                return envelope
         msg = envelope.message
         tracer = ranges.RANGES
         if tracer is not None:
