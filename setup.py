@@ -29,6 +29,7 @@ _MODULES = (
     "client_core",
     "doorbell",
     "fdwait",
+    "call_lane",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

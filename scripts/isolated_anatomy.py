@@ -1,10 +1,12 @@
 """An isolated device's ``Allocate`` round trip, variant by variant, in one process, rounds
-interleaved: the product as it is, and with the knobs of ``xlog_actors.actors.isolated._proxy``
-flipped; each beside a bare pykka ask of the same round.
+interleaved: through the call lane (``_core.call_lane``, the product where the waits spin) and
+through the pipe (the lane taken away from the serving child); each beside a bare pykka ask of
+the same round.
 
     python scripts/isolated_anatomy.py [cuda|host] [rounds] [asks per round]
 
-Prints the median µs per ask of each variant and its ratio to the bare ask.
+Prints the median µs per ask of each variant, its ratio to the bare ask, and how many asks the
+lane answered.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import pykka
 
-from xlog_actors.actors import Allocate, DeviceActor
+from xlog_actors.actors import Allocate, DeviceActor, GetStats
 from xlog_actors.actors.isolated import _proxy
 
 
@@ -37,29 +39,39 @@ def _time(ask: Any, msg: Any, n: int) -> float:
 
 
 def main(kind: str, rounds: int, n: int) -> None:
+    _proxy.CALL_LANE = True
     device = DeviceActor.start(0, kind, isolate=True)
+    device.ask(GetStats())  # the proxy started: its inbox serves in the caller
+    child = device.actor_inbox.serve.__self__._child  # type: ignore[attr-defined] # the proxy, by its inbox
+    lane = child.lane
     echo = _Echo.start()
     msg = Allocate(4096)
-    variants = {"ring after release": True, "ring on set": False}
+    variants = {"call lane": lane, "pipe": None}
     times: dict[str, list[float]] = {name: [] for name in [*variants, "bare ask"]}
+    answered = 0
     try:
         for value in variants.values():  # warm both
-            _proxy.RING_AFTER_RELEASE = value
+            child.lane = value
             _time(device.ask, msg, n)
         for r in range(rounds):
             order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
             for name, value in order:
-                _proxy.RING_AFTER_RELEASE = value
+                child.lane = value
+                before = child.lane_answers
                 times[name].append(_time(device.ask, msg, n))
+                if value is not None:
+                    answered += child.lane_answers - before
             times["bare ask"].append(_time(echo.ask, msg, n))
     finally:
-        _proxy.RING_AFTER_RELEASE = True
+        child.lane = lane
+        _proxy.CALL_LANE = None
         echo.stop()
         device.stop()
     bare = statistics.median(times["bare ask"])
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"{name:22s} {m:8.1f} us  {m / bare:6.3f}x the bare ask   (rounds: {', '.join(f'{t:.0f}' for t in ts)})")
+        print(f"{name:12s} {m:8.1f} us  {m / bare:6.3f}x the bare ask   (rounds: {', '.join(f'{t:.0f}' for t in ts)})")
+    print(f"the lane answered {answered} of {rounds * n} asks in it")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,20 @@ import pykka
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.actors.isolated import ChildFault, ChildTimeline
+from xlog_actors.actors.isolated import ChildFault, ChildTimeline, _proxy
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _children() -> list[multiprocessing.Process]:
     return [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")]
+
+
+@pytest.fixture(autouse=True, params=["pipe", "lane"])
+def call_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test of this module runs with allocations through the pipe and through the call
+    lane (the default only where the waits spin: four cores or more)."""
+    monkeypatch.setattr(_proxy, "CALL_LANE", request.param == "lane")
 
 
 @pytest.fixture(autouse=True)

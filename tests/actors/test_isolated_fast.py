@@ -18,6 +18,13 @@ from xlog_actors.actors.isolated import ChildFault, _child, _protocol, _proxy
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(autouse=True, params=["pipe", "lane"])
+def call_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test of this module runs with allocations through the pipe and through the call
+    lane (the default only where the waits spin: four cores or more)."""
+    monkeypatch.setattr(_proxy, "CALL_LANE", request.param == "lane")
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_process() -> Iterator[None]:
     yield

@@ -50,11 +50,15 @@ from typing import Any
 import numpy as np
 import pykka
 
+from ..._core import call_lane as lanes
+from ..._core.call_lane import CallLane
 from ...driver.host import HostDriver
 from ...driver.open import open_driver
 from ...driver.protocol import Driver
+from ...driver.shared_memory import SharedSegment
 from ...errors import GpuRefStale, InvalidRequest
 from ...kernels import Kernel
+from ...memory.block import AllocTag, StreamId
 from ..caller_inbox import CallerServedInbox
 from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
@@ -70,6 +74,7 @@ from ..supervisor import Supervisor, exit_process
 from ._library import map_refs
 from ._protocol import (
     FAULT_KINDS,
+    STATE_INDEX,
     Channel,
     ChildFault,
     ExportBlock,
@@ -108,6 +113,9 @@ class _Handles:
         block = ref.block
         self._refs[block.ptr] = ref
         return RemoteBlock(block, ref.generation)
+
+    def hold(self, ref: GpuRef) -> None:
+        self._refs[ref.block.ptr] = ref
 
     def get(self, ptr: int, generation: int) -> GpuRef | None:
         ref = self._refs.get(ptr)
@@ -181,8 +189,12 @@ class _Listener(pykka.ThreadingActor):
 class _Server:
     """Serves the frames of one configured child."""
 
-    def __init__(self, channel: Channel, driver: Driver, ordinal: int, device: pykka.ActorRef[Any]) -> None:
+    def __init__(
+        self, channel: Channel, driver: Driver, ordinal: int, device: pykka.ActorRef[Any],
+        lane: CallLane | None = None,
+    ) -> None:
         self.channel = channel
+        self.lane = lane
         self.driver = driver
         self.ordinal = ordinal
         self.device = device
@@ -201,11 +213,20 @@ class _Server:
         listener = _Listener.start(self.channel, self.handles)
         self.device.ask(Subscribe(listener))
         spin = spin_budget(INBOX_SPIN_S)
+        channel, lane = self.channel, self.lane
         while True:
             try:
-                if spin:
-                    self.channel.spin(spin)  # the next ask of a burst: look for it before sleeping
-                frame = self.channel.recv()
+                if lane is not None:
+                    # Requests in the lane first, each once the frames sent before it are read.
+                    found = lane.wait(channel.fileno(), spin, channel.received)
+                    if found == lanes.NOTHING:
+                        found = lane.sleep(channel.fileno(), channel.received)
+                    if found == lanes.REQUEST:
+                        self.serve_lane(lane)
+                        continue
+                elif spin:
+                    channel.spin(spin)  # the next ask of a burst: look for it before sleeping
+                frame = channel.recv()
             except (EOFError, OSError):
                 return  # the parent is gone
             kind = frame[0]
@@ -217,6 +238,31 @@ class _Server:
                 self.free(frame[1], frame[2])
             elif kind == "stop":
                 return
+
+    def serve_lane(self, lane: CallLane) -> None:
+        """Serve every call-lane request whose earlier frames were read: its frees, then its
+        allocation, answered in the lane when it is served here (see ``serve_here``), else
+        through the pipe under its request id (the slot says ``PIPED``)."""
+        while (request := lane.take(self.channel.received)) is not None:
+            slot, rid, nbytes, stream, tag, free_generation, frees, abandoned = request
+            if frees:
+                self.free(free_generation, frees)
+            message = Allocate(nbytes, StreamId(stream), AllocTag(tag.decode()))
+            if abandoned or self.fault is not None or not self.quiet():
+                if not abandoned:
+                    lane.piped(slot)
+                self.ask(rid, message)  # held by a fault, queued behind the actor's work, or answered
+                continue
+            try:
+                ref = self.client.allocate(nbytes, message.stream, message.tag)
+            except Exception as exc:  # noqa: BLE001 - the parent's asker gets it, on the pipe
+                lane.piped(slot)
+                _Reply(self.channel, self.handles, rid).set_exception((type(exc), exc, None))
+                continue
+            self.handles.hold(ref)
+            block = ref.block
+            lane.done(slot, block.ptr, block.nbytes, block.align, int(block.alloc_stream), int(block.generation),
+                      STATE_INDEX[block.state], ref.generation)
 
     def quiet(self) -> bool:
         """The device actor has served everything put to it, and no dropped handle waits for it
@@ -372,7 +418,7 @@ def serve(conn: Connection) -> None:
         return
     if frame[0] != "config":
         return  # "stop": the parent stopped before it needed this spare
-    _, ordinal, kind, resource, max_restarts, within_s, ipc_pool = frame
+    _, ordinal, kind, resource, max_restarts, within_s, ipc_pool, lane_name = frame
 
     def report_poisoned(device_id: int, error: BaseException) -> None:
         try:
@@ -381,7 +427,10 @@ def serve(conn: Connection) -> None:
             exit_process(device_id, error)
 
     driver: Driver | None = None
+    lane: CallLane | None = None
     try:
+        if lane_name is not None:
+            lane = CallLane(SharedSegment.open(lane_name).mm)
         driver = open_driver(kind)
         if ipc_pool and driver.kind == "cuda":
             from ...driver.cuda import CudaDriver
@@ -403,7 +452,7 @@ def serve(conn: Connection) -> None:
         return
     channel.send(("ready", t_driver, time.monotonic()))
     try:
-        _Server(channel, driver, ordinal, device).loop()
+        _Server(channel, driver, ordinal, device, lane).loop()
     finally:
         pykka.ActorRegistry.stop_all()
         driver.close()

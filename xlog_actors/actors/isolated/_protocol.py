@@ -9,8 +9,9 @@ frame                                  direction     meaning
 ``("booted", t)``                      child→parent  the interpreter is up and imported (``t``:
                                                      ``time.monotonic()``, one clock per machine)
 ``("config", ordinal, kind, resource,  parent→child  open the driver (``ipc_pool``: a CUDA
-max_restarts, within_s, ipc_pool)``                  driver with an IPC-capable pool), start the
-                                                     device actor
+max_restarts, within_s, ipc_pool,                    driver with an IPC-capable pool), start the
+lane)``                                              device actor; ``lane``: the name of the
+                                                     call lane's shared segment, or None
 ``("ready", t_driver, t_ready)``       child→parent  the device serves (driver opened at
                                                      ``t_driver``, actor ready at ``t_ready``)
 ``("failed", error)``                  child→parent  the configuration failed; the child exits
@@ -24,8 +25,16 @@ max_restarts, within_s, ipc_pool)``                  driver with an IPC-capable 
 ``("generation", generation, status)`` child→parent  the child's device changed status
 ``("poisoned", error)``                child→parent  sent just before the child exits with
                                                      ``EXIT_POISONED``
+``("wake",)``                          parent→child  a call-lane request was posted while the
+                                                     child slept (nothing else to do)
 ``("stop",)``                          parent→child  stop the actors, close the driver, exit
 =====================================  ============  ============================================
+
+Allocations may instead go through the **call lane** (``_core.call_lane``): fixed binary
+records in a segment both processes map, served by the child's frame loop and answered in place,
+with no pickle and no system call; an allocation the child does not answer there (an error, a
+busy device actor, an asker that stopped waiting) is answered with a ``reply`` frame under its
+request id.
 
 Request ids make the parent's asks pipelined: many are in flight at once, and replies are matched
 to their askers by id, in whatever order the child answers them.
@@ -54,6 +63,8 @@ from ...errors import DriverError, InvalidRequest
 from ...memory.block import AllocTag, BlockState, DeviceBlock, Generation, StreamId, make_block
 
 __all__ = [
+    "BLOCK_STATES",
+    "STATE_INDEX",
     "Channel",
     "ChildFault",
     "ExportBlock",
@@ -113,6 +124,9 @@ class RemoteBlock:
 
 
 _STATES = {state.value: state for state in BlockState}
+#: A block's state as a call-lane reply carries it: its index here.
+BLOCK_STATES: tuple[BlockState, ...] = tuple(BlockState)
+STATE_INDEX: dict[BlockState, int] = {state: i for i, state in enumerate(BLOCK_STATES)}
 
 
 def _remote_block(ptr: int, ordinal: int, stream: int, nbytes: int, align: int, tag: str, block_generation: int,
@@ -226,7 +240,7 @@ class Channel:
     Thread rule: ``send`` from any thread; ``recv`` and ``poll`` from one thread.
     """
 
-    __slots__ = ("_closed", "_conn", "_lock")
+    __slots__ = ("_closed", "_conn", "_lock", "received", "sent")
 
     def __init__(self, conn: Connection) -> None:
         """Args:
@@ -235,6 +249,10 @@ class Channel:
         self._conn = conn
         self._lock = threading.Lock()
         self._closed = False
+        #: Frames sent and frames read through this end: a call-lane request is ordered after
+        #: the frames its asker sent before it by their count (``_core.call_lane``).
+        self.sent = 0
+        self.received = 0
 
     def send(self, frame: tuple[Any, ...]) -> None:
         """Send one frame.
@@ -257,6 +275,7 @@ class Channel:
                 raise InvalidRequest(f"a {frame[0]!r} frame cannot be pickled: {exc!r}") from None
         with self._lock:
             self._conn.send_bytes(data)
+            self.sent += 1
 
     def recv(self) -> tuple[Any, ...]:
         """The next frame.
@@ -266,6 +285,7 @@ class Channel:
         Thread rule: one thread per end.
         """
         frame: tuple[Any, ...] = self._conn.recv()
+        self.received += 1
         return frame
 
     def spin(self, seconds: float, bell: Doorbell | None = None) -> bool:
@@ -273,6 +293,10 @@ class Channel:
         be read (``_core.fdwait``); whether one can. ``bell``: rung first, once the GIL is
         released. Thread rule: the receiving thread."""
         return wait_readable(self._conn.fileno(), seconds, bell)
+
+    def fileno(self) -> int:
+        """The pipe's descriptor, to wait on. Thread rule: the receiving thread."""
+        return self._conn.fileno()
 
     def poll(self, timeout: float) -> bool:
         """Whether a frame (or the end of the pipe) can be read within ``timeout`` seconds.

@@ -47,6 +47,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import sys
 import threading
@@ -58,10 +59,13 @@ from typing import Any
 
 import pykka
 
+from ..._core import call_lane as lanes
+from ..._core.call_lane import CallLane
 from ..._core.doorbell import Doorbell
 from ...driver.open import DRIVER_KINDS, env_driver_kind
-from ...driver.shared_memory import unlink_segments_of
+from ...driver.shared_memory import SharedSegment, unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
+from ...memory.block import AllocTag, Generation, StreamId, make_block
 from ...memory.stack import check_description, default_description
 from .. import messages as m
 from ..caller_inbox import CallerServedInbox
@@ -73,6 +77,7 @@ from ..subscribers import tell_subscribers
 from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
 from ._library import to_child
 from ._protocol import (
+    BLOCK_STATES,
     Channel,
     ChildFault,
     ExportBlock,
@@ -86,12 +91,25 @@ from ._protocol import (
 )
 from ._remote import RemoteContext, RemoteDriverFace
 
-__all__ = ["READY_TIMEOUT_S", "RING_AFTER_RELEASE", "ChildTimeline", "IsolatedDevice", "start_isolated"]
+__all__ = [
+    "CALL_LANE", "READY_TIMEOUT_S", "RING_AFTER_RELEASE", "ChildTimeline", "IsolatedDevice", "start_isolated",
+]
 
 #: Whether the reply reader rings an answered asker's ``SpinningFuture`` only once it released
 #: the GIL (``_read``), rather than as it sets the reply. ``scripts/isolated_anatomy.py`` sets it
 #: both ways to measure it (docs/performance.md, "Isolated Allocate round trip").
 RING_AFTER_RELEASE = True
+
+#: Whether a child's allocations go through its call lane (``_core.call_lane``): None (the
+#: default) where the waits spin (``hot_waits.spin_budget``: four cores or more; with fewer, every
+#: request would wake the sleeping child with a frame anyway, which the pipe path already does),
+#: or True/False to force it (tests run it on two cores; ``scripts/isolated_anatomy.py``
+#: measures both ways). Read when a child is launched.
+CALL_LANE: bool | None = None
+#: How long an asker waits for the child to claim its call-lane request when nothing spins
+#: (``CALL_LANE`` forced on a small machine) before it leaves the answer to the pipe.
+_LANE_MIN_SPIN_S = 0.005
+_lane_names = itertools.count(1)
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +199,16 @@ class _Process:
 class _Child:
     """One serving child process, its requests in flight and its generations, in the parent."""
 
-    def __init__(self, proc: _Process, owner: str, ordinal: int, kind: str, generation: int, restarts: int) -> None:
+    def __init__(
+        self, proc: _Process, owner: str, ordinal: int, kind: str, generation: int, restarts: int,
+        lane: tuple[SharedSegment, CallLane] | None = None,
+    ) -> None:
         self.proc = proc
+        self.lane_segment: SharedSegment | None = None if lane is None else lane[0]
+        self.lane: CallLane | None = None if lane is None else lane[1]
+        #: Diagnostics: the allocations answered in the lane (tests and the anatomy script).
+        self.lane_answers = 0
+        self.lane_spin = spin_budget(FUTURE_SPIN_S) or _LANE_MIN_SPIN_S
         self.owner = owner
         self.ordinal = ordinal
         self.base = generation
@@ -239,6 +265,63 @@ class _Child:
             ) from None
         except (OSError, ValueError):
             pass  # the child died: the reader answers this ask with the death's error
+        return True
+
+    def call_lane(self, message: m.Allocate, future: pykka.Future[Any]) -> bool:
+        """Serve an asked ``Allocate`` through the call lane from the asker's thread: post it
+        (with the frees queued before it), spin for the child's answer and set ``future``; or,
+        when the child answers on the pipe instead (an error, a busy device actor, an asker that
+        stopped waiting), leave ``future`` to the reader. False when the message does not fit
+        the lane or no slot is free: nothing was sent, the pipe path takes it.
+        Thread rule: the asker's thread (the proxy idle)."""
+        lane = self.lane
+        nbytes, stream, tag = message.nbytes, message.stream, message.tag
+        if (lane is None or message.origin is not None or type(nbytes) is not int or not 0 < nbytes < 1 << 63
+                or type(stream) is not StreamId or type(tag) is not AllocTag):
+            return False
+        tag_bytes = tag.encode()
+        if len(tag_bytes) > lanes.MAX_TAG:
+            return False
+        slot = lane.claim()
+        if slot < 0:
+            return False
+        with self.lock:
+            if not self.alive:
+                lane.release(slot, False)
+                return False
+            rid = next(self.ids)
+            self.pending[rid] = (future, message)
+        frees = self._take_frees()
+        if frees is not None and len(frees[1]) > lanes.MAX_FREES:
+            self._send_frees(frees)  # ahead in the pipe: the request is served after it
+            frees = None
+        channel = self.proc.channel
+        generation, ptrs = frees if frees is not None else (0, [])
+        try:
+            asleep = lane.post(slot, rid, channel.sent, nbytes, int(stream), tag_bytes, generation, ptrs)
+        except (ValueError, OverflowError):  # a field out of a slot's range: the pipe takes it
+            with self.lock:
+                self.pending.pop(rid, None)
+            lane.release(slot, False)
+            self._send_frees(frees)
+            return False
+        if asleep:
+            try:
+                channel.send(("wake",))
+            except (OSError, ValueError):
+                pass  # the child died: the reader marks the lane dead
+        state = lane.wait_reply(slot, self.lane_spin)
+        if state != lanes.DONE:
+            lane.release(slot, state == lanes.PIPED)
+            return True  # the reader answers it: the pipe's reply, or the child's death
+        ptr, size, align, alloc_stream, block_generation, state_index, ref_generation = lane.reply(slot)
+        self.lane_answers += 1
+        with self.lock:
+            entry = self.pending.pop(rid, None)
+        if entry is not None:  # else the child died meanwhile and its asker heard of it
+            block = make_block(ptr, self.ordinal, StreamId(alloc_stream), size, align, tag,
+                               Generation(block_generation), BLOCK_STATES[state_index])
+            future.set(GpuRef._new(block, self.context_for(ref_generation)))  # type: ignore[arg-type]
         return True
 
     def flush_frees(self) -> None:
@@ -384,6 +467,10 @@ class _Child:
             pending, self.pending = self.pending, {}
             self.ctx.open = False
             self.frees.clear()
+        if self.lane is not None:
+            self.lane.mark_dead()  # an asker spinning on its slot stops: its future is answered below
+            assert self.lane_segment is not None
+            self.lane_segment.close()  # the name only: the lane's view keeps the mapping
         self.timeline["exit_seen"] = seen
         poisoned = self.poisoned is not None or code == EXIT_POISONED
         where = f"device {self.ordinal}, generation {self.state.generation}, process {self.proc.process.pid}"
@@ -496,6 +583,8 @@ class IsolatedDevice(ResilientActor):
         if not child.alive or child.stopping:
             return envelope
         try:
+            if child.lane is not None and child.call_lane(envelope.message, envelope.reply_to):
+                return None
             sent = child.send_ask(envelope.message, envelope.reply_to, envelope.message)
         except Exception:  # noqa: BLE001 - the proxy's own path raises it to the asker
             return envelope
@@ -634,16 +723,24 @@ class IsolatedDevice(ResilientActor):
         """Hand ``proc`` the device and wait until it serves."""
         configured = time.monotonic()
         supervisor = self._supervisor
+        lane: tuple[SharedSegment, CallLane] | None = None
         try:
+            if CALL_LANE or (CALL_LANE is None and spin_budget(FUTURE_SPIN_S) > 0):
+                segment = SharedSegment.create(
+                    f"xlog-lane-{os.getpid()}-{self._ordinal}-{next(_lane_names)}", lanes.SIZE
+                )
+                lane = (segment, CallLane(segment.mm))
             proc.channel.send(
                 ("config", self._ordinal, self._kind, self._resource, supervisor.max_restarts, supervisor.within_s,
-                 self._ipc_pool)
+                 self._ipc_pool, None if lane is None else lane[0].name)
             )
             booted, frame = self._await_ready(proc)
         except BaseException:
             proc.end(0.0)
+            if lane is not None:
+                lane[0].close()
             raise
-        child = _Child(proc, self.actor_urn, self._ordinal, self._kind or "auto", generation, self._restarts)
+        child = _Child(proc, self.actor_urn, self._ordinal, self._kind or "auto", generation, self._restarts, lane)
         child.timeline.update(
             pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured,
             driver_open=frame[1], ready=frame[2],
