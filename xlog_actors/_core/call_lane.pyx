@@ -45,6 +45,9 @@ Invariants:
   child's frame loop, so an asker waits past its spin only for that; it stops waiting when the
   parent marks the child ``dead``.
 
+Past 400 lines: both sides of the slot protocol stay in one module, so that each state change
+and the load that pairs with it on the other side can be read together.
+
 Thread rule: any thread of either process; the waits release the GIL. ``post``/``wait_reply``/
 ``reply``/``release`` belong to the thread that claimed the slot; ``wait``/``sleep``/``take``/
 ``done``/``piped`` to the child's frame loop.

@@ -18,6 +18,12 @@ Invariants:
   quiet (``_child``). On machines of four cores or more (``hot_waits.spin_budget``) the reader
   spins on the pipe while a reply is due and the asker on its ``SpinningFuture`` before either
   sleeps.
+* **The call lane** (``CALL_LANE``; ``_core.call_lane``). Where the waits spin, that ``Allocate``
+  is posted in a slot of memory the child maps, with the frees queued before it and the count of
+  frames sent before it; the asker spins for the answer in the slot and makes the handle itself.
+  An answer that does not fit a slot (an error, a busy device actor, an asker that stopped
+  waiting) comes on the pipe under the request's id, as any ask's. A child's death marks its
+  lane dead, which ends every asker's wait there.
 * **The parent holds the generation.** Each child process has its own ``DeviceState`` in the
   parent, starting where the previous child's generation ended, plus one: a child's own rebuild
   bumps it, its death bumps it (``"context rebuilt"``) or poisons it (``"context poisoned"``,
