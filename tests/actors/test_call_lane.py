@@ -286,3 +286,27 @@ def _ask_into(device: pykka.ActorRef[Any], message: Any, outcome: list[Any]) -> 
         outcome.append(device.ask(message, timeout=30))
     except BaseException as exc:  # noqa: BLE001 - the caller checks it
         outcome.append(exc)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_allocations_come_through_the_lane_and_hold_the_childs_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(_proxy, "CALL_LANE", True)
+    device = xa.DeviceActor.start(0, "cuda", isolate=True)
+    try:
+        child = _child_when_started(device)
+        copier = xa.CopyActor.start(device)
+        refs = [device.ask(xa.Allocate(1 << 16)) for _ in range(50)]
+        assert child.lane_answers >= 45
+        assert len({ref.block.ptr for ref in refs}) == 50 and all(ref.generation == 0 for ref in refs)
+        for i, ref in enumerate(refs[:5]):
+            values = np.arange(16384, dtype=np.float32) + i
+            copier.ask(xa.CopyToDevice(ref, values))
+            assert np.frombuffer(copier.ask(xa.CopyToHost(ref)), np.float32).tolist() == values.tolist()
+        refs.clear()
+        assert device.ask(xa.GetStats()).bytes_outstanding == 0
+    finally:
+        device.stop()
