@@ -184,3 +184,33 @@ def test_a_queue_of_wake_ups_only_counts_as_empty_and_nothing_else_does() -> Non
     inbox.put(Envelope(Wake(), reply_to=None))
     inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
     assert served == [first] and len(inbox.queue) == 2
+
+
+def test_an_actor_serving_a_wake_up_counts_as_idle_and_one_serving_anything_else_does_not() -> None:
+    from pykka._envelope import Envelope
+
+    class Ask:
+        pass
+
+    class Wake:
+        pass
+
+    served: list[Any] = []
+    inbox = CallerServedInbox()
+    inbox.serve_in_caller((Ask,), lambda envelope: served.append(envelope), wake_types=(Wake,))
+    inbox.put(Envelope(Wake(), reply_to=None))
+    inbox.get()  # the actor took the wake-up and serves it
+    assert inbox.busy and inbox.busy_wake and not inbox.quiet()
+    first = Envelope(Ask(), reply_to=pykka.ThreadingFuture())
+    inbox.put(first)
+    assert served == [first] and not inbox.queue  # served beside the wake-up's work
+    inbox.put(Envelope(object(), reply_to=None))
+    inbox.get()  # the actor took a message that orders
+    assert inbox.busy and not inbox.busy_wake
+    inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
+    assert served == [first] and len(inbox.queue) == 1  # it waits for that message
+    inbox.queue.clear()
+    inbox.put(Envelope(Wake(), reply_to=pykka.ThreadingFuture()))  # an asked Wake is no wake-up
+    inbox.get()
+    inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
+    assert served == [first] and len(inbox.queue) == 1

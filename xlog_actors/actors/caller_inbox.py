@@ -25,7 +25,12 @@ Invariants (what keeps the actor's message order for each sender):
 * A queue that holds only *wake-ups* (tells of ``wake_types``: a ``DeviceActor``'s ``Reclaim``,
   which asks it to free the blocks of dropped handles) counts as empty: a wake-up orders nothing
   for any sender, and ``serve`` does what it asks before it serves (it frees the dropped handles
-  itself), so the actor, waking later, finds nothing left to do.
+  itself), so the actor, waking later, finds nothing left to do. For the same reason an actor
+  that serves a wake-up counts as idle (``busy_wake``): everything put before the wake-up was
+  served before the actor took it, and the wake-up's work (freeing dropped handles) is safe
+  beside ``serve``'s. Without this, an asker that drops handles between its asks (every
+  ``AllocateMany`` loop) found the woken actor busy with their wake-up now and then, and its ask
+  took the actor's two thread hops instead.
 
 Thread rule: any thread puts; ``get`` and ``_get`` run on the actor's thread; ``serve`` runs on
 the putting thread and must be safe there. No lock is held while ``serve`` runs.
@@ -50,6 +55,7 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
     def __init__(self) -> None:
         super().__init__()
         self.busy = False
+        self.busy_wake = False  # what the actor took last is a wake-up (see the module docstring)
         self.types: tuple[type, ...] = ()
         self.wake_types: tuple[type, ...] = ()
         self.serve: Callable[[Any], Any] | None = None  # set once the actor can be served this way
@@ -73,7 +79,11 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
         self.serve = serve
 
     def _get(self) -> Any:
-        self.busy = True  # under the queue's lock, with the take itself
+        # Under the queue's lock, and before the take: a ``put`` that sees the message gone sees
+        # the marks of its taking.
+        head = self.queue[0]
+        self.busy_wake = head.reply_to is None and type(head.message) in self.wake_types
+        self.busy = True
         return super()._get()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
@@ -92,7 +102,7 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
         it. Thread rule: any thread."""
         serve = self.serve
         if (serve is not None and item.reply_to is not None and type(item.message) in self.types
-                and (not self.queue or self._only_wakes()) and not self.busy):
+                and (not self.queue or self._only_wakes()) and (not self.busy or self.busy_wake)):
             item = serve(item)
             if item is None:
                 return
