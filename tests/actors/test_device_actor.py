@@ -470,6 +470,7 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
         real_deallocate(block)
 
     runtime.deallocate = counting_deallocate
+    client._cell.lifecycle.context.rebind_runtime()
     barrier = threading.Barrier(8)
     errors: list[BaseException] = []
 

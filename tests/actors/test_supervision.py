@@ -357,6 +357,7 @@ def test_crash_in_the_runtime_rebuilds(host_driver: xa.HostDriver) -> None:
         raise KeyError("runtime bug")
 
     ctx.runtime.allocate = crashing
+    ctx.rebind_runtime()
     with pytest.raises(KeyError):
         device.ask(xa.Allocate(64))
     assert stats(device).generation == 1
@@ -506,6 +507,7 @@ def test_client_allocation_in_flight_when_the_context_goes_away(
         return block
 
     ctx.runtime.allocate = allocate_then_stall
+    ctx.rebind_runtime()
     result: list[Any] = []
 
     def run() -> None:

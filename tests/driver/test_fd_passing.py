@@ -29,16 +29,24 @@ def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def _settled_fds(before: set[str], within_s: float = 5.0) -> set[str]:
-    """This process's open fds once they are back to ``before``, or after ``within_s``: the
-    server's thread closes its end of a connection just after the client has read the answer,
-    so an fd of the server may still be open for a moment when the client returns."""
+def _new_fds(before: set[str], within_s: float = 5.0) -> dict[str, str]:
+    """The fds this process opened since ``before`` and still holds, once there are none or
+    after ``within_s`` (with what each is): the server's thread closes its end of a connection
+    just after the client has read the answer, so an fd of the server may still be open for a
+    moment when the client returns. An fd of ``before`` closed meanwhile (by a thread another
+    test left running) is no leak and is not counted."""
     deadline = time.monotonic() + within_s
-    now = _open_fds()
-    while now != before and time.monotonic() < deadline:
+    new = _open_fds() - before
+    while new and time.monotonic() < deadline:
         time.sleep(0.01)
-        now = _open_fds()
-    return now
+        new = _open_fds() - before
+    found = {}
+    for fd in new:
+        try:
+            found[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # closed as it was read
+    return found
 
 
 def test_a_fetched_fd_is_the_same_open_file(server: FdServer) -> None:
@@ -88,7 +96,7 @@ def test_a_key_not_offered_or_withdrawn_is_refused_and_leaves_no_fd(server: FdSe
         fetch_fd(server.address, "gone")
     os.close(read_end)
     os.close(write_end)
-    assert _settled_fds(before) == before
+    assert _new_fds(before) == {}
 
 
 def test_a_process_of_another_user_is_refused(server: FdServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +150,7 @@ def test_bad_fds_and_taken_keys_change_nothing(server: FdServer) -> None:
         server.offer("once", read_end)
     assert server.offered() == ["once"]
     server.withdraw("once")
-    assert _settled_fds(before) == before
+    assert _new_fds(before) == {}
     os.close(read_end)
     with pytest.raises(InvalidRequest, match="not an fd server"):
         fetch_fd("/tmp/xlog-no-such", "k")

@@ -3,6 +3,8 @@ from .handles cimport TokenCell
 
 cdef class ContextCore:
     cdef public object runtime
+    cdef object _allocate
+    cdef object _deallocate
     cdef public object generation
     cdef public object state_ref
     cdef public object token
