@@ -306,6 +306,7 @@ def test_on_the_gpu_allocations_come_through_the_lane_and_hold_the_childs_memory
             values = np.arange(16384, dtype=np.float32) + i
             copier.ask(xa.CopyToDevice(ref, values))
             assert np.frombuffer(copier.ask(xa.CopyToHost(ref)), np.float32).tolist() == values.tolist()
+        del ref  # the loop's name held the fifth
         refs.clear()
         assert device.ask(xa.GetStats()).bytes_outstanding == 0
     finally:
