@@ -55,7 +55,9 @@ Thread rule: any thread of either process; the waits release the GIL. ``post``/`
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.string cimport memcpy
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
+from posix.time cimport nanosleep, timespec
+
+from .spin cimport POLLIN, now, poll, pollfd, sched_yield
 
 cdef extern from *:
     """
@@ -87,17 +89,6 @@ cdef extern from *:
     int xl_cas(unsigned long long* p, unsigned long long expected, unsigned long long desired) nogil
     void xl_relax() nogil
 
-cdef extern from "<poll.h>" nogil:
-    struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd* fds, unsigned long nfds, int timeout)
-    short POLLIN
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
 ctypedef unsigned long long u64
 
 cdef enum:
@@ -107,6 +98,7 @@ cdef enum:
     _TAG_WORD = 24
     _MAX_TAG = 128
     _FREE_WORD = 40
+    _MAX_FREES = _SLOT_WORDS - _FREE_WORD
     # Header words.
     _SLEEPING = 0
     _DEAD = 1
@@ -121,6 +113,7 @@ cdef enum:
     _N_FREES = 7
     _TAG_LEN = 8
     _REPLY = 16
+    _SIZE = (_HEADER + _SLOTS * _SLOT_WORDS) * 8
 
 # Slot states (see the module docstring), and what the waits return.
 cdef enum:
@@ -153,15 +146,9 @@ PIPE = W_PIPE
 SLOTS = _SLOTS
 SLOT_WORDS = _SLOT_WORDS
 MAX_TAG = _MAX_TAG
-MAX_FREES = _SLOT_WORDS - _FREE_WORD
+MAX_FREES = _MAX_FREES
 #: The bytes a lane needs.
-SIZE = (_HEADER + _SLOTS * _SLOT_WORDS) * 8
-
-
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
+SIZE = _SIZE
 
 
 cdef class CallLane:
@@ -181,7 +168,7 @@ cdef class CallLane:
             ValueError: the buffer is too small.
         """
         self._view = buffer
-        if self._view.shape[0] < (_HEADER + _SLOTS * _SLOT_WORDS) * 8:
+        if self._view.shape[0] < _SIZE:
             raise ValueError(f"a call lane needs {SIZE} bytes, got {self._view.shape[0]}")
         self._words = <u64*>&self._view[0]
 
@@ -228,8 +215,8 @@ cdef class CallLane:
         cdef Py_ssize_t k
         if len(tag) > _MAX_TAG:
             raise ValueError(f"a tag of {len(tag)} bytes does not fit a call slot ({_MAX_TAG})")
-        if n > _SLOT_WORDS - _FREE_WORD:
-            raise ValueError(f"{n} frees do not fit a call slot ({_SLOT_WORDS - _FREE_WORD})")
+        if n > _MAX_FREES:
+            raise ValueError(f"{n} frees do not fit a call slot ({_MAX_FREES})")
         cdef u64* s = self._slot(slot)
         s[_RID] = rid
         s[_PIPE_SEQ] = pipe_seq
@@ -263,7 +250,7 @@ cdef class CallLane:
         nap.tv_sec = 0
         nap.tv_nsec = 20000
         with nogil:
-            deadline = _now() + spin
+            deadline = now() + spin
             while True:
                 state = xl_load(&s[_STATE])
                 if state == S_DONE or state == S_PIPED:
@@ -275,7 +262,7 @@ cdef class CallLane:
                 if turn & 63:
                     xl_relax()
                     continue
-                if _now() < deadline:
+                if now() < deadline:
                     sched_yield()
                 elif state == S_POSTED and xl_cas(&s[_STATE], S_POSTED, S_ABANDONED):
                     state = S_ABANDONED
@@ -347,7 +334,7 @@ cdef class CallLane:
         p.events = POLLIN
         p.revents = 0
         with nogil:
-            deadline = _now() + seconds
+            deadline = now() + seconds
             while True:
                 found = self._scan(received)
                 if found != W_NOTHING:
@@ -359,7 +346,7 @@ cdef class CallLane:
                 if poll(&p, 1, 0) != 0:
                     found = W_PIPE
                     break
-                if _now() >= deadline:
+                if now() >= deadline:
                     break
                 sched_yield()
         return found
@@ -381,11 +368,11 @@ cdef class CallLane:
             found = self._scan(received)
             if found == W_NOTHING:
                 poll(&p, 1, -1)
-                xl_store_sc(sleeping, 0)
-                found = self._scan(received)  # requests first, as ``wait`` looks at them
+            xl_store_sc(sleeping, 0)
+            if found == W_NOTHING:
+                found = self._scan(received)  # woken: requests first, as ``wait`` looks at them
                 if found == W_NOTHING:
                     found = W_PIPE
-            xl_store_sc(sleeping, 0)
         return found
 
     def take(self, u64 received) -> tuple | None:

@@ -15,15 +15,7 @@ never missed.
 Thread rule: any thread; ``ring`` and ``count`` are atomic; ``wait`` releases the GIL.
 """
 
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
+from .spin cimport now, sched_yield
 
 
 cdef class Doorbell:
@@ -57,12 +49,12 @@ cdef class Doorbell:
         if moved or seconds <= 0:
             return moved
         with nogil:
-            deadline = _now() + seconds
+            deadline = now() + seconds
             while True:
                 if xlog_bell_load(&self._count) != seen:
                     moved = True
                     break
-                if _now() >= deadline:
+                if now() >= deadline:
                     break
                 sched_yield()
         return moved

@@ -15,26 +15,8 @@ error the read then reports), False when ``seconds`` passed first; it never read
 Thread rule: any thread; releases the GIL while it spins.
 """
 
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
-
 from .doorbell cimport Doorbell, xlog_bell_ring
-
-cdef extern from "<poll.h>" nogil:
-    struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd* fds, unsigned long nfds, int timeout)
-    short POLLIN
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
-
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
+from .spin cimport POLLIN, now, poll, pollfd, sched_yield
 
 
 def wait_readable(int fd, double seconds, Doorbell bell=None) -> bool:
@@ -64,10 +46,10 @@ def wait_readable(int fd, double seconds, Doorbell bell=None) -> bool:
             xlog_bell_ring(count)
         ready = poll(&p, 1, 0)
         if ready == 0 and seconds > 0:
-            deadline = _now() + seconds
+            deadline = now() + seconds
             while True:
                 sched_yield()
                 ready = poll(&p, 1, 0)
-                if ready != 0 or _now() >= deadline:
+                if ready != 0 or now() >= deadline:
                     break
     return ready != 0
