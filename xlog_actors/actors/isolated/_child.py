@@ -110,9 +110,8 @@ class _Handles:
         self._refs: dict[int, GpuRef] = {}
 
     def keep(self, ref: GpuRef) -> RemoteBlock:
-        block = ref.block
-        self._refs[block.ptr] = ref
-        return RemoteBlock(block, ref.generation)
+        self.hold(ref)
+        return RemoteBlock(ref.block, ref.generation)
 
     def hold(self, ref: GpuRef) -> None:
         self._refs[ref.block.ptr] = ref
@@ -167,6 +166,30 @@ class _Reply:
             self._send(False, encode_error(exc))
         except (OSError, ValueError):
             pass  # the parent is gone: the main loop ends at the end of the pipe
+
+
+class _LaneReply:
+    """The reply slot of a call-lane request that the frame reader serves (``serve_here``): a
+    handle is answered in the lane, an error on the pipe under the request id (the slot says
+    ``PIPED``)."""
+
+    __slots__ = ("_lane", "_rid", "_server", "_slot")
+
+    def __init__(self, lane: CallLane, slot: int, server: _Server, rid: int) -> None:
+        self._lane = lane
+        self._slot = slot
+        self._server = server
+        self._rid = rid
+
+    def set(self, ref: GpuRef) -> None:
+        self._server.handles.hold(ref)
+        block = ref.block
+        self._lane.done(self._slot, block.ptr, block.nbytes, block.align, int(block.alloc_stream),
+                        int(block.generation), STATE_INDEX[block.state], ref.generation)
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        self._lane.piped(self._slot)
+        _Reply(self._server.channel, self._server.handles, self._rid).set_exception(exc_info)
 
 
 class _Listener(pykka.ThreadingActor):
@@ -241,28 +264,19 @@ class _Server:
 
     def serve_lane(self, lane: CallLane) -> None:
         """Serve every call-lane request whose earlier frames were read: its frees, then its
-        allocation, answered in the lane when it is served here (see ``serve_here``), else
-        through the pipe under its request id (the slot says ``PIPED``)."""
+        allocation, answered in the lane when this thread serves it (``serve_here``: the device
+        actor quiet) and it succeeds, else through the pipe under its request id (the slot says
+        ``PIPED``)."""
         while (request := lane.take(self.channel.received)) is not None:
             slot, rid, nbytes, stream, tag, free_generation, frees, abandoned = request
             if frees:
                 self.free(free_generation, frees)
             message = Allocate(nbytes, StreamId(stream), AllocTag(tag.decode()))
-            if abandoned or self.fault is not None or not self.quiet():
-                if not abandoned:
-                    lane.piped(slot)
-                self.ask(rid, message)  # held by a fault, queued behind the actor's work, or answered
-                continue
-            try:
-                ref = self.client.allocate(nbytes, message.stream, message.tag)
-            except Exception as exc:  # noqa: BLE001 - the parent's asker gets it, on the pipe
+            if abandoned:
+                self.ask(rid, message)  # its asker waits on the pipe now
+            elif self.fault is not None or not self.serve_here(message, _LaneReply(lane, slot, self, rid)):
                 lane.piped(slot)
-                _Reply(self.channel, self.handles, rid).set_exception((type(exc), exc, None))
-                continue
-            self.handles.hold(ref)
-            block = ref.block
-            lane.done(slot, block.ptr, block.nbytes, block.align, int(block.alloc_stream), int(block.generation),
-                      STATE_INDEX[block.state], ref.generation)
+                self.ask(rid, message)  # held by a fault, or queued behind the actor's work
 
     def quiet(self) -> bool:
         """The device actor has served everything put to it, and no dropped handle waits for it
@@ -285,7 +299,7 @@ class _Server:
                     pass
             # else this was the table's reference: the device frees the block before its next message
 
-    def serve_here(self, message: Any, reply: _Reply) -> bool:
+    def serve_here(self, message: Any, reply: _Reply | _LaneReply) -> bool:
         """Serve an ``Allocate`` or a ``Free`` on this thread through the device's client, as
         the actor would, when it is :meth:`quiet`; False when the actor must serve it."""
         if not self.quiet() or getattr(message, "origin", None) is not None:

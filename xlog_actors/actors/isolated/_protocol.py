@@ -63,7 +63,6 @@ from ...errors import DriverError, InvalidRequest
 from ...memory.block import AllocTag, BlockState, DeviceBlock, Generation, StreamId, make_block
 
 __all__ = [
-    "BLOCK_STATES",
     "STATE_INDEX",
     "Channel",
     "ChildFault",
@@ -74,6 +73,7 @@ __all__ = [
     "LibraryWork",
     "RemoteBlock",
     "RemoteHandle",
+    "block_of",
     "child_entry",
     "decode_error",
     "encode_error",
@@ -119,22 +119,28 @@ class RemoteBlock:
         b = self.block
         if type(b.alloc_stream) is StreamId and type(b.tag) is AllocTag and type(b.generation) is Generation:
             return (_remote_block, (b.ptr, b.device_ordinal, int(b.alloc_stream), b.nbytes, b.align, str(b.tag),
-                                    int(b.generation), b.state.value, self.generation))
+                                    int(b.generation), STATE_INDEX[b.state], self.generation))
         return (RemoteBlock, (b, self.generation))
 
 
-_STATES = {state.value: state for state in BlockState}
-#: A block's state as a call-lane reply carries it: its index here.
+#: A block's state as it crosses processes (a ``RemoteBlock``'s pickle, a call-lane reply): its
+#: index here.
 BLOCK_STATES: tuple[BlockState, ...] = tuple(BlockState)
 STATE_INDEX: dict[BlockState, int] = {state: i for i, state in enumerate(BLOCK_STATES)}
 
 
+def block_of(ptr: int, ordinal: int, stream: int, nbytes: int, align: int, tag: str, block_generation: int,
+             state_index: int) -> DeviceBlock:
+    """A block from the plain fields it crosses processes as (a ``RemoteBlock``'s pickle, a
+    call-lane reply). Thread rule: any thread."""
+    return make_block(ptr, ordinal, StreamId(stream), nbytes, align, AllocTag(tag), Generation(block_generation),
+                      BLOCK_STATES[state_index])
+
+
 def _remote_block(ptr: int, ordinal: int, stream: int, nbytes: int, align: int, tag: str, block_generation: int,
-                  state: str, generation: int) -> RemoteBlock:
+                  state_index: int, generation: int) -> RemoteBlock:
     """A :class:`RemoteBlock` from its plain fields (its ``__reduce__``)."""
-    block = make_block(ptr, ordinal, StreamId(stream), nbytes, align, AllocTag(tag), Generation(block_generation),
-                       _STATES[state])
-    return RemoteBlock(block, generation)
+    return RemoteBlock(block_of(ptr, ordinal, stream, nbytes, align, tag, block_generation, state_index), generation)
 
 
 @dataclass(frozen=True, slots=True)

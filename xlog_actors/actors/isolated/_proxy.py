@@ -71,7 +71,7 @@ from ..._core.doorbell import Doorbell
 from ...driver.open import DRIVER_KINDS, env_driver_kind
 from ...driver.shared_memory import SharedSegment, unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
-from ...memory.block import AllocTag, Generation, StreamId, make_block
+from ...memory.block import AllocTag, StreamId
 from ...memory.stack import check_description, default_description
 from .. import messages as m
 from ..caller_inbox import CallerServedInbox
@@ -83,7 +83,6 @@ from ..subscribers import tell_subscribers
 from ..supervisor import EXIT_POISONED, Supervisor, checked_supervisor, stop_device
 from ._library import to_child
 from ._protocol import (
-    BLOCK_STATES,
     Channel,
     ChildFault,
     ExportBlock,
@@ -92,6 +91,7 @@ from ._protocol import (
     LibraryStop,
     LibraryWork,
     RemoteBlock,
+    block_of,
     child_entry,
     decode_error,
 )
@@ -325,8 +325,7 @@ class _Child:
         with self.lock:
             entry = self.pending.pop(rid, None)
         if entry is not None:  # else the child died meanwhile and its asker heard of it
-            block = make_block(ptr, self.ordinal, StreamId(alloc_stream), size, align, tag,
-                               Generation(block_generation), BLOCK_STATES[state_index])
+            block = block_of(ptr, self.ordinal, alloc_stream, size, align, tag, block_generation, state_index)
             future.set(GpuRef._new(block, self.context_for(ref_generation)))  # type: ignore[arg-type]
         return True
 
