@@ -2,11 +2,7 @@
 # One device call of probes (session 5): the 16-worker variants, the torch/CuPy/RMM routes, the
 # cross-process handle timings and a few bench rows. Writes its logs under $OUT.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 nproc; python3 --version
 timeout 120 python3 scripts/workers_anatomy.py cuda --rounds 40 >"$OUT/workers.txt" 2>&1; echo "workers rc=$?"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/interop/test_routes_on_gpu.py tests/actors/test_shared_ref.py >"$OUT/interop.txt" 2>&1; echo "pytest rc=$?"

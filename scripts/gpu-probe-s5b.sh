@@ -2,11 +2,7 @@
 # Session 5, second probe call: the fix for allocations served in the caller's thread (the GPU
 # supervision and library-actor tests, plain and under memcheck) and the actor rows, twice.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 T="tests/actors/test_gpu_supervision.py tests/actors/test_library_actors.py tests/actors/test_caller_inbox.py tests/actors/test_isolated.py"
 SAN=$(command -v compute-sanitizer 2>/dev/null || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
 XLOG_ACTORS_SANITIZER=1 timeout 200 "$SAN" --tool memcheck --target-processes all --report-api-errors no --error-exitcode 9 \

@@ -3,11 +3,7 @@
 # parent and the device process, idle included; per-op wall time of the loop), and the copy rows'
 # baseline beside their raw twins before the served-ref work.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 cat >/tmp/iso_loop.py <<'PY'
 import sys, time, os
 from xlog_actors.actors import Allocate, DeviceActor

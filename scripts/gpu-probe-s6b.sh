@@ -2,11 +2,7 @@
 # Session 6, second probe call: library actors' blocking asks served in the asker's thread
 # (served_ref): their GPU tests, the copy rows and the demo row beside their raw twins, twice.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 T="tests/actors/test_served_ref.py tests/actors/test_library_actors.py tests/actors/test_launches.py tests/actors/test_pinned.py tests/cli/test_demo.py tests/actors/test_gpu_supervision.py"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider $T >"$OUT/pytest.txt" 2>&1; echo "pytest rc=$?"
 for i in 1 2; do

@@ -2,11 +2,7 @@
 # Session 6, third probe: the isolated Allocate after the reply reader's idle spin, plain-field
 # pickling of Allocate and RemoteBlock and the standard pickler on the pipe; its GPU tests.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/actors/test_isolated*.py tests/actors/test_shared_ref.py >"$OUT/pytest.txt" 2>&1; echo "pytest rc=$?"
 for i in 1 2 3; do
 timeout 100 python3 -m xlog_actors bench --driver cuda --only "isolated Allocate" --only "DeviceActor Allocate" \

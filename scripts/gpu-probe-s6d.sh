@@ -2,11 +2,7 @@
 # Session 6, last probe: the copy rows three times (their ratio moves by about 1.5% between runs)
 # and the isolated Allocate variants interleaved, on the final code.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 for i in 1 2 3; do
 timeout 120 python3 -m xlog_actors bench --driver cuda --only "CopyActor H2D" --only "CopyActor D2D" \
     --only "cross-process read" --json "$OUT/copies-$i.json" >"$OUT/copies-$i.txt" 2>&1; echo "copies $i rc=$?"

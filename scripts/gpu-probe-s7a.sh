@@ -3,11 +3,7 @@
 # and the isolated suites (the lane is the default on this 16-core machine), the GPU tests of the
 # isolated device, the anatomy (lane vs pipe vs bare ask, interleaved), the bench rows 3 times.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/actors/test_call_lane.py tests/actors/test_isolated.py \
     tests/actors/test_isolated_fast.py >"$OUT/pytest-host.txt" 2>&1; echo "host-driver isolated tests rc=$?"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/actors/test_isolated*.py tests/actors/test_shared_ref.py \

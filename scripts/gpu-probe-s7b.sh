@@ -3,11 +3,7 @@
 # that serves a wake-up as idle (AllocateMany(64) read 1.36x to 1.71x at 23:19), and the caller
 # inbox's GPU tests.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/actors/test_caller_inbox.py tests/actors/test_device_actor.py \
     >"$OUT/pytest.txt" 2>&1; echo "caller inbox + device actor tests rc=$?"
 for i in 1 2 3 4; do

@@ -2,11 +2,7 @@
 # Session 7, third probe: the allocation rows (resource, client, device actor) four times after the
 # context reads the runtime's calls once and a block's ptr in C; the actor and memory GPU tests.
 set -u
-OUT=${OUT:-/tmp/xlog-probe}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/install.txt" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-python3 setup.py -q build_ext --inplace >"$OUT/build.txt" 2>&1 || { tail -20 "$OUT/build.txt"; exit 1; }
+. scripts/gpu-probe-setup.sh
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/actors tests/memory >"$OUT/pytest.txt" 2>&1
 echo "gpu actor+memory tests rc=$?"
 for i in 1 2 3 4; do
