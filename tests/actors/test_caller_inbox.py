@@ -156,18 +156,26 @@ def test_a_dropped_handle_is_freed_by_the_next_allocation_served_in_the_caller(h
         device.stop()
 
 
+class Ask:
+    """An ask the inboxes below serve in the caller."""
+
+
+class Wake:
+    """A wake-up of the inboxes below."""
+
+
+def _inbox_serving(served: list[Any]) -> CallerServedInbox:
+    """An inbox that serves ``Ask`` into ``served`` and takes ``Wake`` for a wake-up."""
+    inbox = CallerServedInbox()
+    inbox.serve_in_caller((Ask,), lambda envelope: served.append(envelope), wake_types=(Wake,))
+    return inbox
+
+
 def test_a_queue_of_wake_ups_only_counts_as_empty_and_nothing_else_does() -> None:
     from pykka._envelope import Envelope
 
-    class Ask:
-        pass
-
-    class Wake:
-        pass
-
     served: list[Any] = []
-    inbox = CallerServedInbox()
-    inbox.serve_in_caller((Ask,), lambda envelope: served.append(envelope), wake_types=(Wake,))
+    inbox = _inbox_serving(served)
     inbox.put(Envelope(Wake(), reply_to=None))  # a told wake-up: queued
     first = Envelope(Ask(), reply_to=pykka.ThreadingFuture())
     inbox.put(first)
@@ -189,15 +197,8 @@ def test_a_queue_of_wake_ups_only_counts_as_empty_and_nothing_else_does() -> Non
 def test_an_actor_serving_a_wake_up_counts_as_idle_and_one_serving_anything_else_does_not() -> None:
     from pykka._envelope import Envelope
 
-    class Ask:
-        pass
-
-    class Wake:
-        pass
-
     served: list[Any] = []
-    inbox = CallerServedInbox()
-    inbox.serve_in_caller((Ask,), lambda envelope: served.append(envelope), wake_types=(Wake,))
+    inbox = _inbox_serving(served)
     inbox.put(Envelope(Wake(), reply_to=None))
     inbox.get()  # the actor took the wake-up and serves it
     assert inbox.busy and inbox.busy_wake and not inbox.quiet()
