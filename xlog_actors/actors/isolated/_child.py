@@ -237,13 +237,14 @@ class _Server:
         self.device.ask(Subscribe(listener))
         spin = spin_budget(INBOX_SPIN_S)
         channel, lane = self.channel, self.lane
+        fd = channel.fileno()
         while True:
             try:
                 if lane is not None:
                     # Requests in the lane first, each once the frames sent before it are read.
-                    found = lane.wait(channel.fileno(), spin, channel.received)
+                    found = lane.wait(fd, spin, channel.received)
                     if found == lanes.NOTHING:
-                        found = lane.sleep(channel.fileno(), channel.received)
+                        found = lane.sleep(fd, channel.received)
                     if found == lanes.REQUEST:
                         self.serve_lane(lane)
                         continue
