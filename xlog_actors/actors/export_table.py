@@ -40,8 +40,7 @@ import threading
 import weakref
 from typing import Any, Final
 
-from ..driver.host.ipc import segment_name
-from ..driver.shared_memory import SharedSegment
+from ..driver.shared_memory import SharedSegment, segment_name
 from ..errors import InvalidRequest
 from .device_state import DeviceState
 

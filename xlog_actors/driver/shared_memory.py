@@ -5,11 +5,21 @@ whole. The host driver keeps the emulated device memory of a shareable device in
 handle export keeps its small tables (generation cell, reference counts, event counters) in
 others. Pages are committed only when touched, so a large segment costs nothing until used.
 
-Invariants: the creating process owns the name. It registers the segment with
-``multiprocessing``'s resource tracker, so the name is unlinked even when the owner dies by
-``SIGKILL``; it unlinks the name itself on :meth:`SharedSegment.close`. A process that opens the
-segment never unlinks it. Unlinking removes only the name: every process that mapped the
-segment keeps its mapping (and the bytes) until it unmaps, so a late reader never faults.
+Invariants: the creating process owns the name. It unlinks the name itself on
+:meth:`SharedSegment.close`, and registers it with ``multiprocessing``'s resource tracker, which
+unlinks it when the tracker's process tree ends. A process that opens the segment never unlinks
+it. Unlinking removes only the name: every process that mapped the segment keeps its mapping (and
+the bytes) until it unmaps, so a late reader never faults.
+
+Names and orphans: :func:`segment_name` puts the creator's pid *and* a random token drawn once per
+process in every name, so a name never repeats on the node, not even when a pid is reused after a
+reboot-free container restart shares ``/dev/shm`` with the old one. The owner holds a shared
+``flock`` on the segment's file for as long as it owns it; the kernel drops it when the owner dies
+however it dies. A segment whose lock nobody holds is an orphan: its owner and its owner's
+tracker were both killed (a Ray worker killed with its process group, say). The first segment a
+process creates sweeps the orphans older than :data:`ORPHAN_AGE_S` away (:func:`sweep_orphans`);
+the lock, not the pid, says who is alive, so a process of another pid namespace that shares
+``/dev/shm`` is never mistaken for a dead one.
 
 Thread rules: the mapping may be read and written from any thread (ordering is the caller's).
 :meth:`SharedSegment.locked` serializes a read-modify-write of a range across the threads of
@@ -22,18 +32,58 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import mmap
 import os
+import secrets
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
 
 from ..errors import DeviceUnavailable, InvalidRequest
 
-__all__ = ["SHM_DIR", "SharedSegment", "mapped", "mapped_if_open", "unlink_segments_of"]
+__all__ = [
+    "ORPHAN_AGE_S",
+    "SHM_DIR",
+    "SharedSegment",
+    "mapped",
+    "mapped_if_open",
+    "segment_name",
+    "sweep_orphans",
+    "unlink_segments_of",
+]
 
 #: Where POSIX shared-memory objects live on Linux.
 SHM_DIR = "/dev/shm"
+
+#: How old an unlocked segment must be before a sweep takes it for an orphan, in seconds. An
+#: owner takes its lock microseconds after it creates the file; the margin covers a stalled one.
+ORPHAN_AGE_S = 10.0
+
+_serial = itertools.count()
+_token: tuple[int, str] = (-1, "")
+_swept_in = -1  # the pid that made its first segment (and swept): a forked child sweeps again
+
+
+def segment_name(what: str, ordinal: int) -> str:
+    """A segment name never used before on the node: ``xlog-<what>-<pid>-<token>-<ordinal>-<serial>``.
+
+    ``token`` is random, drawn once per process (again after a fork), so a reused pid never meets
+    a name an earlier process of that pid left behind.
+
+    Args:
+        what: the segment's role (``mem``, ``events``, ``refs``, ``lane``); no ``-`` or ``/``.
+        ordinal: the device it belongs to.
+    Returns:
+        The name, without the leading slash.
+    Thread rule: any thread.
+    """
+    global _token
+    pid = os.getpid()
+    if _token[0] != pid:
+        _token = (pid, secrets.token_hex(4))
+    return f"xlog-{what}-{pid}-{_token[1]}-{ordinal}-{next(_serial)}"
 
 _name_locks: dict[str, threading.Lock] = {}
 _name_locks_guard = threading.Lock()
@@ -76,8 +126,10 @@ class SharedSegment:
     def create(cls, name: str, size: int) -> SharedSegment:
         """Create the segment ``name`` of ``size`` zeroed bytes, owned by this process.
 
+        The first call in a process sweeps orphaned segments away first (:func:`sweep_orphans`).
+
         Args:
-            name: a file name unique on the node (the caller puts its pid in it).
+            name: a file name unique on the node (:func:`segment_name` makes one).
             size: bytes, positive.
         Returns:
             The mapped segment.
@@ -89,11 +141,16 @@ class SharedSegment:
         if type(size) is not int or size <= 0:
             raise InvalidRequest(f"a shared segment size must be a positive int, got {size!r}")
         path = cls._path(name)
+        global _swept_in
+        if _swept_in != os.getpid():
+            _swept_in = os.getpid()
+            sweep_orphans(ORPHAN_AGE_S)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             raise InvalidRequest(f"shared segment {name!r} exists already") from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "owned": held until close() or this process's death
             os.ftruncate(fd, size)
             segment = cls(name, fd, size, owner=True)
         except BaseException:
@@ -223,4 +280,53 @@ def unlink_segments_of(pid: int) -> list[str]:
                 gone.append(name)
                 with contextlib.suppress(Exception):  # a tracker of another process tree does not know it
                     resource_tracker.unregister("/" + name, "shared_memory")
+    return gone
+
+
+def sweep_orphans(min_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """Unlink this runtime's segments (``xlog-*``) that no live process owns any more.
+
+    A segment is an orphan when no process holds its ownership lock (the owner died, and so did
+    the resource tracker that would have unlinked it) and it is older than ``min_age_s`` (so a
+    segment being created is never taken). Segments of other users, and names that vanish
+    meanwhile, are passed over. Processes that mapped an orphan keep their mapping.
+
+    Args:
+        min_age_s: the youngest age, by the file's change time, taken for an orphan; >= 0.
+    Returns:
+        The names unlinked.
+    Raises:
+        InvalidRequest: a negative ``min_age_s``.
+    Thread rule: any thread.
+    """
+    if not min_age_s >= 0:
+        raise InvalidRequest(f"min_age_s must be >= 0 seconds, got {min_age_s!r}")
+    if not os.path.isdir(SHM_DIR):
+        return []
+    gone = []
+    now = time.time()
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith("xlog-"):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        try:
+            st = os.fstat(fd)
+            if now - st.st_ctime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its owner holds the lock: alive
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == st.st_ino:  # still the file judged, not a new one
+                    os.unlink(path)
+                    gone.append(name)
+                    with contextlib.suppress(Exception):  # a tracker of another process tree does not know it
+                        resource_tracker.unregister("/" + name, "shared_memory")
+        finally:
+            os.close(fd)
     return gone

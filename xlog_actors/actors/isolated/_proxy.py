@@ -53,7 +53,6 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import sys
 import threading
@@ -69,7 +68,7 @@ from ..._core import call_lane as lanes
 from ..._core.call_lane import CallLane
 from ..._core.doorbell import Doorbell
 from ...driver.open import DRIVER_KINDS, env_driver_kind
-from ...driver.shared_memory import SharedSegment, unlink_segments_of
+from ...driver.shared_memory import SharedSegment, segment_name, unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, InvalidRequest, XlogError
 from ...memory.block import AllocTag, StreamId
 from ...memory.stack import check_description, default_description
@@ -115,7 +114,6 @@ CALL_LANE: bool | None = None
 #: How long an asker waits for the child to claim its call-lane request when nothing spins
 #: (``CALL_LANE`` forced on a small machine) before it leaves the answer to the pipe.
 _LANE_MIN_SPIN_S = 0.005
-_lane_names = itertools.count(1)
 
 logger = logging.getLogger(__name__)
 
@@ -731,9 +729,7 @@ class IsolatedDevice(ResilientActor):
         lane: tuple[SharedSegment, CallLane] | None = None
         try:
             if CALL_LANE or (CALL_LANE is None and spin_budget(FUTURE_SPIN_S) > 0):
-                segment = SharedSegment.create(
-                    f"xlog-lane-{os.getpid()}-{self._ordinal}-{next(_lane_names)}", lanes.SIZE
-                )
+                segment = SharedSegment.create(segment_name("lane", self._ordinal), lanes.SIZE)
                 lane = (segment, CallLane(segment.mm))
             proc.channel.send(
                 ("config", self._ordinal, self._kind, self._resource, supervisor.max_restarts, supervisor.within_s,

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Literal
 
 from ...errors import ContextLost, ContextPoisoned, DriverError, OutOfMemory
-from .ipc import HostEventTable, segment_name
+from ..shared_memory import segment_name
+from .ipc import HostEventTable
 from .memory import AddressSpace, DeviceArena, align_up
 from .stream import HostStream
 

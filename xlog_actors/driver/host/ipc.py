@@ -27,8 +27,6 @@ Thread rules: :class:`HostEventTable` is used from any thread (a lock guards the
 
 from __future__ import annotations
 
-import itertools
-import os
 import threading
 import time
 import weakref
@@ -36,27 +34,16 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ...errors import DeviceUnavailable, DriverError
-from ..shared_memory import SharedSegment, mapped
+from ..shared_memory import SharedSegment, mapped, segment_name
 from .stream import HostStream
 
-__all__ = ["EVENT_SLOTS", "HostEventTable", "HostIpcEvent", "HostMemoryExport", "open_memory", "segment_name"]
+__all__ = ["EVENT_SLOTS", "HostEventTable", "HostIpcEvent", "HostMemoryExport", "open_memory"]
 
 #: Streams one device may have exporting events at the same time.
 EVENT_SLOTS = 1024
 
 #: How long a poll sleeps at most between two looks at a counter, in seconds.
 _POLL_MAX_S = 0.001
-
-_serial = itertools.count()
-
-
-def segment_name(what: str, ordinal: int) -> str:
-    """A segment name unique on the node: ``xlog-<what>-<pid>-<ordinal>-<serial>``.
-
-    Thread rule: any thread.
-    """
-    return f"xlog-{what}-{os.getpid()}-{ordinal}-{next(_serial)}"
-
 
 class HostMemoryExport(NamedTuple):
     """An allocation of a shared host device, named across processes.
