@@ -37,10 +37,9 @@ int nop1(u64 a) { return 0; }
 
 
 class Device(Stamped):
-    """A device stand-in; ``Stamped`` keeps ``CudaDevice``'s stamp contract."""
+    """A device stand-in; ``Stamped`` keeps ``CudaDevice``'s version-cell contract."""
 
     def __init__(self) -> None:
-        self.stamp = object()
         self.ordinal, self.token, self.epoch, self.poisoned, self.pool = 0, object(), 1, None, 0xF00
         self.epoch_token = object()
         self.pool_live: set[int] = set()

@@ -71,10 +71,9 @@ class FakeCuda:
 
 
 class FakeDevice(Stamped):
-    """A device stand-in; ``Stamped`` keeps ``CudaDevice``'s stamp contract."""
+    """A device stand-in; ``Stamped`` keeps ``CudaDevice``'s version-cell contract."""
 
     def __init__(self) -> None:
-        self.stamp = object()
         self.ordinal = 0
         self.token: object = object()
         self.epoch = 1
@@ -175,7 +174,7 @@ def test_a_live_stream_in_a_current_context_takes_the_c_path(rig: Any) -> None:
 )
 def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, why: str) -> None:
     if why == "closed":  # as CudaStream.close: liveness first
-        rig.s0._live = None
+        rig.dev.assign_stamped(rig.s0, "_live", None)
         rig.s0._closed = "closed"
     elif why == "rebuilt":  # as CudaDevice._teardown
         rig.dev.epoch += 1
@@ -185,7 +184,7 @@ def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, 
     elif why == "other thread":
         rig.tls.token = None
     elif why == "device changing":  # an assignment under way in another thread (see CudaDevice)
-        object.__setattr__(rig.dev, "stamp", None)
+        rig.dev.version[0] += 1  # odd: the cell of an assignment not finished
     else:
         rig.dev.token = None
     block = rig.res.allocate(64)
@@ -199,11 +198,35 @@ def test_a_change_after_the_cache_was_filled_is_seen(rig: Any) -> None:
     assert rig.driver.slow == []
     rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"
     rig.res.allocate(64)
-    assert rig.driver.slow == ["alloc_async"], "the new stamp made the core re-read the device"
+    assert rig.driver.slow == ["alloc_async"], "the moved version cell made the core re-read the device"
     rig.dev.pool_live = set()  # a rebuild swaps the live set: the core must add to the new one
     rig.dev.poisoned = None
     block = rig.res.allocate(64)
     assert rig.dev.pool_live == {block.ptr}
+
+
+def test_a_stream_closed_after_its_verdict_was_cached_goes_to_the_python_driver(rig: Any) -> None:
+    # The core remembers the last stream that passed; closing it (CudaStream.close and retire
+    # assign ``_live`` through the device's version cell) must end that verdict.
+    rig.res.deallocate(rig.res.allocate(64))
+    assert rig.driver.slow == []
+    block = rig.res.allocate(64)
+    rig.dev.assign_stamped(rig.s0, "_live", None)
+    rig.s0._closed = "closed"
+    rig.res.deallocate(block)
+    rig.res.allocate(64)
+    assert rig.driver.slow == ["free_async", "alloc_async"], "a closed stream reached the C path"
+    assert rig.cuda.log[-1][0] == "alloc_from_pool", "nothing was enqueued on the closed stream"
+
+
+def test_an_assignment_under_way_after_the_cache_was_filled_goes_to_the_python_driver(rig: Any) -> None:
+    rig.res.deallocate(rig.res.allocate(64))
+    rig.dev.version[0] += 1  # another thread is between the two halves of an assignment
+    rig.res.deallocate(rig.res.allocate(64))
+    assert rig.driver.slow == ["alloc_async", "free_async"]
+    rig.dev.version[0] += 1  # done (it changed nothing the core reads)
+    rig.res.deallocate(rig.res.allocate(64))
+    assert rig.driver.slow == ["alloc_async", "free_async"], "an even cell again: the C path"
 
 
 def test_a_failed_c_call_is_mapped_by_the_device_and_changes_nothing(rig: Any) -> None:

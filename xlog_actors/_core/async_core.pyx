@@ -16,7 +16,7 @@ The rules (the public face, :mod:`xlog_actors.memory.async_resource`, documents 
 * ``bytes_outstanding() == live_bytes() + pending_free_bytes()``; a reap releases only what it
   synchronized.
 
-**The lock.** One C-level lock (``PyThread``) guards the live map, the per-block state, the
+**The lock.** One C-level lock (``lock.pxd``: an int taken by compare-and-swap) guards the live map, the per-block state, the
 pending map and both counters, so they always move together. On the CUDA path no holder lets
 the GIL go (the driver calls keep it, see ``ops.pyx``), so the lock is never contended there and
 costs one atomic operation; it is kept because a garbage collection run inside a critical
@@ -29,7 +29,7 @@ above are checkable only when read in one place.
 """
 
 cimport cython
-from cpython.dict cimport PyDict_GetItem, PyDict_SetDefault
+from cpython.dict cimport PyDict_GetItemWithError, PyDict_SetDefault
 from cpython.object cimport PyObject
 from posix.time cimport clock_gettime, timespec
 
@@ -215,9 +215,9 @@ cdef class AsyncCore(ResourceCore):
             ``live_bytes() + pending_free_bytes()``, both read at one instant.
         Thread rule: any thread.
         """
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         total = self._live_bytes + self._pending_bytes
-        lock_release(self._lock)
+        lock_release(&self._lock)
         return total
 
     def live_bytes(self):
@@ -246,11 +246,11 @@ cdef class AsyncCore(ResourceCore):
             The sum, taken under the lock.
         Thread rule: any thread.
         """
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             return sum([(<_Pending>p).nbytes for p in self._pending.values()])
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
 
     def pending_use_event_count(self, ptr):
         """Events attached to the live block at ``ptr``.
@@ -263,7 +263,7 @@ cdef class AsyncCore(ResourceCore):
         Thread rule: any thread.
         """
         cdef _Entry entry
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             found = self._live.get(ptr)
             if found is None:
@@ -271,7 +271,7 @@ cdef class AsyncCore(ResourceCore):
             entry = <_Entry>found
             return (len(entry.reads) if entry.reads else 0) + (entry.lw_event is not None)
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
 
     def events_created(self):
         """How many driver events the pool ever created (diagnostic: reuse keeps it small).
@@ -291,11 +291,11 @@ cdef class AsyncCore(ResourceCore):
         """
         cdef _Entry e
         cdef double now = _now()
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             items = list(self._live.items())
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
         out = []
         for ptr, found in items:
             e = <_Entry>found
@@ -339,13 +339,13 @@ cdef class AsyncCore(ResourceCore):
         entry.tag = tag
         entry.created = _now()
         block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         # One lookup: the entry goes in unless the pointer is live already.
         found = PyDict_SetDefault(self._live, ptr, entry)
         collision = found != <PyObject*>entry
         if not collision:
             self._live_bytes += entry.nbytes
-        lock_release(self._lock)
+        lock_release(&self._lock)
         if not collision:
             if self._history is not None:
                 if self._ring is not None:
@@ -381,7 +381,7 @@ cdef class AsyncCore(ResourceCore):
         if _ordinal_of(block) != self._ordinal:
             check_device("AsyncCudaResource.deallocate", self._ordinal, block)
         ptr = _ptr_of(block)
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             entry = self._checked_entry("AsyncCudaResource.deallocate", block, ptr)
             alloc_sid = entry.stream
@@ -402,7 +402,7 @@ cdef class AsyncCore(ResourceCore):
             self._ops.free_async(ptr, alloc_stream)
             del self._live[ptr]
             self._live_bytes -= entry.nbytes
-            found = PyDict_GetItem(self._pending, alloc_sid)
+            found = PyDict_GetItemWithError(self._pending, alloc_sid)
             if found == NULL:
                 pending = _Pending.__new__(_Pending)
                 self._pending[alloc_sid] = pending
@@ -415,7 +415,7 @@ cdef class AsyncCore(ResourceCore):
             if reads:
                 self._events._free.extend(reads.values())
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
         if self._history is not None:
             if self._ring is not None:
                 self._ring.record(block, HISTORY_FREE)
@@ -460,13 +460,13 @@ cdef class AsyncCore(ResourceCore):
         cdef Py_ssize_t failed_at, i
         cdef _Pending pending
         cdef PyObject* found
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         drained = self._pending
         if not drained:
-            lock_release(self._lock)
+            lock_release(&self._lock)
             return
         self._pending = {}
-        lock_release(self._lock)
+        lock_release(&self._lock)
         items = list(drained.items())
         failed_at = len(items)
         error = None
@@ -479,16 +479,16 @@ cdef class AsyncCore(ResourceCore):
                 error = exc
                 break
             synced += (<_Pending>counted).nbytes
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         for stream_id, counted in items[failed_at:]:
-            found = PyDict_GetItem(self._pending, stream_id)
+            found = PyDict_GetItemWithError(self._pending, stream_id)
             if found == NULL:
                 self._pending[stream_id] = counted  # nobody else holds the drained counter
             else:
                 pending = <_Pending>found
                 pending.nbytes += (<_Pending>counted).nbytes
         self._pending_bytes -= synced
-        lock_release(self._lock)
+        lock_release(&self._lock)
         if error is not None:
             raise error
 
@@ -548,7 +548,7 @@ cdef class AsyncCore(ResourceCore):
         cdef _Entry entry
         stream = self._resolve_use("AsyncCudaResource.prepare_block_use", block_id, use_stream)
         ptr = _ptr_of(block_id)
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             entry = self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr)
             if entry.lw_event is None:
@@ -573,7 +573,7 @@ cdef class AsyncCore(ResourceCore):
                     if sid != use_stream:
                         self._ops.wait(stream, event)
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
 
     def finish_block_use(self, block_id, use_stream, access):
         """Record, after work with ``access`` on the block was enqueued on ``use_stream``, what
@@ -593,12 +593,12 @@ cdef class AsyncCore(ResourceCore):
         """
         stream = self._resolve_use("AsyncCudaResource.finish_block_use", block_id, use_stream)
         ptr = _ptr_of(block_id)
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             self._finish_locked(self._checked_entry("AsyncCudaResource.finish_block_use", block_id, ptr),
                                 stream, use_stream, access)
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
 
     cdef _finish_locked(self, _Entry entry, object stream, object use_stream, object access):
         if access is _READ:

@@ -67,12 +67,12 @@ cdef class DirectCore(ResourceCore):
             nbytes = check_nbytes(nbytes)
         ptr = self._ops.alloc(nbytes)
         block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, next_generation(), _LIVE)
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         collision = ptr in self._live
         if not collision:
             self._live[ptr] = block
             self._bytes += <long long>nbytes
-        lock_release(self._lock)
+        lock_release(&self._lock)
         if collision:
             # The driver handed out an address we believe is live: our map or the driver is
             # wrong. Give the new allocation back and leave the map as it was.
@@ -107,7 +107,7 @@ cdef class DirectCore(ResourceCore):
             check_device("DirectCudaResource.deallocate", self._ordinal, block)
             ptr = block.ptr
             generation = block.generation
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             found = self._live.get(ptr)
             if found is None or ((<DeviceBlock>found).generation is not generation
@@ -122,14 +122,14 @@ cdef class DirectCore(ResourceCore):
             del self._live[ptr]
             self._bytes -= <long long>live.nbytes
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
         try:
             self._ops.free(ptr)
         except BaseException:
-            lock_acquire(self._lock)
+            lock_acquire(&self._lock)
             self._live[ptr] = live
             self._bytes += <long long>live.nbytes
-            lock_release(self._lock)
+            lock_release(&self._lock)
             raise
         if self._history is not None:
             if self._ring is not None:
@@ -154,8 +154,8 @@ cdef class DirectCore(ResourceCore):
             A new list, taken under the lock.
         Thread rule: any thread.
         """
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             return list(self._live.values())
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)

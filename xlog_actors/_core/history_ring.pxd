@@ -3,7 +3,6 @@
 from libc.stdint cimport int32_t, int64_t, uint64_t
 
 from cpython.object cimport PyObject
-from cpython.pythread cimport PyThread_type_lock
 
 
 # Event.action
@@ -31,7 +30,7 @@ cdef enum:
 
 
 cdef class HistoryRing:
-    cdef PyThread_type_lock _lock
+    cdef int _lock  # lock.pxd's; zeroed (free) when the object is made
     cdef Event* _ring
     cdef Py_ssize_t _cap
     cdef Py_ssize_t _head

@@ -42,7 +42,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem, PyDict_Size
 from cpython.list cimport PyList_GET_ITEM
 from cpython.long cimport PyLong_AsLong, PyLong_FromSsize_t
-from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock, PyThread_get_thread_ident
+from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, intptr_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc, realloc
@@ -173,9 +173,6 @@ cdef class HistoryRing:
     """
 
     def __cinit__(self, *args, **kwargs):
-        self._lock = PyThread_allocate_lock()
-        if self._lock == NULL:
-            raise MemoryError("HistoryRing: cannot allocate its lock")
         self._slot_free = -1
 
     def __dealloc__(self):
@@ -188,8 +185,6 @@ cdef class HistoryRing:
         free(self._live_tab)
         free(self._stack_tab)
         free(self._stack_hashes)
-        if self._lock != NULL:
-            PyThread_free_lock(self._lock)
 
     def __init__(self, Py_ssize_t max_entries, int max_frames, dict skip_cache, object is_runtime):
         """
@@ -282,7 +277,7 @@ cdef class HistoryRing:
                 n = self._walk_frames(buf)
             h = _hash_words(buf, 2 * n)
             ev.time_ns = _now_ns()
-            lock_acquire(self._lock)
+            lock_acquire(&self._lock)
             try:
                 ev.stack_id = self._find_stack(buf, n, h)
                 ev.tag_id = self._last_tag_id if tag is self._last_tag else -1
@@ -290,17 +285,17 @@ cdef class HistoryRing:
                     self._commit(&ev)
                     return 0
             finally:
-                lock_release(self._lock)
+                lock_release(&self._lock)
             # a stack or a tag seen for the first time: interned between two holds of the lock
             if ev.stack_id < 0:
                 ev.stack_id = self._add_stack(buf, n, h, origin)
             if ev.tag_id < 0:
                 ev.tag_id = self._tag_id(tag)
-            lock_acquire(self._lock)
+            lock_acquire(&self._lock)
             try:
                 self._commit(&ev)
             finally:
-                lock_release(self._lock)
+                lock_release(&self._lock)
             return 0
         finally:
             if buf != local:
@@ -446,7 +441,7 @@ cdef class HistoryRing:
         key = PyBytes_FromStringAndSize(<char*>buf, n * 2 * sizeof(void*))
         if frames is None:
             frames = tuple([(<object>buf[2 * i], <intptr_t>buf[2 * i + 1]) for i in range(n)])
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             sid = self._find_stack(buf, n, h)  # another thread may have added it meanwhile
             if sid >= 0:
@@ -467,7 +462,7 @@ cdef class HistoryRing:
             self._place_stack(<int32_t>sid)
             return <int32_t>sid
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
 
     cdef void _place_stack(self, int32_t sid) noexcept:
         cdef Py_ssize_t mask = self._stack_tab_cap - 1
@@ -492,7 +487,7 @@ cdef class HistoryRing:
         # last tag seen.
         cdef PyObject* found
         cdef Py_ssize_t tid
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             found = PyDict_GetItem(self._tag_ids, tag)
             if found != NULL:
@@ -505,7 +500,7 @@ cdef class HistoryRing:
             self._last_tag_id = <int32_t>tid
             return <int32_t>tid
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
 
     # -- the stack ----------------------------------------------------------------------------
     cdef int _skips(self, PyObject* code) except -1:
@@ -570,17 +565,17 @@ cdef class HistoryRing:
         cdef int32_t note_id
         found = PyDict_GetItem(self._note_ids, reason)
         if found == NULL:
-            lock_acquire(self._lock)
+            lock_acquire(&self._lock)
             try:
                 note_id = <int32_t>len(self._notes)
                 self._notes.append(reason)
                 PyDict_SetItem(self._note_ids, reason, PyLong_FromSsize_t(note_id))
             finally:
-                lock_release(self._lock)
+                lock_release(&self._lock)
         else:
             note_id = <int32_t>PyLong_AsLong(<object>found)
         cdef int64_t now = _now_ns()
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         try:
             for slot in range(self._slot_cap):
                 if self._slot_next[slot] != _USED or self._slots[slot].device != ordinal:
@@ -596,7 +591,7 @@ cdef class HistoryRing:
                 self._push(&ev)
                 n += 1
         finally:
-            lock_release(self._lock)
+            lock_release(&self._lock)
         return n
 
     # -- settings ---------------------------------------------------------------------------
@@ -628,7 +623,7 @@ cdef class HistoryRing:
         ring = <Event*>malloc(max_entries * sizeof(Event))
         if ring == NULL:
             raise MemoryError(f"HistoryRing: cannot allocate {max_entries} events")
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         keep = min(self._count, max_entries)
         self._copy_newest(ring, keep)
         old = self._ring
@@ -636,7 +631,7 @@ cdef class HistoryRing:
         self._cap = max_entries
         self._count = keep
         self._head = keep % max_entries
-        lock_release(self._lock)
+        lock_release(&self._lock)
         free(old)
 
     cdef void _copy_newest(self, Event* out, Py_ssize_t n) noexcept:
@@ -657,7 +652,7 @@ cdef class HistoryRing:
         # id 0 of the stack and note tables is the empty one (a free recorded for a whole device)
         old = (self._tag_ids, self._tags, self._stacks, self._stack_keys, self._note_ids, self._notes)
         tag_ids, tags, stacks, stack_keys, note_ids, notes = {}, [], [()], [b""], {"": 0}, [""]
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         self._tag_ids, self._tags, self._last_tag, self._last_tag_id = tag_ids, tags, None, -1
         self._stacks, self._stack_keys, self._note_ids, self._notes = stacks, stack_keys, note_ids, notes
         for i in range(self._stack_tab_cap):
@@ -670,7 +665,7 @@ cdef class HistoryRing:
         self._live_count = self._live_filled = 0
         self._head = self._count = 0
         self._recorded = 0
-        lock_release(self._lock)
+        lock_release(&self._lock)
         del old
 
     # -- reading ----------------------------------------------------------------------------
@@ -703,11 +698,11 @@ cdef class HistoryRing:
         """
         cdef Event* copy
         cdef Py_ssize_t n, m = 0, i
-        lock_acquire(self._lock)
+        lock_acquire(&self._lock)
         n = self._count
         copy = <Event*>malloc(max(n + self._live_count, 1) * sizeof(Event))
         if copy == NULL:
-            lock_release(self._lock)
+            lock_release(&self._lock)
             raise MemoryError("HistoryRing: cannot copy the history")
         self._copy_newest(copy, n)
         for i in range(self._slot_cap):
@@ -716,7 +711,7 @@ cdef class HistoryRing:
                 m += 1
         tags, stacks, notes = self._tags, self._stacks, self._notes
         recorded, cap = self._recorded, self._cap
-        lock_release(self._lock)
+        lock_release(&self._lock)
         try:
             events = [_as_tuple(&copy[i], tags, stacks, notes) for i in range(n)]
             live = [_as_tuple(&copy[n + i], tags, stacks, notes) for i in range(m)]

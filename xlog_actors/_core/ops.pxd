@@ -37,7 +37,11 @@ cdef class CudaOps(DriverOps):
     cdef object _stream_type
     cdef object _event_type
     cdef object _cuda_result
-    cdef object _stamp
+    cdef object _version_keep
+    cdef long long* _version
+    cdef long long _seen
+    cdef object _ok_stream
+    cdef long long _ok_stream_seen
     cdef object _live_token
     cdef object _token
     cdef bint _live

@@ -9,10 +9,12 @@
   context healthy and already current in this thread: the checks of
   ``CudaStream._enter``, with the stream's (and event's) device, epoch and liveness read as one
   identity, ``_live is device.epoch_token``. The device's side of them (epoch, token, poisoned flag, pool, live
-  sets) is cached and re-read only when the device's ``stamp`` moved (see ``CudaDevice``), so a
-  call reads the stamp, the thread's context token (one dict lookup: the calling thread's own
-  dict of the thread-local marker is kept for the last thread that called) and the stream's
-  ``_live`` (the last stream's handle is kept too). Anything else (a closed stream, a
+  sets) is cached and re-read only when the device's ``version`` cell moved (a seqlock, see
+  ``Stamped``; the core reads it through a pointer), and so is the verdict on the last stream
+  that passed (a stream's ``_live`` changes only through the same protocol), so a call reads
+  one C integer, the thread's context token (one dict lookup: the calling thread's own dict of
+  the thread-local marker is kept for the last thread that called) and compares the stream with
+  the last one (whose handle is kept too). Anything else (a closed stream, a
   rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
   raises the precise error or makes the context current. A failed CUDA call is mapped by the
   device's own ``fail``, exactly as the Python driver maps it.
@@ -29,7 +31,8 @@ Thread rule: any thread; an ops object's only mutable state is its cached view o
 read and written with the GIL held.
 """
 
-from cpython.dict cimport PyDict_GetItem
+from cpython.array cimport array
+from cpython.dict cimport PyDict_GetItemWithError
 from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromUnsignedLongLong
 from cpython.object cimport PyObject
 from cpython.pystate cimport PyThreadState, PyThreadState_Get
@@ -118,7 +121,13 @@ cdef class CudaOps(DriverOps):
         self._event_type = event_type
         self._cuda_result = cuda_result
         self._pool_obj = None
-        self._stamp = None  # nothing cached yet
+        cdef array cell = device.version
+        # A view held: the cell's array cannot be resized (moved) while it is exported.
+        self._version_keep = memoryview(cell)
+        self._version = cell.data.as_longlongs
+        self._seen = -1  # nothing cached yet (the cell is never negative)
+        self._ok_stream = None
+        self._ok_stream_seen = -1
         self._alloc_from_pool = <AllocFromPoolAsync_t>PyLong_AsVoidPtr(entry_points["cuMemAllocFromPoolAsync"])
         self._free_async = <FreeAsync_t>PyLong_AsVoidPtr(entry_points["cuMemFreeAsync"])
         self._event_record = <EventRecord_t>PyLong_AsVoidPtr(entry_points["cuEventRecord"])
@@ -128,12 +137,12 @@ cdef class CudaOps(DriverOps):
 
     cdef bint _current(self):
         """True when the device is healthy and its context current in this thread, refreshing the
-        cached view of the device first if its stamp moved."""
-        dev = self._dev
-        stamp = dev.stamp
-        if stamp is not self._stamp:
-            if stamp is None:
+        cached view of the device first if its version cell moved."""
+        cdef long long seen = self._version[0]
+        if seen != self._seen:
+            if seen & 1:
                 return False  # an assignment is under way: the Python driver decides
+            dev = self._dev
             token = dev.token
             self._live_token = dev.epoch_token
             self._token = token
@@ -144,7 +153,11 @@ cdef class CudaOps(DriverOps):
             self._pool_obj = pool
             self._pool_live = dev.pool_live
             self._direct_live = dev.direct_live
-            self._stamp = stamp
+            if self._version[0] != seen:
+                # A finalizer run by the reads above assigned meanwhile: cache nothing.
+                self._seen = -1
+                return False
+            self._seen = seen
         return self._live and self._thread_token() is self._token
 
     cdef object _thread_token(self):
@@ -167,13 +180,25 @@ cdef class CudaOps(DriverOps):
             self._tls_dict = self._tls.__dict__
             self._tls_thread = tid
             del old
-        found = PyDict_GetItem(self._tls_dict, "token")
+        found = PyDict_GetItemWithError(self._tls_dict, "token")  # a str key: it cannot fail
         return <object>found if found != NULL else None
 
     cdef bint _stream_ok(self, object s):
-        """``s`` is a live stream of this device's current epoch (call after ``_current``): its
-        ``_live`` is the device's ``epoch_token`` exactly while that holds (see ``CudaStream``)."""
-        return type(s) is self._stream_type and s._live is self._live_token
+        """``s`` is a live stream of this device's current epoch (call right after ``_current``
+        said True, so ``_seen`` is the cell's value): its ``_live`` is the device's
+        ``epoch_token`` exactly while that holds (see ``CudaStream``). The last stream that
+        passed is remembered with the cell's value: a stream's ``_live`` ends only through
+        ``assign_stamped``, which moves the cell."""
+        if s is self._ok_stream and self._ok_stream_seen == self._seen:
+            return True
+        if type(s) is not self._stream_type or s._live is not self._live_token:
+            return False
+        # Both fields set before the old stream is let go: dropping it could run Python code.
+        old = self._ok_stream
+        self._ok_stream = s
+        self._ok_stream_seen = self._seen
+        del old
+        return True
 
     cdef CUstream _handle_of(self, object s) except? NULL:
         """The CUDA handle of stream ``s``. A stream's ``_handle`` never changes, so the last

@@ -7,8 +7,6 @@ history they report to.
 Thread rule: every method may be called from any thread at any time.
 """
 
-from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock
-
 from .history_ring cimport HistoryRing
 from .ops cimport ops_for
 
@@ -20,15 +18,6 @@ cdef class ResourceCore:
 
     Thread rule: every method may be called from any thread at any time.
     """
-
-    def __cinit__(self, *args, **kwargs):
-        self._lock = PyThread_allocate_lock()
-        if self._lock == NULL:
-            raise MemoryError(f"{type(self).__name__}: cannot allocate its lock")
-
-    def __dealloc__(self):
-        if self._lock != NULL:
-            PyThread_free_lock(self._lock)
 
     def __init__(self, driver, ordinal):
         """Serve device ``ordinal`` of ``driver``, with no history.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
@@ -49,6 +50,8 @@ from .nvrtc import compile_cubin
 from .pool_ipc import create_pool, retire_pool
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's is 3.11+; annotations are never evaluated here
+
     # A type-only back reference: a device holds its streams, and each stream its device.
     from .streams import CudaStream
 
@@ -71,7 +74,7 @@ _UNAVAILABLE_CODES: Final[frozenset[str]] = frozenset(
     }
 )
 
-#: The attributes of a :class:`CudaDevice` the compiled core caches (see ``CudaDevice.stamp``).
+#: The attributes of a :class:`CudaDevice` the compiled core caches (see :class:`Stamped`).
 STAMPED_ATTRIBUTES = frozenset({"epoch", "epoch_token", "token", "poisoned", "pool", "pool_live", "direct_live"})
 
 #: Which context incarnation is current in this thread (``tls.token``: a device's ``token``),
@@ -80,25 +83,53 @@ tls = threading.local()
 
 
 class Stamped:
-    """Keeps a ``stamp`` that changes with every assignment to one of :data:`STAMPED_ATTRIBUTES`:
-    the stamp is set to None, then the attribute, then a new ``stamp`` object. A reader that sees
-    a stamp it cached may use its cached values; one that sees None reads the attributes
-    directly and caches nothing; one that sees a new stamp re-reads them all (with the GIL held,
-    so no assignment comes between). The compiled core's view of a :class:`CudaDevice` relies on
-    it; test stand-ins of a device inherit it to keep the same contract.
+    """Keeps ``version``, a one-cell ``array('q')`` (a seqlock) that every assignment to one of
+    :data:`STAMPED_ATTRIBUTES` moves by two: odd while the assignment is under way, even again
+    once it is done. The compiled core holds a pointer to the cell and caches what it read of
+    the device while the cell keeps the even value it saw: a reader that sees an odd value reads
+    the attributes directly and caches nothing; one that sees a new even value re-reads them all
+    (with the GIL held, so no assignment comes between, and it checks the cell again after).
+    :meth:`assign_stamped` makes another object's assignment part of the same protocol (a
+    stream of the device stopping being live). Test stand-ins of a device inherit the class to
+    keep the same contract.
 
-    Thread rule: any thread; each assignment is the three steps above.
+    Thread rule: any thread; writers are serialized by one module lock (reentrant: a finalizer
+    run by an allocation inside a write may write too), readers take no lock.
     """
 
-    stamp: object | None = None
+    version: array[int]
+
+    def __new__(cls, *args: object, **kwargs: object) -> Self:  # the arguments are __init__'s
+        self = super().__new__(cls)
+        object.__setattr__(self, "version", array("q", [0]))
+        return self
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in STAMPED_ATTRIBUTES:
-            object.__setattr__(self, "stamp", None)
-            object.__setattr__(self, name, value)
-            object.__setattr__(self, "stamp", object())
+            self.assign_stamped(self, name, value)
         else:
             object.__setattr__(self, name, value)
+
+    def assign_stamped(self, target: object, name: str, value: object) -> None:
+        """``target.name = value`` as a change the compiled core's cached view must see.
+
+        Args:
+            target: this device, or an object whose attribute the core caches a verdict on (a
+                stream's ``_live``).
+            name: the attribute.
+            value: its new value.
+        Thread rule: any thread.
+        """
+        with _VERSION_LOCK:
+            cell = self.version
+            cell[0] += 1
+            try:
+                object.__setattr__(target, name, value)
+            finally:
+                cell[0] += 1
+
+
+_VERSION_LOCK = threading.RLock()
 
 
 class CudaDevice(Stamped):
@@ -113,12 +144,11 @@ class CudaDevice(Stamped):
     ``poisoned`` is the sticky code once seen; it never clears. Guarded by ``lock`` except for
     the reads the hot paths make (single attribute loads).
 
-    ``stamp`` lets the compiled core cache the attributes its fast path reads
+    ``version`` lets the compiled core cache the attributes its fast path reads
     (:data:`STAMPED_ATTRIBUTES`), through :class:`Stamped`.
     """
 
     def __init__(self, ordinal: int, cudev: Any, held: HeldCalls) -> None:
-        self.stamp = object()
         self.ordinal = ordinal
         self.cudev = cudev
         self.owner: object = None  # the CudaDriver this device belongs to

@@ -377,7 +377,7 @@ class CudaStream:
         with self._gate, self._lock:
             if self._closed is not None:
                 return
-            self._live = None
+            self._dev.assign_stamped(self, "_live", None)  # the compiled core's cached verdict ends
             self._closed = "closed"
         dev = self._dev
         with dev.lock:
@@ -417,6 +417,8 @@ class CudaStream:
             try:
                 if self._closed is not None:
                     return
+                # Not stamped: the compiled core's cached verdict holds its stream, so a stream
+                # being collected is never the one cached (and a finalizer takes no lock).
                 self._live = None
                 self._closed = "collected"
             finally:
@@ -468,7 +470,7 @@ class CudaStream:
         then the caller's to destroy), False when it was already closed or collected."""
         with self._gate, self._lock:
             if self._closed is None:
-                self._live = None
+                self._dev.assign_stamped(self, "_live", None)  # the compiled core's cached verdict ends
                 self._closed = reason
                 return True
             return False
