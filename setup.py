@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - the build requirements name Cython
     sys.exit("xlog_actors: building the compiled core needs Cython>=3.0 (pip install Cython)")
 
 _MODULES = (
+    "ptr_table",
     "blocks",
     "ops",
     "history_ring",

@@ -495,6 +495,31 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
     assert keep.access().nbytes == 256
 
 
+def test_the_context_calls_the_resource_in_c_until_its_calls_are_replaced(device: pykka.ActorRef[Any]) -> None:
+    client = device.ask(xa.GetClient())
+    ctx = client._cell.lifecycle.context
+    assert ctx.runtime_in_c, "the default stack's top is the stream-ordered resource: called in C"
+    runtime = ctx.runtime
+    real_allocate, seen = runtime.allocate, []
+
+    def counting_allocate(*args: Any) -> Any:
+        seen.append(args)
+        return real_allocate(*args)
+
+    runtime.allocate = counting_allocate
+    client.free(client.allocate(256))
+    assert seen == [], "read once, at construction: a replacement waits for rebind_runtime"
+    ctx.rebind_runtime()
+    assert not ctx.runtime_in_c
+    client.free(client.allocate(256))
+    assert len(seen) == 1, "after rebind_runtime the replacement is called"
+    runtime.allocate = real_allocate
+    ctx.rebind_runtime()
+    assert ctx.runtime_in_c
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 0 and stats.live_blocks == 0
+
+
 def test_client_live_blocks_never_alias(device: pykka.ActorRef[Any]) -> None:
     client = device.ask(xa.GetClient())
     results: list[list[xa.GpuRef]] = [[] for _ in range(8)]

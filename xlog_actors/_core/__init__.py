@@ -28,6 +28,7 @@ try:
         handles,
         history_ring,
         ops,
+        ptr_table,
         resource_core,
     )
 except ImportError as _exc:  # pragma: no cover - exercised by tests/test_packaging.py in a subprocess

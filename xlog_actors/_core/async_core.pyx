@@ -29,14 +29,16 @@ above are checkable only when read in one place.
 """
 
 cimport cython
-from cpython.dict cimport PyDict_GetItemWithError, PyDict_SetDefault
+from cpython.dict cimport PyDict_GetItemWithError
 from cpython.object cimport PyObject
+from libc.stdint cimport uint64_t
 from posix.time cimport clock_gettime, timespec
 
 from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
 from .ops cimport DriverOps, ops_for
+from .ptr_table cimport PtrTable, key_of
 from .resource_core cimport ResourceCore
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
@@ -77,10 +79,6 @@ cdef class EventPool:
     thread may call them; the owning resource calls them under its own lock anyway, which also
     keeps ``created`` exact.
     """
-
-    cdef DriverOps _ops
-    cdef list _free
-    cdef readonly Py_ssize_t created
 
     def __init__(self, driver, ordinal):
         """An empty pool for device ``ordinal`` of ``driver``; events are created on demand.
@@ -127,7 +125,6 @@ cdef class _Pending:
     """Bytes whose free is queued on one stream and not yet reaped: a C counter, so a free adds
     to it without making an ``int`` or storing one back into the map."""
 
-    cdef long long nbytes
 
 
 # Allocation makes one entry and free drops it: a free list spares the memory allocator both.
@@ -136,17 +133,10 @@ cdef class _Pending:
 cdef class _Entry:
     """Tracking state of one live block."""
 
-    cdef object generation
-    cdef long long nbytes
-    cdef object stream
-    cdef object tag
-    cdef double created
-    # Stream and event of the last write; None while the allocation is the only producer and its
-    # fence has not been needed yet (it is recorded lazily on ``stream``).
-    cdef object lw_stream
-    cdef object lw_event
-    # read events since the last write, at most one per stream; None when empty
-    cdef dict reads
+
+
+def _by_generation(item):
+    return (<_Entry>item[1]).generation
 
 
 cdef inline object _ptr_of(object block_id):
@@ -179,14 +169,6 @@ cdef class AsyncCore(ResourceCore):
     Thread rule: every method may be called from any thread at any time.
     """
 
-    cdef object _stream_pool
-    cdef object _streams
-    cdef EventPool _events
-    cdef dict _live
-    cdef long long _live_bytes
-    cdef dict _pending  # stream id -> _Pending
-    cdef long long _pending_bytes
-
     def __init__(self, driver, ordinal, stream_pool):
         """An empty resource on device ``ordinal`` of ``driver``, ordering its work on the
         streams of ``stream_pool`` (whose device the caller checked).
@@ -197,7 +179,7 @@ cdef class AsyncCore(ResourceCore):
         self._stream_pool = stream_pool
         self._streams = stream_pool.streams
         self._events = EventPool(driver, ordinal)
-        self._live = {}
+        self._live = PtrTable()
         self._live_bytes = 0
         self._pending = {}
         self._pending_bytes = 0
@@ -263,10 +245,14 @@ cdef class AsyncCore(ResourceCore):
         Thread rule: any thread.
         """
         cdef _Entry entry
+        cdef uint64_t key
+        cdef PyObject* found
+        if not key_of(ptr, &key):
+            return None
         lock_acquire(&self._lock)
         try:
-            found = self._live.get(ptr)
-            if found is None:
+            found = self._live.find(key)
+            if found == NULL:
                 return None
             entry = <_Entry>found
             return (len(entry.reads) if entry.reads else 0) + (entry.lw_event is not None)
@@ -296,6 +282,7 @@ cdef class AsyncCore(ResourceCore):
             items = list(self._live.items())
         finally:
             lock_release(&self._lock)
+        items.sort(key=_by_generation)  # generations grow with every allocation
         out = []
         for ptr, found in items:
             e = <_Entry>found
@@ -321,10 +308,14 @@ cdef class AsyncCore(ResourceCore):
                 allocation was given back and nothing changed).
         Thread rule: any thread; the driver call runs outside the lock, the map update under it.
         """
+        return self._alloc_c(nbytes, stream, tag)
+
+    cdef object _alloc_c(self, object nbytes, object stream, object tag):
+        # allocate's body, which the device context calls in C (see context_core.pyx)
         cdef _Entry entry
         cdef DeviceBlock block
         cdef bint collision
-        cdef PyObject* found
+        cdef uint64_t key
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
         cu_stream = self._stream_of(stream)
@@ -339,11 +330,16 @@ cdef class AsyncCore(ResourceCore):
         entry.tag = tag
         entry.created = _now()
         block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+        if not key_of(ptr, &key):
+            self._ops.free_async(ptr, cu_stream)
+            raise DriverError(
+                f"AsyncCudaResource on device {self._ordinal}: the driver returned {ptr!r}, no int address; "
+                f"it was given back"
+            )
         lock_acquire(&self._lock)
-        # One lookup: the entry goes in unless the pointer is live already.
-        found = PyDict_SetDefault(self._live, ptr, entry)
-        collision = found != <PyObject*>entry
+        collision = self._live.find(key) != NULL
         if not collision:
+            self._live.insert(key, entry)  # cannot fail but for memory, and then nothing changed
             self._live_bytes += entry.nbytes
         lock_release(&self._lock)
         if not collision:
@@ -375,15 +371,20 @@ cdef class AsyncCore(ResourceCore):
                 nothing is counted, so the caller may retry.
         Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
         """
+        self._dealloc_c(block)
+
+    cdef object _dealloc_c(self, object block):
+        # deallocate's body, which the device context calls in C (see context_core.pyx)
         cdef _Entry entry
         cdef _Pending pending
         cdef PyObject* found
+        cdef uint64_t key
         if _ordinal_of(block) != self._ordinal:
             check_device("AsyncCudaResource.deallocate", self._ordinal, block)
         ptr = _ptr_of(block)
         lock_acquire(&self._lock)
         try:
-            entry = self._checked_entry("AsyncCudaResource.deallocate", block, ptr)
+            entry = self._checked_entry("AsyncCudaResource.deallocate", block, ptr, &key)
             alloc_sid = entry.stream
             alloc_stream = self._stream_of(alloc_sid)
             if alloc_stream is None:
@@ -400,7 +401,7 @@ cdef class AsyncCore(ResourceCore):
                     if sid != alloc_sid:
                         self._ops.wait(alloc_stream, event)
             self._ops.free_async(ptr, alloc_stream)
-            del self._live[ptr]
+            self._live.remove_if(key, entry)
             self._live_bytes -= entry.nbytes
             found = PyDict_GetItemWithError(self._pending, alloc_sid)
             if found == NULL:
@@ -493,15 +494,18 @@ cdef class AsyncCore(ResourceCore):
             raise error
 
     # -- block-use tracking -----------------------------------------------------------------
-    cdef inline object _stream_of(self, object sid):
+    cdef object _stream_of(self, object sid):
         # The pool's map is a dict (typed lookup); tests may give any mapping with ``get``.
         if type(self._streams) is dict:
             return (<dict>self._streams).get(sid)
         return self._streams.get(sid)
 
-    cdef _Entry _checked_entry(self, str owner, object block_id, object ptr):
-        found = self._live.get(ptr)
-        if found is None:
+    cdef _Entry _checked_entry(self, str owner, object block_id, object ptr, uint64_t* key):
+        # ``key`` receives the entry's table key, for a caller that removes it.
+        cdef PyObject* found = NULL
+        if key_of(ptr, key):
+            found = self._live.find(key[0])
+        if found == NULL:
             raise unknown_block(owner, self._ordinal, block_id, None)
         entry = <_Entry>found
         generation = _generation_of(block_id)
@@ -546,11 +550,12 @@ cdef class AsyncCore(ResourceCore):
         Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
         """
         cdef _Entry entry
+        cdef uint64_t key
         stream = self._resolve_use("AsyncCudaResource.prepare_block_use", block_id, use_stream)
         ptr = _ptr_of(block_id)
         lock_acquire(&self._lock)
         try:
-            entry = self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr)
+            entry = self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr, &key)
             if entry.lw_event is None:
                 if entry.stream != use_stream:
                     # First cross-stream consumer: materialize the allocation-ready fence.
@@ -591,11 +596,12 @@ cdef class AsyncCore(ResourceCore):
             DriverError: a record failed; the block's state is as it was.
         Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
         """
+        cdef uint64_t key
         stream = self._resolve_use("AsyncCudaResource.finish_block_use", block_id, use_stream)
         ptr = _ptr_of(block_id)
         lock_acquire(&self._lock)
         try:
-            self._finish_locked(self._checked_entry("AsyncCudaResource.finish_block_use", block_id, ptr),
+            self._finish_locked(self._checked_entry("AsyncCudaResource.finish_block_use", block_id, ptr, &key),
                                 stream, use_stream, access)
         finally:
             lock_release(&self._lock)

@@ -3,6 +3,7 @@ from collections import deque
 from typing import Any
 
 from .blocks import AllocTag, DeviceBlock, StreamId
+from .ptr_table import PtrTable
 
 __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "ContextCore"]
 
@@ -14,12 +15,14 @@ class ContextCore:
     generation: int
     state_ref: weakref.ref[Any]
     token: object
-    blocks: dict[int, DeviceBlock]
+    blocks: PtrTable
     open: bool
     reclaims: deque[DeviceBlock]
     wake_pending: bool
     def __init__(self, runtime: Any, generation: int, state_ref: weakref.ref[Any], token: object,
                  handle_type: type) -> None: ...
+    @property
+    def runtime_in_c(self) -> bool: ...
     def is_current(self) -> bool: ...
     def rebind_runtime(self) -> None: ...
     def allocate(self, nbytes: int, stream: StreamId, tag: AllocTag) -> Any: ...

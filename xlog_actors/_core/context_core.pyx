@@ -3,10 +3,12 @@
 actor and every ``DeviceClient`` share, per generation of a device's context.
 
 ``blocks`` maps the address of every block handed out as a handle of this generation (and not
-yet freed) to that block. Its updates are single dict operations made with the GIL held and no
-Python code in between, so they need no lock: in particular ``_drop`` removes an entry only if
-it is still the block just freed (once ``deallocate`` returned, another thread may already hold
-the same address, stream-ordered reuse, and a plain pop would drop *its* entry).
+yet freed) to that block: a :class:`~xlog_actors._core.ptr_table.PtrTable` (a C hash table on
+the address; a dict cost about 850 instructions per allocate + free here, the table about 100).
+Its updates are single table operations made with the GIL held and no Python code in between,
+so they need no lock: in particular a free removes the entry only if it is still the block just
+freed (once ``deallocate`` returned, another thread may already hold the same address,
+stream-ordered reuse, and a plain pop would drop *its* entry).
 
 Dropped handles: ``reclaim`` queues the block of a handle whose last reference went (from any
 thread, a garbage collector's included) and wakes the device actor only for a large block or a
@@ -14,8 +16,9 @@ full batch; the actor frees the queue (``drain_reclaims``) before every message 
 
 The runtime's ``allocate`` and ``deallocate`` are read once, when the context is built (an
 attribute lookup and a bound-method fetch per call were about 350 of the 2,200 instructions this
-layer added to an allocate + free); code that replaces them on the runtime afterwards (tests,
-instrumentation) calls :meth:`ContextCore.rebind_runtime`.
+layer added to an allocate + free); when they are an ``AsyncCore``'s own methods (the default
+stack's top), the context calls their compiled bodies in C. Code that replaces them on the
+runtime afterwards (tests, instrumentation) calls :meth:`ContextCore.rebind_runtime`.
 
 Thread rule: ``allocate``/``free``/``is_current``/``reclaim`` may run on any thread;
 ``drain_reclaims`` on the device actor's thread only.
@@ -25,8 +28,13 @@ from collections import deque
 
 from cpython.weakref cimport PyWeakref_CheckRef, PyWeakref_GetObject
 
+from libc.stdint cimport uint64_t
+from cpython.object cimport PyObject
+
+from .async_core cimport AsyncCore
 from .blocks cimport DeviceBlock
 from .handles cimport cell_of, new_handle_with
+from .ptr_table cimport PtrTable, key_of
 
 from ..driver.checks import check_nbytes
 from ..errors import CorruptionDetected, InvalidRequest, OutOfMemory
@@ -39,6 +47,8 @@ RECLAIM_WAKE_BYTES = 1 << 20
 RECLAIM_BATCH = 32
 
 cdef Py_ssize_t _WAKE_BYTES = RECLAIM_WAKE_BYTES
+cdef object _ASYNC_ALLOCATE = AsyncCore.allocate
+cdef object _ASYNC_DEALLOCATE = AsyncCore.deallocate
 cdef Py_ssize_t _BATCH = RECLAIM_BATCH
 
 
@@ -70,13 +80,12 @@ cdef class ContextCore:
         Thread rule: the device actor's thread.
         """
         self.runtime = runtime
-        self._allocate = runtime.allocate
-        self._deallocate = runtime.deallocate
+        self._bind_runtime()
         self.generation = generation
         self.state_ref = state_ref
         self.token = token
         self._cell = cell_of(state_ref())
-        self.blocks = {}
+        self.blocks = PtrTable()
         self.open = True
         self._handle_type = handle_type
         self.reclaims = deque()
@@ -95,8 +104,28 @@ cdef class ContextCore:
         """Read the runtime's ``allocate`` and ``deallocate`` again, after something replaced
         them on the runtime (they are read once, when the context is built). Thread rule: any
         thread, while no allocation or free of this context runs."""
-        self._allocate = self.runtime.allocate
-        self._deallocate = self.runtime.deallocate
+        self._bind_runtime()
+
+    cdef _bind_runtime(self):
+        allocate, deallocate = self.runtime.allocate, self.runtime.deallocate
+        self._allocate = allocate
+        self._deallocate = deallocate
+        # The stream-ordered resource's own methods, unreplaced: called in C, without the call
+        # protocol (about 400 instructions per allocate + free).
+        owner = getattr(allocate, "__self__", None)
+        if (isinstance(owner, AsyncCore) and getattr(deallocate, "__self__", None) is owner
+                and getattr(allocate, "__func__", None) is _ASYNC_ALLOCATE
+                and getattr(deallocate, "__func__", None) is _ASYNC_DEALLOCATE):
+            self._async = <AsyncCore>owner
+        else:
+            self._async = None
+
+    @property
+    def runtime_in_c(self):
+        """True when allocation and free call the stream-ordered resource's compiled bodies
+        directly (the runtime's ``allocate``/``deallocate`` are an ``AsyncCore``'s own, as read
+        at construction or by :meth:`rebind_runtime`). Thread rule: any thread."""
+        return self._async is not None
 
     def is_current(self):
         """True while this is the device's usable context: open, and the state unchanged since
@@ -121,11 +150,25 @@ cdef class ContextCore:
 
     cdef object _alloc(self, object nbytes, object stream, object tag):
         try:
-            block = self._allocate(nbytes, stream, tag)
+            if self._async is not None:
+                block = self._async._alloc_c(nbytes, stream, tag)
+            else:
+                block = self._allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
             raise self._out_of_memory(exc) from None
-        self.blocks[_ptr(block)] = block
+        self._track(block)
         return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token, self._cell)
+
+    cdef int _track(self, object block) except -1:
+        cdef uint64_t key
+        if not key_of(_ptr(block), &key):
+            self._deallocate(block)
+            raise InvalidRequest(
+                f"device context of generation {self.generation}: the runtime handed out a block whose "
+                f"ptr is no int address in [0, 2**64) ({_ptr(block)!r}); it was given back"
+            )
+        self.blocks.insert(key, block)
+        return 0
 
     def allocate_many(self, sizes, stream, tag):
         """Allocate one block per size, all or none, and wrap each in a handle.
@@ -159,12 +202,11 @@ cdef class ContextCore:
             if isinstance(exc, OutOfMemory):
                 raise self._out_of_memory(exc) from None
             raise
-        table = self.blocks
         handles = []
         cls, generation, state_ref, token = self._handle_type, self.generation, self.state_ref, self.token
         cell = self._cell
         for block in blocks:
-            table[_ptr(block)] = block
+            self._track(block)
             handles.append(new_handle_with(cls, block, self, generation, state_ref, token, cell))
         return handles
 
@@ -184,26 +226,29 @@ cdef class ContextCore:
         return self._free(block)
 
     cdef object _free(self, object block):
-        ptr = _ptr(block)
-        live = self.blocks.get(ptr)
-        if live is None or not self.open:
+        cdef uint64_t key
+        cdef PyObject* found
+        if not key_of(_ptr(block), &key) or not self.open:
             return False
+        found = self.blocks.find(key)
+        if found == NULL:
+            return False
+        live = <object>found
         if live is not block and live.generation != block.generation:
             return False
         try:
-            self._deallocate(block)
+            if self._async is not None:
+                self._async._dealloc_c(block)
+            else:
+                self._deallocate(block)
         except CorruptionDetected:
             # Raised after the block was freed: it is no longer ours either way.
-            self._drop(ptr, live)
+            self.blocks.remove_if(key, live)
             raise
-        # Only after the resource took it back: a failed deallocate leaves the block ours.
-        self._drop(ptr, live)
+        # Only after the resource took it back: a failed deallocate leaves the block ours. Only
+        # our own entry (see the module docstring).
+        self.blocks.remove_if(key, live)
         return True
-
-    cdef _drop(self, object ptr, object live):
-        # Only our own entry (see the module docstring).
-        if self.blocks.get(ptr) is live:
-            del self.blocks[ptr]
 
     def reclaim(self, block, wake=False):
         """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):
