@@ -3,9 +3,5 @@
 # check, 1.06-1.10x before) and the allocation rows, twice each.
 set -u
 . scripts/gpu-probe-setup.sh
-for i in 1 2; do
-timeout 100 python3 -m xlog_actors bench --driver cuda --only "scaling (live blocks)" --only "AsyncCudaResource alloc+free" \
-    --only "DeviceClient allocate" --only "AllocateMany" --json "$OUT/bench-$i.json" >"$OUT/bench-$i.txt" 2>&1
-echo "bench $i rc=$?"
-done
+bench_rows 2 "scaling (live blocks)" "AsyncCudaResource alloc+free" "DeviceClient allocate" "AllocateMany"
 grep -E "^(AsyncCuda|raw pair|DeviceClient|DeviceActor)" "$OUT"/bench-*.txt

@@ -5,10 +5,6 @@ set -u
 . scripts/gpu-probe-setup.sh
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/actors tests/memory >"$OUT/pytest.txt" 2>&1
 echo "gpu actor+memory tests rc=$?"
-for i in 1 2; do
-timeout 100 python3 -m xlog_actors bench --driver cuda --only "AsyncCudaResource alloc+free" --only "DeviceClient" \
-    --only "AllocateMany" --only "GpuRef.access" --json "$OUT/bench-$i.json" >"$OUT/bench-$i.txt" 2>&1
-echo "bench $i rc=$?"
-done
+bench_rows 2 "AsyncCudaResource alloc+free" "DeviceClient" "AllocateMany" "GpuRef.access"
 tail -n 2 "$OUT/pytest.txt"
 grep -E "^(AsyncCuda|DeviceClient|DeviceActor|GpuRef)" "$OUT"/bench-*.txt
