@@ -337,9 +337,9 @@ cdef class AsyncCore(ResourceCore):
                 f"it was given back"
             )
         lock_acquire(&self._lock)
-        collision = self._live.find(key) != NULL
+        # One probe: the entry goes in unless the pointer is live already.
+        collision = not self._live.add(key, entry)
         if not collision:
-            self._live.insert(key, entry)  # cannot fail but for memory, and then nothing changed
             self._live_bytes += entry.nbytes
         lock_release(&self._lock)
         if not collision:

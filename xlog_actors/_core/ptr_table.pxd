@@ -14,8 +14,10 @@ cdef class PtrTable:
     cdef Py_ssize_t _mask
     cdef int _shift
     cdef Py_ssize_t _used
+    cdef PtrSlot* _slot(self, uint64_t key) noexcept
     cdef PyObject* find(self, uint64_t key) noexcept
     cdef int insert(self, uint64_t key, object value) except -1
+    cdef int add(self, uint64_t key, object value) except -1
     cdef bint remove_if(self, uint64_t key, object expected) noexcept
     cdef int _grow(self) except -1
 

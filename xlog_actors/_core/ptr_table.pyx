@@ -81,41 +81,51 @@ cdef class PtrTable:
                     Py_XDECREF(self._slots[i].value)
             free(self._slots)
 
-    cdef PyObject* find(self, uint64_t key) noexcept:
-        """The value at ``key`` (borrowed), or NULL."""
+    cdef PtrSlot* _slot(self, uint64_t key) noexcept:
+        """The slot holding ``key``, or the empty slot where it would go (one probe for both)."""
         cdef Py_ssize_t i = _home(key, self._shift)
         cdef PtrSlot* slot
         while True:
             slot = &self._slots[i]
-            if slot.value == NULL:
-                return NULL
-            if slot.key == key:
-                return slot.value
+            if slot.value == NULL or slot.key == key:
+                return slot
             i = (i + 1) & self._mask
+
+    cdef PyObject* find(self, uint64_t key) noexcept:
+        """The value at ``key`` (borrowed), or NULL."""
+        return self._slot(key).value
 
     cdef int insert(self, uint64_t key, object value) except -1:
         """Put ``value`` at ``key``, replacing what was there."""
-        cdef Py_ssize_t i
         cdef PtrSlot* slot
         cdef PyObject* old
         if (self._used + 1) * 2 > self._mask + 1:
             self._grow()
-        i = _home(key, self._shift)
-        while True:
-            slot = &self._slots[i]
-            if slot.value == NULL:
-                Py_INCREF(value)
-                slot.key = key
-                slot.value = <PyObject*>value
-                self._used += 1
-                return 0
-            if slot.key == key:
-                Py_INCREF(value)
-                old = slot.value
-                slot.value = <PyObject*>value
-                Py_XDECREF(old)  # last: a finalizer it runs sees the table consistent
-                return 0
-            i = (i + 1) & self._mask
+        slot = self._slot(key)
+        Py_INCREF(value)
+        old = slot.value
+        slot.key = key
+        slot.value = <PyObject*>value
+        if old == NULL:
+            self._used += 1
+        else:
+            Py_XDECREF(old)  # last: a finalizer it runs sees the table consistent
+        return 0
+
+    cdef int add(self, uint64_t key, object value) except -1:
+        """Put ``value`` at ``key`` unless the key is there already, in one probe: 1 when it
+        went in, 0 when the key was taken (nothing changed)."""
+        cdef PtrSlot* slot
+        if (self._used + 1) * 2 > self._mask + 1:
+            self._grow()
+        slot = self._slot(key)
+        if slot.value != NULL:
+            return 0
+        Py_INCREF(value)
+        slot.key = key
+        slot.value = <PyObject*>value
+        self._used += 1
+        return 1
 
     cdef bint remove_if(self, uint64_t key, object expected) noexcept:
         """Remove ``key`` if its value is ``expected`` (the same object); True when removed."""
