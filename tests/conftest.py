@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pykka
@@ -118,3 +120,30 @@ def two_devices(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
     yield driver
     pykka.ActorRegistry.stop_all()
     driver.close()
+
+
+@pytest.fixture
+def run_threads() -> Callable[[Callable[[], object], int, float], list[BaseException]]:
+    """Run ``target`` in ``count`` threads at once and join them all within ``timeout`` seconds;
+    a thread still running then fails the test (a hang, never a wait). Returns what the threads
+    raised, for the test to assert on."""
+
+    def run(target: Callable[[], object], count: int, timeout: float) -> list[BaseException]:
+        errors: list[BaseException] = []
+
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=guarded, daemon=True) for _ in range(count)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(thread.is_alive() for thread in threads), f"a thread still runs after {timeout} s"
+        return errors
+
+    return run

@@ -11,7 +11,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pykka
@@ -293,7 +293,9 @@ def test_an_illegal_address_in_the_gpu_child_comes_back_with_generation_plus_one
     assert fresh.generation == 1 and device.ask(xa.GetStats()).driver == "cuda"
 
 
-def test_an_allocation_sent_straight_to_the_child_never_overtakes_a_queued_message() -> None:
+def test_an_allocation_sent_straight_to_the_child_never_overtakes_a_queued_message(
+    run_threads: Callable[..., list[BaseException]],
+) -> None:
     """Allocations skip the proxy's thread only while nothing is queued before them: a free told
     just before an allocation that fits the budget only once that free ran is always served
     first (a 4 KiB budget holds one block), from several threads at once too."""
@@ -304,22 +306,14 @@ def test_an_allocation_sent_straight_to_the_child_never_overtakes_a_queued_messa
             device.tell(xa.Free(ref))
             ref = device.ask(xa.Allocate(4096))  # BudgetExceeded if it overtook the free
         device.tell(xa.Free(ref))
-        errors: list[BaseException] = []
 
         def churn() -> None:
-            try:
-                for _ in range(20):
-                    device.ask(xa.GetStats())  # queued work ahead of the next allocation
-                    held = device.ask(xa.Allocate(256))
-                    device.ask(xa.Free(held))
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+            for _ in range(20):
+                device.ask(xa.GetStats())  # queued work ahead of the next allocation
+                held = device.ask(xa.Allocate(256))
+                device.ask(xa.Free(held))
 
-        threads = [threading.Thread(target=churn) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
+        errors = run_threads(churn, 4, 30)
         assert not errors, errors[:3]
         assert device.ask(xa.GetStats()).bytes_outstanding == 0
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pykka
@@ -109,7 +109,7 @@ def test_an_unpicklable_allocate_is_refused_and_the_frees_before_it_still_go() -
     [("sticky", xa.GpuRefStale, "context poisoned"), ("kill", xa.DeviceUnavailable, None)],
 )
 def test_a_restart_answers_every_direct_allocation_in_flight(
-    kind: str, error: type[Exception], reason: str | None
+    kind: str, error: type[Exception], reason: str | None, run_threads: Callable[..., list[BaseException]]
 ) -> None:
     """Allocations from several threads at once, sent straight from their askers' threads, are
     in flight when the child fails: each gets the typed error, none hangs, and the next child
@@ -128,12 +128,7 @@ def test_a_restart_answers_every_direct_allocation_in_flight(
             with lock:
                 outcomes.append(value)
 
-    threads = [threading.Thread(target=ask_two) for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(40)
-    assert not any(thread.is_alive() for thread in threads), "an asker hangs"
+    assert run_threads(ask_two, 3, 40) == []  # fails the test if an asker hangs
     assert len(outcomes) == 6
     for outcome in outcomes:
         assert isinstance(outcome, error), outcome

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -342,7 +343,9 @@ def test_calls_on_alternating_streams_pass_each_its_own_handle(rig: Any) -> None
 
 
 @pytest.mark.timeout(60)
-def test_threads_taking_turns_on_one_resource_each_get_their_own_context_check(driver: Any) -> None:
+def test_threads_taking_turns_on_one_resource_each_get_their_own_context_check(
+    driver: Any, run_threads: Callable[..., list[BaseException]]
+) -> None:
     # On CUDA: the core keeps one thread's dict of the context marker at a time; threads that take
     # turns (a new thread's context is not current until its first call's slow path makes it so)
     # must each be checked against their own. Every pair must succeed and the counters add up.
@@ -351,21 +354,13 @@ def test_threads_taking_turns_on_one_resource_each_get_their_own_context_check(d
     pool = xa.StreamPool(driver, 0)
     res = AsyncCudaResource(driver, 0, pool)
     barrier = threading.Barrier(4)
-    errors: list[BaseException] = []
 
     def work() -> None:
-        try:
-            barrier.wait(timeout=30)
-            for _ in range(200):
-                res.deallocate(res.allocate(4096))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        barrier.wait(timeout=30)
+        for _ in range(200):
+            res.deallocate(res.allocate(4096))
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    errors = run_threads(work, 4, 30)
     assert not errors, errors
     assert res.live_bytes() == 0 and res.pending_free_bytes() == 800 * 4096
     res.reap_pending()
