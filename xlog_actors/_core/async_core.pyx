@@ -337,8 +337,14 @@ cdef class AsyncCore(ResourceCore):
                 f"it was given back"
             )
         lock_acquire(&self._lock)
-        # One probe: the entry goes in unless the pointer is live already.
-        collision = not self._live.add(key, entry)
+        try:
+            # One probe: the entry goes in unless the pointer is live already.
+            collision = not self._live.add(key, entry)
+        except BaseException:
+            # The map could not grow (MemoryError): it is as it was; so must the driver be.
+            lock_release(&self._lock)
+            self._ops.free_async(ptr, cu_stream)
+            raise
         if not collision:
             self._live_bytes += entry.nbytes
         lock_release(&self._lock)

@@ -167,7 +167,12 @@ cdef class ContextCore:
                 f"device context of generation {self.generation}: the runtime handed out a block whose "
                 f"ptr is no int address in [0, 2**64) ({_ptr(block)!r}); it was given back"
             )
-        self.blocks.insert(key, block)
+        try:
+            self.blocks.insert(key, block)
+        except BaseException:
+            # The table could not grow (MemoryError): give the block back, so nothing leaks.
+            self._deallocate(block)
+            raise
         return 0
 
     def allocate_many(self, sizes, stream, tag):
@@ -205,9 +210,24 @@ cdef class ContextCore:
         handles = []
         cls, generation, state_ref, token = self._handle_type, self.generation, self.state_ref, self.token
         cell = self._cell
-        for block in blocks:
-            self._track(block)
-            handles.append(new_handle_with(cls, block, self, generation, state_ref, token, cell))
+        i, n = 0, len(blocks)
+        try:
+            while i < n:
+                block = blocks[i]
+                self._track(block)  # gives ``block`` back itself when it fails
+                i += 1
+                handles.append(new_handle_with(cls, block, self, generation, state_ref, token, cell))
+        except BaseException:
+            # The handles made so far free their blocks as they go (on the raise). Give back
+            # the rest: a tracked block whose handle could not be made, and those not reached.
+            if len(handles) < i:
+                self._free(blocks[i - 1])
+            else:
+                i += 1  # blocks[i] failed to be tracked and was given back
+            deallocate = self._deallocate
+            for block in blocks[i:]:
+                deallocate(block)
+            raise
         return handles
 
     def free(self, block):

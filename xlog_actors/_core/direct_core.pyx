@@ -1,13 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The compiled body of ``DirectCudaResource``: one synchronous driver allocation per call.
 
-One C-level lock (``ResourceCore``'s) guards the live map and the byte counter; the driver is
-called outside it.
+One C-level lock (``ResourceCore``'s) guards the live map (a ``PtrTable``: address -> block) and
+the byte counter; the driver is called outside it.
 """
 
 from .blocks cimport DeviceBlock, new_block, next_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
+from .ptr_table cimport PtrTable, key_of
+from libc.stdint cimport uint64_t
+from cpython.object cimport PyObject
 from .resource_core cimport ResourceCore
 
 from ..driver.checks import check_device, check_nbytes, unknown_block
@@ -29,7 +32,7 @@ cdef class DirectCore(ResourceCore):
     Thread rule: every method may be called from any thread at any time.
     """
 
-    cdef dict _live
+    cdef PtrTable _live
     cdef long long _bytes
 
     def __init__(self, driver, ordinal):
@@ -41,7 +44,7 @@ cdef class DirectCore(ResourceCore):
         Thread rule: any thread.
         """
         ResourceCore.__init__(self, driver, ordinal)
-        self._live = {}
+        self._live = PtrTable()
         self._bytes = 0
 
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
@@ -63,14 +66,26 @@ cdef class DirectCore(ResourceCore):
         """
         cdef DeviceBlock block
         cdef bint collision
+        cdef uint64_t key
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
         ptr = self._ops.alloc(nbytes)
+        if not key_of(ptr, &key):
+            self._ops.free(ptr)
+            raise DriverError(
+                f"DirectCudaResource on device {self._ordinal}: the driver returned {ptr!r}, no int address; "
+                f"it was given back"
+            )
         block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, next_generation(), _LIVE)
         lock_acquire(&self._lock)
-        collision = ptr in self._live
+        try:
+            collision = not self._live.add(key, block)
+        except BaseException:
+            # The map could not grow (MemoryError): it is as it was; so must the driver be.
+            lock_release(&self._lock)
+            self._ops.free(ptr)
+            raise
         if not collision:
-            self._live[ptr] = block
             self._bytes += <long long>nbytes
         lock_release(&self._lock)
         if collision:
@@ -100,6 +115,8 @@ cdef class DirectCore(ResourceCore):
         called outside it, so a concurrent second free of it is refused.
         """
         cdef DeviceBlock live
+        cdef uint64_t key
+        cdef PyObject* slot_value
         if type(block) is DeviceBlock and (<DeviceBlock>block).device_ordinal == self._ordinal:
             ptr = (<DeviceBlock>block).ptr
             generation = (<DeviceBlock>block).generation
@@ -109,7 +126,8 @@ cdef class DirectCore(ResourceCore):
             generation = block.generation
         lock_acquire(&self._lock)
         try:
-            found = self._live.get(ptr)
+            slot_value = self._live.find(key) if key_of(ptr, &key) else NULL
+            found = <object>slot_value if slot_value != NULL else None
             if found is None or ((<DeviceBlock>found).generation is not generation
                                  and (<DeviceBlock>found).generation != generation):
                 raise unknown_block(
@@ -119,7 +137,7 @@ cdef class DirectCore(ResourceCore):
                     None if found is None else int((<DeviceBlock>found).generation),
                 )
             live = <DeviceBlock>found
-            del self._live[ptr]
+            self._live.remove_if(key, live)
             self._bytes -= <long long>live.nbytes
         finally:
             lock_release(&self._lock)
@@ -127,7 +145,10 @@ cdef class DirectCore(ResourceCore):
             self._ops.free(ptr)
         except BaseException:
             lock_acquire(&self._lock)
-            self._live[ptr] = live
+            try:
+                self._live.insert(key, live)
+            finally:
+                lock_release(&self._lock)
             self._bytes += <long long>live.nbytes
             lock_release(&self._lock)
             raise
@@ -156,6 +177,6 @@ cdef class DirectCore(ResourceCore):
         """
         lock_acquire(&self._lock)
         try:
-            return list(self._live.values())
+            return self._live.values()
         finally:
             lock_release(&self._lock)

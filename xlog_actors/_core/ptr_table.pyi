@@ -1,6 +1,8 @@
 from typing import Any
 
-__all__ = ["PtrTable"]
+__all__ = ["PtrTable", "fail_a_grow"]
+
+def fail_a_grow(after: int = 0) -> None: ...
 
 class PtrTable:
     def __len__(self) -> int: ...

@@ -25,7 +25,7 @@ from cpython.object cimport PyObject
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 
-__all__ = ["PtrTable"]
+__all__ = ["PtrTable", "fail_a_grow"]
 
 cdef extern from "Python.h":
     # Declared here without Cython's error check: key_of clears the error itself. The unsigned
@@ -41,6 +41,22 @@ if sizeof(unsigned long) != 8:
 
 cdef Py_ssize_t _FIRST_CAPACITY = 64  # a power of two
 cdef int _FIRST_SHIFT = 58  # 64 - log2(_FIRST_CAPACITY)
+# Fault injection (tests): grows left to succeed before one fails, as a failed calloc would; -1:
+# off. Read only when a table grows, so it costs the hot paths nothing.
+cdef Py_ssize_t _grows_to_pass = -1
+
+
+def fail_a_grow(Py_ssize_t after=0):
+    """Fault injection for tests: the grow of any table ``after`` grows from now raises
+    ``MemoryError``, as when ``calloc`` fails (the table is left as it was); ``after=-1``
+    disarms it.
+
+    Args:
+        after: how many grows succeed first.
+    Thread rule: any thread, with the GIL.
+    """
+    global _grows_to_pass
+    _grows_to_pass = after
 
 
 cdef inline Py_ssize_t _home(uint64_t key, int shift) noexcept:
@@ -157,10 +173,16 @@ cdef class PtrTable:
         return True
 
     cdef int _grow(self) except -1:
+        global _grows_to_pass
         cdef Py_ssize_t old_capacity = self._mask + 1
         cdef Py_ssize_t i, j
         cdef PtrSlot* old = self._slots
-        cdef PtrSlot* slots = <PtrSlot*>calloc(old_capacity * 2, sizeof(PtrSlot))
+        cdef PtrSlot* slots
+        if _grows_to_pass >= 0:
+            _grows_to_pass -= 1
+            if _grows_to_pass < 0:
+                raise MemoryError(f"PtrTable: cannot grow to {old_capacity * 2} slots (injected)")
+        slots = <PtrSlot*>calloc(old_capacity * 2, sizeof(PtrSlot))
         if slots == NULL:
             raise MemoryError(f"PtrTable: cannot grow to {old_capacity * 2} slots")
         self._slots = slots
