@@ -80,3 +80,24 @@ def test_on_the_host_driver_the_peer_row_is_skipped(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert doc["errors"] == [] and doc["rows"] == [], doc
     assert any(RMM in str(skip) and "CUDA driver only" in str(skip) for skip in doc["skipped"]), doc["skipped"]
+
+
+@pytest.mark.parametrize("rounds", [1, 4, 5])
+def test_the_halves_run_in_abba_order_with_the_rounds_split(monkeypatch: pytest.MonkeyPatch, rounds: int) -> None:
+    from xlog_actors.cli.bench import rows_training
+
+    calls: list[tuple[str, int]] = []
+
+    def fake_half(half: str, steps: int, n: int, timeout_s: float = 600.0) -> dict[str, object]:
+        calls.append((half, n))
+        return {"what": half, "ns_per_step": [float(len(calls))] * n}
+
+    monkeypatch.setattr(rows_training, "run_half", fake_half)
+    ours, ref = rows_training._interleaved("device", "torch", 100, rounds)
+    first, second = (rounds + 1) // 2, rounds // 2
+    expected = [("device", first), ("torch", first)] + ([("torch", second), ("device", second)] if second else [])
+    assert calls == expected
+    assert len(ours["ns_per_step"]) == rounds and len(ref["ns_per_step"]) == rounds
+    # each half's samples come from its own processes, in their order
+    assert ours["ns_per_step"] == [1.0] * first + [4.0] * second
+    assert ref["ns_per_step"] == [2.0] * first + [3.0] * second

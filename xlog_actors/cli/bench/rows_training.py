@@ -78,18 +78,29 @@ def run_half(half: str, steps: int, rounds: int, timeout_s: float = 600.0) -> di
     return doc
 
 
+def _interleaved(first: str, second: str, steps: int, rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two halves in processes in ABBA order (``first``, ``second``, ``second``, ``first``),
+    the rounds split between each half's two processes, so that drift of the machine between the
+    processes lands on both halves (a GPU host's speed was seen to move by 40% between two runs of
+    the same half). Returns each half's JSON, its ``ns_per_step`` the rounds of both processes."""
+    a_rounds, b_rounds = (rounds + 1) // 2, rounds // 2
+    a1 = run_half(first, steps, a_rounds)  # first: a half that must skip does so before the other runs
+    b1 = run_half(second, steps, a_rounds)
+    b2 = run_half(second, steps, b_rounds) if b_rounds else {"ns_per_step": []}
+    a2 = run_half(first, steps, b_rounds) if b_rounds else {"ns_per_step": []}
+    a1["ns_per_step"] = [*a1["ns_per_step"], *a2["ns_per_step"]]
+    b1["ns_per_step"] = [*b1["ns_per_step"], *b2["ns_per_step"]]
+    return a1, b1
+
+
 def _measure(ctx: Context, _unused: Context) -> tuple[list[float], list[float]]:
-    steps, rounds = ctx.plan.train_steps, ctx.plan.train_rounds
-    ours = run_half("device", steps, rounds)
-    ref = run_half("torch", steps, rounds)
+    ours, ref = _interleaved("device", "torch", ctx.plan.train_steps, ctx.plan.train_rounds)
     _WHAT.update(ours=ours["what"], ref=ref["what"])
     return list(ours["ns_per_step"]), list(ref["ns_per_step"])
 
 
 def _measure_rmm(ctx: Context, _unused: Context) -> tuple[list[float], list[float]]:
-    steps, rounds = ctx.plan.train_steps, ctx.plan.train_rounds
-    peer = run_half("rmm", steps, rounds)  # first: without RMM the row skips before torch's half runs
-    ref = run_half("torch", steps, rounds)
+    peer, ref = _interleaved("rmm", "torch", ctx.plan.train_steps, ctx.plan.train_rounds)
     _WHAT.update(rmm=peer["what"], ref=ref["what"])
     return list(peer["ns_per_step"]), list(ref["ns_per_step"])
 
