@@ -97,8 +97,8 @@ def main() -> None:
         tls.token = dev.token
         driver = Driver(entry_points, dev, tls)
         s0, s1 = Stream(dev, 0x5000, 1), Stream(dev, 0x5100, 2)
-        res = AsyncCudaResource(driver, 0, Pool({StreamId(0): s0, StreamId(1): s1}))  # type: ignore[arg-type]
-        recorded = AsyncCudaResource(driver, 0, Pool({StreamId(0): s0, StreamId(1): s1}))  # type: ignore[arg-type]
+        res = AsyncCudaResource(driver, 0, Pool({StreamId.DEFAULT: s0, StreamId(1): s1}))  # type: ignore[arg-type]
+        recorded = AsyncCudaResource(driver, 0, Pool({StreamId.DEFAULT: s0, StreamId(1): s1}))  # type: ignore[arg-type]
         recorded.set_history(MemoryHistory())
         direct = DirectCudaResource(driver, 0)  # type: ignore[arg-type]
         block = res.allocate(4096)
