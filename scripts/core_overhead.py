@@ -21,7 +21,7 @@ import timeit
 from pathlib import Path
 from typing import Any
 
-from xlog_actors.driver.cuda.context import Stamped
+from xlog_actors.driver.cuda.context import TOKEN_WRITES, Stamped
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource, MemoryHistory
 from xlog_actors.memory.block import Access, BlockId, StreamId
 
@@ -65,7 +65,8 @@ class Driver:
         self.entry_points, self.dev, self.tls, self._closed, self.n = entry_points, dev, tls, False, 0
 
     def fast_path(self, ordinal: object) -> tuple[Any, ...]:
-        return (self.entry_points, self.dev, self.tls, Stream, Event, int)
+        # The CUDA driver's own count of token writes: nothing here writes a token after setup.
+        return (self.entry_points, self.dev, self.tls, Stream, Event, int, TOKEN_WRITES)
 
     def create_event(self, ordinal: int) -> Event:
         self.n += 1

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from array import array
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,10 +106,13 @@ class FakeEvent:
 
 
 class FakeCudaDriver:
-    """The Python side: every method counts as the slow path and does its work in Python."""
+    """The Python side: every method counts as the slow path and does its work in Python.
+    ``set_token`` writes this thread's token and counts the write, as ``set_thread_token`` does
+    for the CUDA driver (the core trusts a token it read while the count is unchanged)."""
 
     def __init__(self, cuda: FakeCuda, dev: FakeDevice, tls: threading.local) -> None:
         self.cuda, self.dev, self.tls = cuda, dev, tls
+        self.token_writes = array("q", [0])
         self._closed = False
         self.slow: list[str] = []
         self._events = 0
@@ -116,7 +121,11 @@ class FakeCudaDriver:
     def fast_path(self, ordinal: object) -> tuple[Any, ...] | None:
         if ordinal != 0:
             return None
-        return (self.cuda.entry_points, self.dev, self.tls, FakeStream, FakeEvent, int)
+        return (self.cuda.entry_points, self.dev, self.tls, FakeStream, FakeEvent, int, self.token_writes)
+
+    def set_token(self, token: object) -> None:
+        self.tls.token = token
+        self.token_writes[0] += 1
 
     def alloc_async(self, nbytes: int, stream: Any) -> int:
         self.slow.append("alloc_async")
@@ -152,8 +161,8 @@ class FakePool:
 @pytest.fixture
 def rig() -> Any:
     cuda, dev, tls = FakeCuda(), FakeDevice(), threading.local()
-    tls.token = dev.token  # the context is current in this thread
     driver = FakeCudaDriver(cuda, dev, tls)
+    driver.set_token(dev.token)  # the context is current in this thread
     s0, s1 = FakeStream(dev, 0x5000, 1), FakeStream(dev, 0x5100, 2)
     pool = FakePool({StreamId(0): s0, StreamId(1): s1})
     res = AsyncCudaResource(driver, 0, pool)  # type: ignore[arg-type]  # stand-ins, not a Driver
@@ -183,7 +192,7 @@ def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, 
     elif why == "poisoned":
         rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"
     elif why == "other thread":
-        rig.tls.token = None
+        rig.driver.set_token(None)
     elif why == "device changing":  # an assignment under way in another thread (see CudaDevice)
         rig.dev.version[0] += 1  # odd: the cell of an assignment not finished
     else:
@@ -308,8 +317,8 @@ def test_the_current_context_check_follows_each_thread(rig: Any, local_type: typ
     # The core keeps the last calling thread's dict of the thread-local marker; every other
     # thread, and every change in this one, must still be seen.
     tls = local_type()
-    tls.token = rig.dev.token
     rig.driver.tls = tls
+    rig.driver.set_token(rig.dev.token)
     res = AsyncCudaResource(rig.driver, 0, rig.res.stream_pool)
     res.deallocate(res.allocate(64))
     assert rig.driver.slow == []
@@ -317,13 +326,13 @@ def test_the_current_context_check_follows_each_thread(rig: Any, local_type: typ
     assert rig.driver.slow == ["alloc_async", "free_async"]
 
     def current_there() -> None:
-        tls.token = rig.dev.token
+        rig.driver.set_token(rig.dev.token)
         res.deallocate(res.allocate(64))
 
     _in_thread(current_there)
     res.deallocate(res.allocate(64))  # back in this thread, whose dict the core re-reads
     assert rig.driver.slow == ["alloc_async", "free_async"]
-    tls.token = None  # as CudaDevice.fail after CUDA_ERROR_INVALID_CONTEXT
+    rig.driver.set_token(None)  # as CudaDevice.fail after CUDA_ERROR_INVALID_CONTEXT
     res.deallocate(res.allocate(64))
     assert rig.driver.slow == ["alloc_async", "free_async"] * 2
 
@@ -366,3 +375,30 @@ def test_threads_taking_turns_on_one_resource_each_get_their_own_context_check(
     res.reap_pending()
     assert res.bytes_outstanding() == 0
     pool.close()
+
+
+def test_a_token_write_is_seen_by_the_next_call_with_the_token_cached(rig: Any) -> None:
+    rig.res.deallocate(rig.res.allocate(64))  # caches this thread's token
+    assert rig.driver.slow == []
+    rig.driver.set_token(None)  # as CudaDevice.fail after CUDA_ERROR_INVALID_CONTEXT
+    rig.res.deallocate(rig.res.allocate(64))
+    assert rig.driver.slow == ["alloc_async", "free_async"]
+    rig.driver.set_token(rig.dev.token)  # as CudaDevice.make_current
+    rig.res.deallocate(rig.res.allocate(64))
+    assert rig.driver.slow == ["alloc_async", "free_async"], "current again: the C path"
+
+
+def test_the_cuda_driver_writes_a_thread_token_only_through_set_thread_token() -> None:
+    # The core trusts a cached token while TOKEN_WRITES is unchanged: an uncounted write would
+    # leave it trusting a token the thread no longer has.
+    import inspect
+    import re
+
+    import xlog_actors.driver.cuda as package
+
+    writes = []
+    for path in sorted(Path(inspect.getfile(package)).parent.glob("*.py")):
+        for line in path.read_text().splitlines():
+            if re.search(r"\btls\.token\s*=[^=]|setattr\(\s*tls\b", line):
+                writes.append(f"{path.name}: {line.strip()}")
+    assert writes == ["context.py: tls.token = token"], writes  # set_thread_token's own

@@ -32,6 +32,11 @@ cdef class CudaOps(DriverOps):
     cdef bint _tls_plain
     cdef object _tls_dict
     cdef unsigned long long _tls_thread
+    cdef object _token_writes_keep
+    cdef long long* _token_writes
+    cdef unsigned long long _tok_thread
+    cdef long long _tok_writes
+    cdef object _tok_value
     cdef object _last_stream
     cdef CUstream _last_handle
     cdef object _stream_type

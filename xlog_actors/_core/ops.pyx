@@ -12,9 +12,9 @@
   sets) is cached and re-read only when the device's ``version`` cell moved (a seqlock, see
   ``Stamped``; the core reads it through a pointer), and so is the verdict on the last stream
   that passed (a stream's ``_live`` changes only through the same protocol), so a call reads
-  one C integer, the thread's context token (one dict lookup: the calling thread's own dict of
-  the thread-local marker is kept for the last thread that called) and compares the stream with
-  the last one (whose handle is kept too). Anything else (a closed stream, a
+  one C integer, the thread's context token (kept for the last thread that called, and trusted
+  while the count of token writes, ``TOKEN_WRITES``, is unchanged: two more C integers) and
+  compares the stream with the last one (whose handle is kept too). Anything else (a closed stream, a
   rebuilt context, a first call in a thread, a foreign event) goes to the Python driver, which
   raises the precise error or makes the context current. A failed CUDA call is mapped by the
   device's own ``fail``, exactly as the Python driver maps it.
@@ -96,7 +96,8 @@ cdef class CudaOps(DriverOps):
     Thread rule: any thread.
     """
 
-    def __init__(self, driver, ordinal, entry_points, device, tls, stream_type, event_type, cuda_result):
+    def __init__(self, driver, ordinal, entry_points, device, tls, stream_type, event_type, cuda_result,
+                 token_writes=None):
         """Args:
             driver: the ``CudaDriver``.
             ordinal: the device's ordinal.
@@ -105,6 +106,8 @@ cdef class CudaOps(DriverOps):
             tls: the driver's thread-local context marker.
             stream_type, event_type: ``CudaStream``, ``CudaEvent``.
             cuda_result: ``CUresult``, to hand failed codes to ``device.fail``.
+            token_writes: the count of writes of every thread's ``tls.token``, a one-cell
+                ``array('q')`` (``TOKEN_WRITES``), or None: then the token is read on every call.
         Raises:
             KeyError: an entry point is missing.
         Thread rule: any thread.
@@ -115,6 +118,16 @@ cdef class CudaOps(DriverOps):
         self._tls_plain = type(tls) is _PlainLocal
         self._tls_dict = None
         self._tls_thread = 0  # no thread state has id 0
+        self._tok_thread = 0
+        self._tok_writes = -1
+        self._tok_value = None
+        cdef array writes
+        if token_writes is None:
+            self._token_writes = NULL
+        else:
+            writes = token_writes
+            self._token_writes_keep = memoryview(writes)  # held: the cell cannot move
+            self._token_writes = writes.data.as_longlongs
         self._last_stream = None
         self._last_handle = NULL
         self._stream_type = stream_type
@@ -163,16 +176,27 @@ cdef class CudaOps(DriverOps):
     cdef object _thread_token(self):
         """``getattr(tls, "token", None)`` in the calling thread. A plain ``threading.local``'s
         attribute read costs a thread-state dict lookup, a type lookup and the attribute's dict
-        lookup (about 430 instructions); the calling thread's own dict of ``tls`` is cached here
-        for the last thread state that asked, so a repeated call from it is one dict lookup.
-        That dict is the one ``tls`` reads and writes in that thread for as long as the thread
-        state lives (``threading.local``'s ``__dict__`` cannot be replaced), and a thread state's
-        id is never reused, so a cached dict is never another thread's."""
+        lookup (about 430 instructions). Two caches make a repeated call cheap:
+
+        * the token itself, for the last thread state that asked, while the count of token writes
+          (``TOKEN_WRITES``, read through a pointer) is the one seen when it was read: a thread's
+          token changes only through ``set_thread_token``, which counts every write, so an
+          unchanged count means an unchanged token (two integer compares);
+        * else the calling thread's own dict of ``tls``, for the last thread state that read it:
+          one dict lookup. That dict is the one ``tls`` reads and writes in that thread for as long
+          as the thread state lives (``threading.local``'s ``__dict__`` cannot be replaced).
+
+        A thread state's id is never reused, so neither cache is ever another thread's."""
         cdef unsigned long long tid
+        cdef long long writes = 0
         cdef PyObject* found
         if not self._tls_plain:
             return getattr(self._tls, "token", None)
         tid = PyThreadState_GetID(PyThreadState_Get())
+        if self._token_writes != NULL:
+            writes = self._token_writes[0]
+            if tid == self._tok_thread and writes == self._tok_writes:
+                return self._tok_value
         if tid != self._tls_thread:
             # Keep the old dict referenced until both fields are set: dropping it could run a
             # finalizer, and another thread must never see this thread's id beside its dict.
@@ -181,7 +205,15 @@ cdef class CudaOps(DriverOps):
             self._tls_thread = tid
             del old
         found = PyDict_GetItemWithError(self._tls_dict, "token")  # a str key: it cannot fail
-        return <object>found if found != NULL else None
+        value = <object>found if found != NULL else None
+        if self._token_writes != NULL:
+            # All three set before the old token is let go (as above).
+            old_value = self._tok_value
+            self._tok_value = value
+            self._tok_thread = tid
+            self._tok_writes = writes
+            del old_value
+        return value
 
     cdef bint _stream_ok(self, object s):
         """``s`` is a live stream of this device's current epoch (call right after ``_current``

@@ -78,8 +78,27 @@ _UNAVAILABLE_CODES: Final[frozenset[str]] = frozenset(
 STAMPED_ATTRIBUTES = frozenset({"epoch", "epoch_token", "token", "poisoned", "pool", "pool_live", "direct_live"})
 
 #: Which context incarnation is current in this thread (``tls.token``: a device's ``token``),
-#: shared by every CudaDriver: CUDA has one current context per thread, whoever set it.
+#: shared by every CudaDriver: CUDA has one current context per thread, whoever set it. Written
+#: only through :func:`set_thread_token`.
 tls = threading.local()
+
+#: How many times any thread's ``tls.token`` was written (by :func:`set_thread_token`, its only
+#: writer): a one-cell ``array('q')`` that the compiled core reads through a pointer. The core
+#: keeps the last calling thread's token and trusts it while this count is the one it saw, so a
+#: repeated call reads two integers instead of the thread's dict (about 150 instructions).
+TOKEN_WRITES = array("q", [0])
+
+
+def set_thread_token(token: object | None) -> None:
+    """Record ``token`` (a device's ``token``, or None: no context of ours is known current) as
+    this thread's, and count the write (see :data:`TOKEN_WRITES`).
+
+    Args:
+        token: the token, or None.
+    Thread rule: any thread, for itself (only a thread's own calls read its token).
+    """
+    tls.token = token
+    TOKEN_WRITES[0] += 1
 
 
 class Stamped:
@@ -212,7 +231,7 @@ class CudaDevice(Stamped):
                 "(CUDA_ERROR_INVALID_HANDLE): the context was reset from outside; rebuild it",
                 code="CUDA_ERROR_INVALID_HANDLE",
             )
-            tls.token = None
+            set_thread_token(None)
         if isinstance(exc, ContextPoisoned):
             self.poisoned = exc.code
         elif isinstance(exc, OutOfMemory):
@@ -222,7 +241,7 @@ class CudaDevice(Stamped):
                     exc.free = int(free)
         elif getattr(exc, "code", None) in ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_CONTEXT_IS_DESTROYED"):
             # Perhaps foreign code changed this thread's context: set it again next time.
-            tls.token = None
+            set_thread_token(None)
         raise exc from None
 
     def poisoned_error(self) -> ContextPoisoned:
@@ -267,9 +286,9 @@ class CudaDevice(Stamped):
         """
         (err,) = cu.cuCtxSetCurrent(self.ctx)
         if err != SUCCESS:
-            tls.token = None
+            set_thread_token(None)
             self.fail(err, "cuCtxSetCurrent")
-        tls.token = self.token
+        set_thread_token(self.token)
 
     def retain(self) -> object:
         """Retain the primary context (first use, or after a rebuild), make it current here, and
@@ -304,7 +323,7 @@ class CudaDevice(Stamped):
             except BaseException:
                 cu.cuDevicePrimaryCtxRelease(self.cudev)
                 self.ctx = None
-                tls.token = None
+                set_thread_token(None)
                 raise
 
     def _activate(self) -> object:
@@ -316,7 +335,7 @@ class CudaDevice(Stamped):
         self.pool = self._setup_pool()
         token = object()
         self.token = token
-        tls.token = token
+        set_thread_token(token)
         return token
 
     def _setup_pool(self) -> Any:
@@ -579,7 +598,7 @@ class CudaDevice(Stamped):
         self.drop_orphans(destroy=False)
         cu.cuDevicePrimaryCtxRelease(self.cudev)
         self.ctx = None
-        tls.token = None
+        set_thread_token(None)
 
     def close(self) -> None:
         """Wait for the context's work, destroy this driver's streams and modules, release the
@@ -608,5 +627,5 @@ class CudaDevice(Stamped):
                 cu.cuDevicePrimaryCtxRelease(self.cudev)
             self.incarnation += 1  # perhaps the last release: the context may be gone
             self.ctx = None
-            tls.token = None
+            set_thread_token(None)
 

@@ -66,7 +66,7 @@ from .call import (
     resolve_entry_points,
     result_name,
 )
-from .context import CudaDevice, tls
+from .context import TOKEN_WRITES, CudaDevice, set_thread_token, tls
 from .held import HELD_ENTRY_POINTS, HeldCalls, as_result
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
@@ -258,7 +258,7 @@ class CudaDriver(CudaPeer, CudaMemory):
         """
         if type(ordinal) is not int or not 0 <= ordinal < len(self._devices):
             return None
-        return (self._entry_points, self._devices[ordinal], tls, CudaStream, CudaEvent, cu.CUresult)
+        return (self._entry_points, self._devices[ordinal], tls, CudaStream, CudaEvent, cu.CUresult, TOKEN_WRITES)
 
     def device_count(self) -> int:
         """The number of CUDA devices visible at construction. Thread rule: any thread."""
@@ -427,7 +427,7 @@ class CudaDriver(CudaPeer, CudaMemory):
         if dev.token is None or dev.poisoned is not None:
             return  # not retained yet (nothing to lose), or poisoned (every call says so)
         if not dev.primary_active():
-            tls.token = None
+            set_thread_token(None)
             raise ContextLost(
                 f"device {ordinal}: the primary context was reset from outside this driver; rebuild it",
                 code="CUDA_ERROR_CONTEXT_IS_DESTROYED",
