@@ -429,6 +429,44 @@ class TestDirectBackend:
         assert r.bytes_outstanding() == 0
 
 
+def test_a_direct_free_the_driver_refuses_leaves_the_block_live_and_counted(
+    driver: xa.Driver, run_threads: Callable[[Callable[[], object], int, float], list[BaseException]]
+) -> None:
+    """The block leaves the map before the driver is called; when the driver refuses, it goes back
+    under the lock with its bytes, the lock is free afterwards (another thread allocates within a
+    deadline), and a second free succeeds."""
+    proxy = _RefusingFreeDriver(driver)
+    r = DirectCudaResource(proxy, 0)  # type: ignore[arg-type]  # a proxy driver, not a Driver subtype
+    block = r.allocate(64)
+    proxy.refuse_next = True
+    with pytest.raises(DriverError, match="refused"):
+        r.deallocate(block)
+    other: list[Any] = []
+    assert run_threads(lambda: other.append(r.allocate(64)), 1, 10.0) == []
+    assert r.bytes_outstanding() == 128
+    assert sorted(b.ptr for b in r.live_blocks()) == sorted([block.ptr, other[0].ptr])
+    r.deallocate(block)
+    r.deallocate(other[0])
+    assert r.bytes_outstanding() == 0 and r.live_blocks() == []
+
+
+class _RefusingFreeDriver:
+    """Forwards to a real driver, except that it can refuse one synchronous free."""
+
+    def __init__(self, real: xa.Driver) -> None:
+        self._real = real
+        self.refuse_next = False
+
+    def free(self, ordinal: int, ptr: int) -> None:
+        if self.refuse_next:
+            self.refuse_next = False
+            raise DriverError(f"device {ordinal}: cuMemFree({ptr:#x}) refused (test)")
+        self._real.free(ordinal, ptr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 class _CollidingDriver:
     """Just enough of a driver for DirectCudaResource, able to hand out a live address again."""
 

@@ -147,10 +147,9 @@ cdef class DirectCore(ResourceCore):
             lock_acquire(&self._lock)
             try:
                 self._live.insert(key, live)
+                self._bytes += <long long>live.nbytes
             finally:
                 lock_release(&self._lock)
-            self._bytes += <long long>live.nbytes
-            lock_release(&self._lock)
             raise
         if self._history is not None:
             if self._ring is not None:
