@@ -3,6 +3,7 @@ actors, and the messages they answer."""
 
 from __future__ import annotations
 
+from .batch_graph import BatchGraph, GraphDone
 from .copy_actor import CopyActor
 from .device_actor import DeviceActor
 from .device_client import DeviceClient
@@ -46,6 +47,7 @@ __all__ = [
     "Allocate",
     "AllocateMany",
     "AllocatePinned",
+    "BatchGraph",
     "CopyActor",
     "CopyDeviceToDevice",
     "CopyDone",
@@ -67,6 +69,7 @@ __all__ = [
     "GetReport",
     "GetStats",
     "GpuRef",
+    "GraphDone",
     "In",
     "InOut",
     "KernelActor",

@@ -63,6 +63,11 @@ def _parser() -> OneLineParser:
         "--slow-producer-us", type=at_least(0), default=0,
         help="spin this long (µs, >= 0) on the producer's stream before each input copy",
     )
+    demo.add_argument(
+        "--graph",
+        action="store_true",
+        help="graph mode: each ring slot's batch recorded once as a device graph (BatchGraph), one replay a batch",
+    )
 
     bench = sub.add_parser("bench", help="the benchmark suite: each figure beside its raw driver twin")
     _add_driver(bench)

@@ -10,6 +10,7 @@ from ..driver.protocol import Driver
 from ..errors import XlogError
 from .batches import BatchData
 from .driver_choice import choose_driver
+from .graph_pipeline import run_graph_pipeline
 from .options import UsageError
 from .pipeline import PipelineConfig, PipelineResult, run_pipeline
 from .raw_pipeline import RawResult, raw_pipeline
@@ -40,6 +41,9 @@ def run_demo(args: argparse.Namespace) -> int:
         NoGpu: ``cuda`` asked for where no GPU is usable.
     Thread rule: the command's main thread.
     """
+    if args.graph and (args.no_tracking or args.slow_producer_us):
+        raise UsageError("--graph: a graph orders its own stages; --no-tracking and --slow-producer-us "
+                         "apply to the actor pipeline only")
     if args.batches is not None and args.rebuild_at is not None and args.rebuild_at >= args.batches:
         raise UsageError(f"--rebuild-at {args.rebuild_at}: expected a batch index from 0 to {args.batches - 1}")
     choice = choose_driver(args.driver)
@@ -63,12 +67,15 @@ def run_demo(args: argparse.Namespace) -> int:
             rebuild_at=args.rebuild_at,
         )
         print(f"xlog-actors demo: {choice.describe()}", file=sys.stderr)
+        how = ("one recorded graph per ring slot, one replay a batch" if args.graph
+               else "three library actors on 3 streams")
         print(
-            f"xlog-actors demo: copy in -> kernel -> copy out on 3 streams, {batches} batches of "
+            f"xlog-actors demo: copy in -> kernel -> copy out ({how}), {batches} batches of "
             f"{batch_bytes / (1 << 20):g} MiB, {cfg.depth} in flight, device {driver.device_name(0)}",
             file=sys.stderr,
         )
-        result = run_pipeline(driver, cfg, progress=_progress)
+        run = run_graph_pipeline if args.graph else run_pipeline
+        result = run(driver, cfg, progress=_progress)
         if sys.stderr.isatty():
             print(file=sys.stderr)
         raw = _raw(driver, cfg)
@@ -95,8 +102,15 @@ def _report(result: PipelineResult, cfg: PipelineConfig, raw: RawResult | str) -
         f"batches       {result.batches} x {result.batch_bytes / (1 << 20):g} MiB "
         f"({total / (1 << 20):g} MiB in, as much out)"
     )
+    graph = result.extra.get("mode") == "graph"
+    print(f"mode          {'graph (BatchGraph replays)' if graph else 'actors (CopyActor, KernelActor, CopyActor)'}")
     print(f"tracking      {'on' if cfg.track else 'OFF'}")
     print(f"time          {result.seconds:.3f} s")
+    cpu = result.extra.get("cpu_seconds")
+    if isinstance(cpu, float) and result.batches:
+        emulator = "; the host driver's stream threads included" if result.driver == "host" else ""
+        print(f"cpu           {cpu / result.batches * 1e6:.1f} µs a batch (process CPU time, all threads, "
+              f"over the timed part{emulator})")
     gbs = result.throughput_bytes_s / 1e9
     if isinstance(raw, RawResult):
         raw_gbs = raw.throughput_bytes_s / 1e9

@@ -505,7 +505,7 @@ def run_pipeline(
             run.warm_up()
         except XlogError as exc:
             run.errors.append(f"warm-up: {exc!r}")
-        seconds = _drive(run, cfg, progress)
+        seconds, cpu = _drive(run, cfg, progress)
         stats = device.ask(GetStats(), block=True)
     finally:
         if run is not None:
@@ -526,13 +526,15 @@ def run_pipeline(
         driver=driver.kind,
         device=driver.device_name(ordinal),
         compared=run.compared,
+        extra={"cpu_seconds": cpu, "mode": "actors"},
     )
 
 
-def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None) -> float:
+def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None) -> tuple[float, float]:
     """Step ``run`` until every batch is verified, an error stops it, or it times out; its seconds
-    (the byte compares of the kept batches come after the clock stops)."""
-    t0 = time.perf_counter()
+    and the process's CPU seconds, all threads (the byte compares of the kept batches come after
+    the clocks stop)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     deadline = t0 + cfg.timeout_s
     next_report = t0 + 0.2 if progress is not None else deadline
     try:
@@ -544,7 +546,7 @@ def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] 
                 next_report = now + 0.2
             if now > deadline:
                 run.errors.append(f"timed out after {cfg.timeout_s} s")
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if not run.errors:
             run.compare_kept()
     finally:
@@ -552,4 +554,4 @@ def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] 
         run.finish(deadline)
     if progress is not None:
         progress(run.done, cfg.batches)
-    return seconds
+    return seconds, cpu

@@ -3,10 +3,32 @@
 Three streams, one per stage: copy in (host to device), ``SCALE_ADD_F32``, copy out (device to
 host), over a ring of ``depth`` device buffer pairs, ordered by events only: a stage waits for the
 stage before it of the same batch and for the last reader of the buffer it overwrites. No stream is
-synchronized until the last batch. Host buffers are pinned (``cuMemHostAlloc``), the copies are
-``cuMemcpyHtoDAsync``/``cuMemcpyDtoHAsync`` and the events ``cuEventRecord``/``cuStreamWaitEvent``
-on the CUDA driver; the kernel goes through ``Driver.launch`` (``cuLaunchKernel``). On the host
-driver, which is the lowest layer there, the same calls are ``HostDriver``'s.
+synchronized until the last batch.
+
+The timed part is the tightest loop of the raw calls one can write in Python, so that the figure
+is what the hardware and the driver allow, not what a layer of ours costs: everything (streams,
+events, device and pinned buffers, the kernel's ``CUfunction`` and one prebuilt argument array per
+ring slot, every bound function) is made before the clock starts, each batch's handles come from
+a list built beforehand (one tuple unpack per batch, no indexing, no method dispatch), and the
+loop body is the calls themselves, each one's ``CUresult`` checked by one truth test of what it
+returned (an unchecked error would make the yardstick lie).
+
+On the CUDA driver the calls are ``cuMemcpyHtoDAsync``/``cuMemcpyDtoHAsync`` from pinned host
+buffers (``cuMemHostAlloc``), ``cuEventRecord``/``cuStreamWaitEvent`` and ``cuLaunchKernel``, in
+one of two spellings of the same driver entry points:
+
+* ``"held"`` (the one :func:`raw_pipeline` uses): ``ctypes`` prototypes that keep the GIL
+  (:class:`~xlog_actors.driver.cuda.held.HeldCalls`, the driver's own), taking ints and returning
+  the raw ``CUresult`` int. It is the tightest by design: none of these calls blocks, so letting
+  the GIL go around each one (as ``cuda.bindings`` does) buys nothing and costs a release and a
+  re-acquire per call (a hand-off, whenever another thread of the process wants the GIL), and the
+  result is an int, not a tuple holding an enum member.
+* ``"bindings"``: ``cuda.bindings.driver`` itself, on handles wrapped once
+  (``CUstream``/``CUevent``/``CUdeviceptr``) so no call converts an int; kept so that the two
+  spellings can be compared on the same device.
+
+On the host driver, which is the lowest layer there, the same calls are ``HostDriver``'s (its
+methods and its streams' bound once, the loop inlined the same way).
 
 Verification, after the timed part: the last batch of every ring slot by checksum, the very last
 byte for byte.
@@ -14,11 +36,13 @@ byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -46,133 +70,6 @@ class RawResult:
         return self.batches * self.batch_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-class _Stages:
-    """The three stages' calls and events of one run: the part that differs between drivers."""
-
-    def __init__(self, driver: Driver, depth: int, nbytes: int) -> None:
-        self.driver, self.depth, self.nbytes = driver, depth, nbytes
-        self.streams = [driver.create_stream(0) for _ in range(3)]
-        self.d_in = [driver.alloc(0, nbytes) for _ in range(depth)]
-        self.d_out = [driver.alloc(0, nbytes) for _ in range(depth)]
-        self.grid, self.block = launch_shape(nbytes // 4)
-        self.host_out: list[np.ndarray] = []
-
-    def h2d(self, slot: int, src: np.ndarray) -> None:
-        raise NotImplementedError
-
-    def kernel(self, slot: int) -> None:
-        n = self.nbytes // 4
-        self.driver.launch(SCALE_ADD_F32, self.grid, self.block, [self.d_out[slot], self.d_in[slot], ALPHA, BETA, n],
-                           self.streams[1])
-
-    def d2h(self, slot: int) -> None:
-        raise NotImplementedError
-
-    def record(self, stage: int, slot: int) -> None:
-        """Record stage ``stage``'s event of ``slot`` on that stage's stream."""
-        raise NotImplementedError
-
-    def wait(self, stage: int, on: int, slot: int) -> None:
-        """Make stage ``stage``'s stream wait for stage ``on``'s last event of ``slot``."""
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """Wait for everything enqueued (the end of the timed part)."""
-        for s in self.streams:
-            s.synchronize()
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.synchronize()
-        for ptr in self.d_in + self.d_out:
-            self.driver.free(0, ptr)
-        for s in self.streams:
-            s.close()
-
-
-class _HostStages(_Stages):
-    """Through ``Driver`` calls: the host driver's lowest layer."""
-
-    def __init__(self, driver: Driver, depth: int, nbytes: int) -> None:
-        super().__init__(driver, depth, nbytes)
-        self.host_out = [np.empty(nbytes, np.uint8) for _ in range(depth)]
-        self.events = [[driver.create_event(0) for _ in range(depth)] for _ in range(3)]
-
-    def h2d(self, slot: int, src: np.ndarray) -> None:
-        self.driver.copy_to_device(self.d_in[slot], src, self.streams[0])
-
-    def d2h(self, slot: int) -> None:
-        self.driver.copy_to_host_into(self.d_out[slot], self.host_out[slot], self.streams[2])
-
-    def record(self, stage: int, slot: int) -> None:
-        self.streams[stage].record(self.events[stage][slot])
-
-    def wait(self, stage: int, on: int, slot: int) -> None:
-        self.streams[stage].wait(self.events[on][slot])
-
-
-_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING, as the CUDA driver creates its events
-
-
-class _CudaStages(_Stages):
-    """Raw ``cuda.bindings`` copies and events on the driver's streams, pinned host buffers."""
-
-    def __init__(self, driver: Driver, depth: int, nbytes: int, inputs: list[np.ndarray]) -> None:
-        from cuda.bindings import driver as cu
-
-        self.cu = cu
-        driver.make_current(0)
-        super().__init__(driver, depth, nbytes)
-        self.pinned: list[int] = []
-        self.handles = [cu.CUstream(s.handle) for s in self.streams]
-        self.events = [[self._event() for _ in range(depth)] for _ in range(3)]
-        self.host_in = [self._pinned_copy(a) for a in inputs]
-        self.host_out = [self._pinned(nbytes) for _ in range(depth)]
-        self.src_ptr = {id(a): int(p.ctypes.data) for a, p in zip(inputs, self.host_in, strict=True)}
-
-    def _ok(self, result: tuple[Any, ...], what: str) -> Any:
-        if result[0] != self.cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"raw pipeline: {what} failed: {getattr(result[0], 'name', result[0])}")
-        return result[1] if len(result) > 1 else None
-
-    def _event(self) -> Any:
-        return self._ok(self.cu.cuEventCreate(_EVENT_DISABLE_TIMING), "cuEventCreate")
-
-    def _pinned(self, nbytes: int) -> np.ndarray:
-        ptr = int(self._ok(self.cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
-        self.pinned.append(ptr)
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
-
-    def _pinned_copy(self, src: np.ndarray) -> np.ndarray:
-        dst = self._pinned(src.nbytes)
-        dst[:] = src.view(np.uint8)
-        return dst
-
-    def h2d(self, slot: int, src: np.ndarray) -> None:
-        self._ok(self.cu.cuMemcpyHtoDAsync(self.d_in[slot], self.src_ptr[id(src)], self.nbytes, self.handles[0]),
-                 "cuMemcpyHtoDAsync")
-
-    def d2h(self, slot: int) -> None:
-        dst = int(self.host_out[slot].ctypes.data)
-        self._ok(self.cu.cuMemcpyDtoHAsync(dst, self.d_out[slot], self.nbytes, self.handles[2]), "cuMemcpyDtoHAsync")
-
-    def record(self, stage: int, slot: int) -> None:
-        self._ok(self.cu.cuEventRecord(self.events[stage][slot], self.handles[stage]), "cuEventRecord")
-
-    def wait(self, stage: int, on: int, slot: int) -> None:
-        self._ok(self.cu.cuStreamWaitEvent(self.handles[stage], self.events[on][slot], 0), "cuStreamWaitEvent")
-
-    def close(self) -> None:
-        super().close()  # synchronizes every stream first: nothing uses the buffers below after
-        for row in self.events:
-            for event in row:
-                self.cu.cuEventDestroy(event)
-        self.host_out = []
-        self.host_in = []
-        for ptr in self.pinned:
-            self.cu.cuMemFreeHost(ptr)
-
-
 def raw_pipeline(driver: Driver, data: BatchData, batches: int, depth: int) -> RawResult:
     """Run the demo's job raw: ``batches`` batches of ``data``'s inputs through three streams.
 
@@ -182,54 +79,284 @@ def raw_pipeline(driver: Driver, data: BatchData, batches: int, depth: int) -> R
         batches: how many batches, at least 1.
         depth: device buffer pairs in the ring (batches in flight), at least 1.
     Returns:
-        The run's seconds (buffers, streams and events are made before timing starts).
+        The run's seconds (buffers, streams, events and the kernel are made before timing starts).
     Raises:
         ValueError: ``batches`` or ``depth`` below 1.
         RuntimeError: a raw call failed, or a verified batch differs from its host reference.
+        XlogError: a ``Driver`` call of the setup failed (an allocation that does not fit, say).
     Thread rule: any thread but a driver stream's own; it blocks until the run ends.
     """
     if batches < 1 or depth < 1:
         raise ValueError(f"raw pipeline: batches and depth must be at least 1, got {batches} and {depth}")
-    stages: _Stages = (
-        _CudaStages(driver, depth, data.nbytes, data.inputs) if driver.kind == "cuda"
-        else _HostStages(driver, depth, data.nbytes)
-    )
-    try:
-        stages.kernel(0)  # load the kernel (NVRTC compiles it the first time) before timing
-        stages.finish()
-        seconds = _timed(stages, data.input, batches, depth)
-        _verify(stages, data, batches, depth)
-    finally:
-        stages.close()
+    if driver.kind == "cuda":
+        seconds = _cuda_run(driver, data, batches, depth, _CUDA_CALLS)
+    else:
+        seconds = _host_run(driver, data, batches, depth)
     return RawResult(batches, data.nbytes, seconds)
 
 
-_IN, _KERNEL, _OUT = 0, 1, 2
-
-
-def _timed(stages: _Stages, source: Callable[[int], np.ndarray], batches: int, depth: int) -> float:
-    t0 = time.perf_counter()
-    for i in range(batches):
-        slot = i % depth
-        if i >= depth:
-            stages.wait(_IN, _KERNEL, slot)  # the kernel of batch i - depth has read d_in[slot]
-        stages.h2d(slot, source(i))
-        stages.record(_IN, slot)
-        stages.wait(_KERNEL, _IN, slot)
-        if i >= depth:
-            stages.wait(_KERNEL, _OUT, slot)  # the copy out of batch i - depth has read d_out[slot]
-        stages.kernel(slot)
-        stages.record(_KERNEL, slot)
-        stages.wait(_OUT, _KERNEL, slot)
-        stages.d2h(slot)
-        stages.record(_OUT, slot)
-    stages.finish()
-    return time.perf_counter() - t0
-
-
-def _verify(stages: _Stages, data: BatchData, batches: int, depth: int) -> None:
+def _verify(host_out: Sequence[Any], data: BatchData, batches: int, depth: int) -> None:
     last = batches - 1
     for i in range(max(0, batches - depth), batches):
-        out = stages.host_out[i % depth]
+        out = host_out[i % depth]
         if checksum_u32(out) != data.checksum(i) or (i == last and not data.matches(i, out)):
             raise RuntimeError(f"raw pipeline: batch {i} differs from its host reference")
+
+
+def _schedule(batches: int, depth: int, sources: Sequence[Any], slots: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """One tuple per batch, built before the clock: ``(later, source, *slot)`` where ``later``
+    says the slot was used before (its buffers then have readers to wait for)."""
+    return [(i >= depth, sources[i % len(sources)], *slots[i % depth]) for i in range(batches)]
+
+
+# -- the host driver ------------------------------------------------------------------------------
+
+def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> float:
+    nbytes, n = data.nbytes, data.nbytes // 4
+    grid, block = launch_shape(n)
+    streams: list[Any] = []
+    buffers: list[int] = []
+    try:
+        streams += (driver.create_stream(0) for _ in range(3))
+        d_in = [driver.alloc(0, nbytes) for _ in range(depth)]
+        buffers += d_in
+        d_out = [driver.alloc(0, nbytes) for _ in range(depth)]
+        buffers += d_out
+        host_out = [np.empty(nbytes, np.uint8) for _ in range(depth)]
+        slots = [
+            (d_in[s], d_out[s], host_out[s], driver.create_event(0), driver.create_event(0), driver.create_event(0),
+             [d_out[s], d_in[s], ALPHA, BETA, n])
+            for s in range(depth)
+        ]
+        driver.launch(SCALE_ADD_F32, grid, block, slots[0][6], streams[1])  # the CUDA path's warm-up, kept alike
+        for s in streams:
+            s.synchronize()
+        seconds = _host_loop(driver, streams, _schedule(batches, depth, data.inputs, slots), grid, block)
+        _verify(host_out, data, batches, depth)
+        return seconds
+    finally:
+        for s in streams:
+            s.synchronize()  # nothing below may free what a stream still uses
+        for ptr in buffers:
+            driver.free(0, ptr)
+        for s in streams:
+            s.close()
+
+
+def _host_loop(driver: Driver, streams: list[Any], schedule: list[Any], grid: int, block: int) -> float:
+    h2d, launch, d2h, kernel = driver.copy_to_device, driver.launch, driver.copy_to_host_into, SCALE_ADD_F32
+    s_in, s_k, s_out = streams
+    record_in, record_k, record_out = s_in.record, s_k.record, s_out.record
+    wait_in, wait_k, wait_out = s_in.wait, s_k.wait, s_out.wait
+    clock = time.perf_counter
+    t0 = clock()
+    for later, src, d_in, d_out, h_out, e_in, e_k, e_out, args in schedule:
+        if later:
+            wait_in(e_k)  # the kernel of batch i - depth has read d_in
+        h2d(d_in, src, s_in)
+        record_in(e_in)
+        wait_k(e_in)
+        if later:
+            wait_k(e_out)  # the copy out of batch i - depth has read d_out
+        launch(kernel, grid, block, args, s_k)
+        record_k(e_k)
+        wait_out(e_k)
+        d2h(d_out, h_out, s_out)
+        record_out(e_out)
+    s_in.synchronize()
+    s_k.synchronize()
+    s_out.synchronize()
+    return clock() - t0
+
+
+# -- the CUDA driver ------------------------------------------------------------------------------
+
+_CudaCalls = Literal["held", "bindings"]
+
+#: The spelling :func:`raw_pipeline` uses on CUDA (the module docstring says why).
+_CUDA_CALLS: _CudaCalls = "held"
+
+_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING, as the CUDA driver creates its events
+
+#: ``SCALE_ADD_F32``'s parameters, each in its own 8-byte slot as the CUDA driver packs them
+#: (``driver.cuda.driver._SLOT_CODES``), then the ``void*[]`` of their addresses cuLaunchKernel reads.
+_PARAM_KINDS = ("ptr", "ptr", "f32", "f32", "u64")
+_PARAM_VALUES = struct.Struct("<QQf4xf4xQ")
+_PARAM_COUNT = len(_PARAM_KINDS)
+
+
+def _kernel_params(out: int, x: int, n: int) -> ctypes.Array[ctypes.c_uint64]:
+    """One launch's arguments of ``SCALE_ADD_F32`` and the pointers to them, in one array; the
+    pointers start at ``addressof(array) + 8 * _PARAM_COUNT``. cuLaunchKernel copies the values
+    before it returns, so one array serves every launch of a slot."""
+    if SCALE_ADD_F32.params != _PARAM_KINDS:  # the packing below would silently launch garbage
+        raise RuntimeError(f"raw pipeline: SCALE_ADD_F32 takes {SCALE_ADD_F32.params}, not {_PARAM_KINDS}")
+    array = (ctypes.c_uint64 * (2 * _PARAM_COUNT))()
+    _PARAM_VALUES.pack_into(array, 0, out, x, ALPHA, BETA, n)  # read now: a test patches BETA
+    base = ctypes.addressof(array)
+    struct.pack_into(f"<{_PARAM_COUNT}Q", array, 8 * _PARAM_COUNT, *range(base, base + 8 * _PARAM_COUNT, 8))
+    return array
+
+
+def _failed(call: str, err: object) -> RuntimeError:
+    """The error of a raw call that returned ``err`` (a ``CUresult`` member or its int)."""
+    from cuda.bindings import driver as cu
+
+    with contextlib.suppress(ValueError):
+        err = cu.CUresult(err)
+    return RuntimeError(f"raw pipeline: {call} failed: {getattr(err, 'name', err)}")
+
+
+def _ok(result: tuple[Any, ...], call: str) -> Any:
+    """The value of a setup call's ``cuda.bindings`` result, raising on its error."""
+    if result[0]:
+        raise _failed(call, result[0])
+    return result[1] if len(result) > 1 else None
+
+
+def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: _CudaCalls) -> float:
+    """The CUDA run through ``calls``' spelling (see the module docstring): the setup, the timed
+    loop, the verification and the teardown, which runs whatever failed."""
+    from cuda.bindings import driver as cu
+
+    nbytes, n = data.nbytes, data.nbytes // 4
+    grid, block = launch_shape(n)
+    driver.make_current(0)  # the raw calls below run in this thread's current context
+    device: Any = cast(Any, driver).fast_path(0)[1]  # CudaDriver's CudaDevice: its kernels and HeldCalls
+    streams: list[Any] = []
+    buffers: list[int] = []
+    events: list[Any] = []
+    pinned: list[int] = []
+
+    def host_buffer(size: int) -> np.ndarray:
+        ptr = int(_ok(cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc"))
+        pinned.append(ptr)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
+
+    def event() -> Any:
+        ev = _ok(cu.cuEventCreate(_EVENT_DISABLE_TIMING), "cuEventCreate")
+        events.append(ev)
+        return ev
+
+    try:
+        streams += (driver.create_stream(0) for _ in range(3))
+        d_in = [driver.alloc(0, nbytes) for _ in range(depth)]
+        buffers += d_in
+        d_out = [driver.alloc(0, nbytes) for _ in range(depth)]
+        buffers += d_out
+        sources = []
+        for src in data.inputs:
+            buf = host_buffer(nbytes)
+            buf[:] = src.view(np.uint8)
+            sources.append(int(buf.ctypes.data))
+        host_out = [host_buffer(nbytes) for _ in range(depth)]
+        params = [_kernel_params(d_out[s], d_in[s], n) for s in range(depth)]
+        # Compiled (NVRTC, the first time) and loaded by the driver's own launch, then read back:
+        # the loop launches the very CUfunction Driver.launch would.
+        driver.launch(SCALE_ADD_F32, grid, block, [d_out[0], d_in[0], ALPHA, BETA, n], streams[1])
+        fn = device.function(SCALE_ADD_F32)
+        for s in streams:
+            s.synchronize()
+        slot_events = [(event(), event(), event()) for _ in range(depth)]
+        stream_handles = [s.handle for s in streams]
+        if calls == "held":
+            slots = [
+                (d_in[s], d_out[s], int(host_out[s].ctypes.data), *(int(e) for e in slot_events[s]),
+                 ctypes.addressof(params[s]) + 8 * _PARAM_COUNT)
+                for s in range(depth)
+            ]
+            seconds = _held_loop(device.held, cu, stream_handles, int(fn), grid, block, nbytes,
+                                 _schedule(batches, depth, sources, slots))
+        else:
+            slots = [
+                (cu.CUdeviceptr(d_in[s]), cu.CUdeviceptr(d_out[s]), int(host_out[s].ctypes.data), *slot_events[s],
+                 ctypes.addressof(params[s]) + 8 * _PARAM_COUNT)
+                for s in range(depth)
+            ]
+            seconds = _bindings_loop(cu, [cu.CUstream(h) for h in stream_handles], fn, grid, block, nbytes,
+                                     _schedule(batches, depth, sources, slots))
+        _verify(host_out, data, batches, depth)
+        return seconds
+    finally:
+        for s in streams:
+            s.synchronize()  # nothing below may free or destroy what a stream still uses
+        for ev in events:
+            cu.cuEventDestroy(ev)
+        for ptr in pinned:
+            cu.cuMemFreeHost(ptr)
+        for ptr in buffers:
+            driver.free(0, ptr)
+        for s in streams:
+            s.close()
+
+
+def _held_loop(held: Any, cu: Any, streams: list[int], fn: int, grid: int, block: int, nbytes: int,
+               schedule: list[Any]) -> float:
+    """The timed part through ``HeldCalls``: ints in, the ``CUresult`` int out (0 is success)."""
+    h2d, d2h, launch = held.memcpy_htod, held.memcpy_dtoh, held.launch
+    record, wait = held.event_record, held.stream_wait
+    sync = cu.cuStreamSynchronize  # the one blocking call: through cuda.bindings, which lets the GIL go
+    s_in, s_k, s_out = streams
+    clock = time.perf_counter
+    t0 = clock()
+    for later, src, d_in, d_out, h_out, e_in, e_k, e_out, params in schedule:
+        if later and (err := wait(s_in, e_k, 0)):  # the kernel of batch i - depth has read d_in
+            raise _failed("cuStreamWaitEvent", err)
+        if err := h2d(d_in, src, nbytes, s_in):
+            raise _failed("cuMemcpyHtoDAsync", err)
+        if err := record(e_in, s_in):
+            raise _failed("cuEventRecord", err)
+        if err := wait(s_k, e_in, 0):
+            raise _failed("cuStreamWaitEvent", err)
+        if later and (err := wait(s_k, e_out, 0)):  # the copy out of batch i - depth has read d_out
+            raise _failed("cuStreamWaitEvent", err)
+        if err := launch(fn, grid, 1, 1, block, 1, 1, 0, s_k, params, None):
+            raise _failed("cuLaunchKernel", err)
+        if err := record(e_k, s_k):
+            raise _failed("cuEventRecord", err)
+        if err := wait(s_out, e_k, 0):
+            raise _failed("cuStreamWaitEvent", err)
+        if err := d2h(h_out, d_out, nbytes, s_out):
+            raise _failed("cuMemcpyDtoHAsync", err)
+        if err := record(e_out, s_out):
+            raise _failed("cuEventRecord", err)
+    for s in streams:
+        if (result := sync(s))[0]:
+            raise _failed("cuStreamSynchronize", result[0])
+    return clock() - t0
+
+
+def _bindings_loop(cu: Any, streams: list[Any], fn: Any, grid: int, block: int, nbytes: int,
+                   schedule: list[Any]) -> float:
+    """The timed part through ``cuda.bindings.driver``: each call returns a tuple whose first item
+    is the ``CUresult`` (an int enum, false only for ``CUDA_SUCCESS``)."""
+    h2d, d2h, record, wait = cu.cuMemcpyHtoDAsync, cu.cuMemcpyDtoHAsync, cu.cuEventRecord, cu.cuStreamWaitEvent
+    launch, sync = cu.cuLaunchKernel, cu.cuStreamSynchronize
+    s_in, s_k, s_out = streams
+    clock = time.perf_counter
+    t0 = clock()
+    for later, src, d_in, d_out, h_out, e_in, e_k, e_out, params in schedule:
+        if later and (r := wait(s_in, e_k, 0))[0]:  # the kernel of batch i - depth has read d_in
+            raise _failed("cuStreamWaitEvent", r[0])
+        if (r := h2d(d_in, src, nbytes, s_in))[0]:
+            raise _failed("cuMemcpyHtoDAsync", r[0])
+        if (r := record(e_in, s_in))[0]:
+            raise _failed("cuEventRecord", r[0])
+        if (r := wait(s_k, e_in, 0))[0]:
+            raise _failed("cuStreamWaitEvent", r[0])
+        if later and (r := wait(s_k, e_out, 0))[0]:  # the copy out of batch i - depth has read d_out
+            raise _failed("cuStreamWaitEvent", r[0])
+        if (r := launch(fn, grid, 1, 1, block, 1, 1, 0, s_k, params, 0))[0]:
+            raise _failed("cuLaunchKernel", r[0])
+        if (r := record(e_k, s_k))[0]:
+            raise _failed("cuEventRecord", r[0])
+        if (r := wait(s_out, e_k, 0))[0]:
+            raise _failed("cuStreamWaitEvent", r[0])
+        if (r := d2h(h_out, d_out, nbytes, s_out))[0]:
+            raise _failed("cuMemcpyDtoHAsync", r[0])
+        if (r := record(e_out, s_out))[0]:
+            raise _failed("cuEventRecord", r[0])
+    for s in streams:
+        if (r := sync(s))[0]:
+            raise _failed("cuStreamSynchronize", r[0])
+    return clock() - t0

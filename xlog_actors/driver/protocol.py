@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from .graph import Graph, GraphStep
     from .kernel import Kernel
 
 if sys.version_info >= (3, 12):
@@ -481,6 +482,24 @@ class Driver(Protocol[S, E_co]):
         Raises:
             InvalidRequest: bad dimensions, or arguments that do not match ``kernel.params``.
             DriverError: the kernel does not compile (naming ``libnvrtc`` when NVRTC is missing).
+        Thread rule: any thread.
+        """
+        ...
+
+    def record_graph(self, ordinal: int, steps: Sequence[GraphStep]) -> Graph:
+        """Record ``steps`` once as a graph of device ``ordinal``, to be launched many times
+        (see :mod:`.graph` for what a launch runs, what may be replaced and what it keeps).
+
+        Args:
+            ordinal: the device.
+            steps: one or more :data:`~.graph.GraphStep`; host views must be of pinned memory.
+        Returns:
+            The graph, valid until closed or until the device's context is rebuilt.
+        Raises:
+            InvalidRequest: a malformed step (:func:`~.graph.check_steps`), a host view that is
+                not of pinned memory, a bad ordinal.
+            DriverError: the kernel does not compile; a step's pointer is no device pointer.
+            ContextPoisoned: the device saw a sticky error.
         Thread rule: any thread.
         """
         ...

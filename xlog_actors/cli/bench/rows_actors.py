@@ -1,5 +1,6 @@
 """The device actor rows: ``Allocate`` and ``AllocateMany`` asked of a ``DeviceActor``, the
-``DeviceClient`` direct path, and ``GpuRef.access``."""
+``DeviceClient`` direct path, ``GpuRef.access``, and one small library message (a ``Fill`` asked of
+a ``CopyActor``) beside the same bare pykka ask."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pykka
 
-from ...actors import Allocate, AllocateMany, DeviceActor, GetClient
+from ...actors import Allocate, AllocateMany, CopyActor, CopyToHost, DeviceActor, Fill, GetClient
 from ...driver.protocol import Stream
 from .harness import Context, Group, Op, Row, given
 from .plan import SIZE
@@ -156,6 +157,52 @@ def _noop(f: _Client) -> Op:
     return noop
 
 
+#: The library message row's allocation and bytes: the setup fills it with ``_FILL_FIRST``, the
+#: timed asks with ``_FILL_BYTE``, so the check after sampling sees whether they ran.
+_FILL_BYTES = 4
+_FILL_FIRST = 0
+_FILL_BYTE = 7
+
+
+@dataclass
+class _Fill:
+    base: _Actors
+    copy: pykka.ActorRef[Any]
+    ref: Any
+
+
+@contextlib.contextmanager
+def _fill(base: _Actors) -> Iterator[_Fill]:
+    """A ``CopyActor`` of the group's device and a 4-byte allocation, filled once through the
+    inbox first: that ask waits for the actor's start, so the timed asks find it running and idle."""
+    copy = CopyActor.start(base.device)
+    try:
+        ref: Any = base.device.ask(Allocate(_FILL_BYTES))
+        copy.ask(Fill(ref, _FILL_FIRST), timeout=60)  # a timeout sends it through the inbox
+        yield _Fill(base, copy, ref)
+        del ref  # its free is told to the device, which the group stops after this actor
+    finally:
+        copy.stop()
+
+
+def _fill_ask(f: _Fill) -> Op:
+    msg = Fill(f.ref, _FILL_BYTE)
+    ask = f.copy.ask
+
+    def ours_fill(n: int) -> None:
+        for _ in range(n):
+            ask(msg)
+
+    return ours_fill
+
+
+def _check_fill(f: _Fill) -> None:
+    reply: Any = f.copy.ask(CopyToHost(f.ref))
+    got = bytes(reply)
+    if got != bytes([_FILL_BYTE]) * _FILL_BYTES:
+        raise RuntimeError(f"CopyActor Fill: the allocation holds {got!r}, not the bytes the timed asks filled")
+
+
 ACTOR = Group("device actor", (
     Row("DeviceActor Allocate", "device.ask(Allocate(4 KiB)); dropping the GpuRef tells its free back to the device",
         given, _allocate, _bare_ask, lambda p: p.ask, reference="bare pykka ask round trip to a trivial actor",
@@ -170,4 +217,10 @@ ACTOR = Group("device actor", (
     Row("GpuRef.access", "GpuRef.access() of a live handle (validation fast path)", _client, _access, _noop,
         lambda p: p.access, reference="a no-op method call returning a slot attribute (context only)",
         target=Target("median", "<=", 0.04), note="absolute target on the median (µs); the ratio is for context"),
+    Row("CopyActor Fill round trip", "copy.ask(Fill(ref, 7)) of a 4-byte GpuRef: a blocking ask, no timeout",
+        _fill, _fill_ask, lambda f: _bare_ask(f.base), lambda p: p.ask,
+        reference="bare pykka ask round trip to a trivial actor", target=Target("ratio", "<=", 0.25),
+        check=_check_fill,
+        note="a blocking ask with no timeout of a library message is served in the asker's thread while the actor "
+             "is idle (actors/served_ref.py): no thread hop either way, where the bare ask makes two"),
 ), base=_actors)

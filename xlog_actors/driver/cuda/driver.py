@@ -52,6 +52,7 @@ import numpy as np
 
 from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
 from ..checks import check_launch, check_microseconds
+from ..graph import DeviceToDevice, GraphStep, KernelStep, Memset, check_steps
 from ..kernel import Kernel
 from ..protocol import Driver
 from .call import (
@@ -67,6 +68,8 @@ from .call import (
     result_name,
 )
 from .context import TOKEN_WRITES, CudaDevice, set_thread_token, tls
+from .gates import check_ptr
+from .graph import CudaGraph
 from .held import HELD_ENTRY_POINTS, HeldCalls, as_result
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
@@ -405,6 +408,35 @@ class CudaDriver(CudaPeer, CudaMemory):
             err = as_result(dev.held.launch(int(fn), g[0], g[1], g[2], b[0], b[1], b[2], 0, s._handle, params, None))
         if err != SUCCESS:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")
+
+    def record_graph(self, ordinal: int, steps: Sequence[GraphStep]) -> CudaGraph:
+        """Record ``steps`` as a ``CUgraphExec`` of explicit nodes, one per step in a chain
+        (:mod:`.graph`); kernels are compiled and loaded first.
+
+        Arguments and result: as ``Driver.record_graph``.
+        Raises:
+            InvalidRequest: a malformed step, a host view outside pinned memory, kernel arguments
+                that do not match the kernel, a bad ordinal.
+            DriverError: a kernel does not compile or load; the driver refuses a node.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread; loading a kernel takes the device lock.
+        """
+        checked = check_steps(steps)
+        dev = self._device(ordinal)
+        dev.enter()
+        functions = []
+        for step in checked:
+            if isinstance(step, KernelStep):
+                check_launch(step.kernel, step.grid, step.block, list(step.args))
+                _pack_args(step.kernel, step.args)  # its refusals first, before any node is made
+                functions.append(dev.function(step.kernel))
+            elif isinstance(step, (DeviceToDevice, Memset)):
+                check_ptr(step.dst, f"device {ordinal}: graph step")
+                if isinstance(step, DeviceToDevice):
+                    check_ptr(step.src, f"device {ordinal}: graph step")
+        with dev.lock:
+            dev.enter()
+            return CudaGraph(dev, checked, functions, _pack_args, self._is_pinned)
 
     # -- context lifetime -------------------------------------------------------------------
     def check_context(self, ordinal: int) -> None:

@@ -36,6 +36,8 @@ HELD_ENTRY_POINTS: Final = (
     "cuLaunchKernel",
     "cuStreamWaitEvent",
     "cuDevicePrimaryCtxGetState",
+    "cuGraphLaunch",
+    "cuGraphExecMemcpyNodeSetParams",
 )
 
 def as_result(code: int) -> Any:
@@ -62,6 +64,8 @@ class HeldCalls:
         "event_create",
         "event_query",
         "event_record",
+        "graph_launch",
+        "graph_memcpy_set",
         "launch",
         "memcpy_dtod",
         "memcpy_dtoh",
@@ -98,6 +102,12 @@ class HeldCalls:
         self.launch = f(_INT, _PTR, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _PTR, _PTR, _PTR)(
             entry_points["cuLaunchKernel"]
         )
+
+        #: (graph exec, stream) -> CUresult: one replay, enqueued
+        self.graph_launch = f(_INT, _PTR, _PTR)(entry_points["cuGraphLaunch"])
+        #: (graph exec, node, const CUDA_MEMCPY3D*, context) -> CUresult: a copy node's new
+        #: addresses for later launches (the struct is read before the call returns)
+        self.graph_memcpy_set = f(_INT, _PTR, _PTR, _PTR, _PTR)(entry_points["cuGraphExecMemcpyNodeSetParams"])
 
     def new_event(self, flags: int) -> tuple[int, int]:
         """``cuEventCreate``: ``(CUresult, event handle)`` (the handle is 0 on failure)."""

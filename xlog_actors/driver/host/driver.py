@@ -40,6 +40,7 @@ import numpy as np
 
 from ...errors import DriverError, InvalidRequest
 from ..checks import Dims, check_launch, check_microseconds, check_nbytes, check_ordinal, writable_bytes
+from ..graph import DeviceToHost, GraphStep, HostToDevice, SteppedGraph, check_steps
 from ..kernel import Kernel
 from ..protocol import Buffer
 from .device import FAULT_KINDS, FaultKind, HostDevice
@@ -633,6 +634,25 @@ class HostDriver:
             raise InvalidRequest("interprocess events need HostDriver(shared=True)")
         dev = self._stream_device(stream)
         return dev.event_table().record(stream)
+
+    def record_graph(self, ordinal: int, steps: Sequence[GraphStep]) -> SteppedGraph:
+        """A graph that replays ``steps`` through this driver's calls, in order, on the launch
+        stream (see :mod:`..graph`).
+
+        Arguments and result: as ``Driver.record_graph``.
+        Raises:
+            InvalidRequest: a malformed step, a host view outside pinned memory, a bad ordinal.
+            DriverError, ContextLost, ContextPoisoned: from the device's gate.
+        Thread rule: any thread.
+        """
+        dev = self._gate(ordinal)
+        checked = check_steps(steps)
+        for i, step in enumerate(checked):
+            if isinstance(step, (HostToDevice, DeviceToHost)):
+                view = step.src if isinstance(step, HostToDevice) else step.dst
+                if not self._pinned.holds(view):
+                    raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
+        return SteppedGraph(self, ordinal, checked, lambda: dev.epoch)
 
     def rebuild_context(self, ordinal: int) -> None:
         """Destroy device ``ordinal``'s context (every allocation, stream and event of it) and

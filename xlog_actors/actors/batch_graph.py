@@ -1,0 +1,431 @@
+"""``BatchGraph``: the stages of a batch declared once, recorded as one device graph, and replayed
+per batch with one launch, tracked on the handles as the stages would have been one by one.
+
+A batch of a pipeline is the same few stages every time (copy in, kernels, copy out), on the same
+buffers or on buffers of the same sizes. Sent as library messages, each stage is a message hop
+and a dozen driver calls' worth of Python; recorded as a graph (:mod:`..driver.graph`), the whole
+batch is one ``cuGraphLaunch``. What the actors give, the graph keeps:
+
+* **Handles are checked on every replay.** Each ``GpuRef`` the stages name is validated
+  (``GpuRef.access``) before the launch: a stale or released handle raises ``GpuRefStale`` and
+  nothing is launched. A graph belongs to the generation it was recorded in: after a rebuild
+  every replay raises ``GpuRefStale`` (the driver's graph is released then), and the caller
+  records a new one on the new generation's handles.
+* **Tracking as if the stages ran one by one.** A replay runs on the graph's own stream of the
+  device. Before the launch, that stream waits for what every handle's access needs (the last
+  write of a handle read or written, the reads on other streams of a handle written:
+  ``prepare_block_use``); after it, the uses are recorded (``finish_block_use``) and every
+  handle a stage writes records the graph's stream as its last writer. A ``CopyActor`` or
+  ``KernelActor`` outside the graph that uses one of the handles afterwards waits for exactly
+  the replays it must; the stages inside the graph are ordered by the graph's chain itself.
+* **Bindings.** ``replay(bind)`` replaces operands (a ``GpuRef`` or ``PinnedBuffer`` a stage
+  names) with others of the same kind, device and size, with one node update each
+  (``cuGraphExecMemcpyNodeSetParams`` and kin). A binding stays until it is replaced (bind a
+  recorded operand to itself to go back); an unchanged binding costs nothing. This is how one
+  recorded graph serves a stream of batches whose host buffers differ.
+
+Thread rule: any thread; replays of one graph are serialized by its lock. Recording asks the
+device actor for its context, so it must not run on the device actor's own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias, cast
+
+import pykka
+
+from ..driver.graph import (
+    DeviceToDevice,
+    DeviceToHost,
+    Graph,
+    GraphStep,
+    HostToDevice,
+    KernelStep,
+    Memset,
+)
+from ..driver.protocol import Event, Stream
+from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
+from ..memory.block import Access, DeviceBlock, StreamId
+from ..memory.pinned import PinnedBuffer
+from .device_actor import DeviceActor
+from .device_context import DeviceContext
+from .gpu_ref import GpuRef
+from .kernel_actor import _checked
+from .library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch
+from .messages import Attach
+from .pykka_internals import is_actor_ref_of
+
+__all__ = ["BatchGraph", "GraphDone", "Stage"]
+
+Stage: TypeAlias = CopyToDevice | CopyToHost | CopyDeviceToDevice | Fill | Launch
+"""A stage of a batch: the library message that would do it (see :meth:`BatchGraph.record`)."""
+
+Operand: TypeAlias = GpuRef | PinnedBuffer
+
+
+@dataclass(frozen=True, slots=True)
+class GraphDone:
+    """The completion of one replay: an event recorded on the graph's stream right after it.
+
+    Fields: ``event``, the driver event (a stream of the same driver may wait on it).
+
+    Thread rule: any thread; several threads may wait on one.
+    """
+
+    event: Event = field(repr=False)
+
+    def done(self) -> bool:
+        """Whether the replay ran; never blocks.
+
+        Raises:
+            DriverError: the context was rebuilt before the replay was seen to complete.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        return self.event.query()
+
+    def wait(self) -> None:
+        """Block until the replay ran (its copies to the host have landed).
+
+        Raises:
+            DriverError: the context was rebuilt before the replay was seen to complete.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        self.event.synchronize()
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One operand of one stage: where it sits, what it was recorded as, what it is bound to."""
+
+    stage: int
+    recorded: Operand
+    bound: Operand
+    access: Access | None  # a GpuRef's access; None for a host buffer
+
+
+class BatchGraph:
+    """A batch's stages recorded once as a graph of the device; see the module docstring.
+
+    Make one with :meth:`record`; replay it with :meth:`replay`; release it with :meth:`close`
+    (or let it be collected).
+
+    Thread rule: any thread; one replay at a time per graph (its lock).
+    """
+
+    def __init__(self, ctx: DeviceContext, stages: tuple[Stage, ...], slots: list[_Slot],
+                 graph: Graph, stream_id: StreamId, stream: Stream) -> None:
+        """Internal: use :meth:`record`."""
+        self._ctx = ctx
+        self._stages = stages
+        self._slots = slots
+        self._graph: Graph | None = graph
+        self._stream_id = stream_id
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._tracking = ctx.runtime.supports_block_use_tracking()
+        self._by_recorded = {id(s.recorded): s for s in slots}
+        self._views: dict[int, tuple[PinnedBuffer, memoryview]] = {}
+        self._uses = self._merged_uses()
+
+    # -- recording --------------------------------------------------------------------------------
+    @classmethod
+    def record(cls, device: pykka.ActorRef[Any], stages: Sequence[Stage]) -> BatchGraph:
+        """Record ``stages`` as one graph of ``device``'s current generation.
+
+        The stages are library messages, as a ``CopyActor`` or ``KernelActor`` takes them, run in
+        their order by each replay:
+
+        * ``CopyToDevice(ref, data)`` with ``data`` a ``PinnedBuffer`` (all of it is copied);
+        * ``CopyToHost(ref, nbytes, out=buffer)`` into a ``PinnedBuffer``;
+        * ``CopyDeviceToDevice(src, dst)`` within the device;
+        * ``Fill(ref, byte)``;
+        * ``Launch(kernel, grid, block, args)`` with ``In``/``Out``/``InOut`` buffer arguments.
+
+        Args:
+            device: the ``ActorRef`` of a running ``DeviceActor`` (in this process).
+            stages: one or more stages.
+        Returns:
+            the graph, ready to replay.
+        Raises:
+            InvalidRequest: ``device`` is not a running ``DeviceActor``, no stages, a stage of
+                another type, a malformed one (naming the stage and field), a pageable host
+                buffer, a handle or buffer of another device. Nothing is recorded.
+            GpuRefStale: a handle is stale (or of an older generation than the device's).
+            DriverError, ContextPoisoned, DeviceUnavailable: the device's.
+        Thread rule: any thread but the device actor's own.
+        """
+        if not is_actor_ref_of(device, DeviceActor):
+            raise InvalidRequest(f"BatchGraph.record needs the ActorRef of a running DeviceActor, got {device!r}")
+        if not isinstance(stages, (list, tuple)) or not stages:
+            raise InvalidRequest(f"BatchGraph.record: stages must be a non-empty list of stages, got {stages!r}")
+        stages = tuple(stages)
+        try:
+            ctx = cast(DeviceContext, device.ask(Attach()))
+        except pykka.ActorDeadError as exc:
+            raise DeviceUnavailable("BatchGraph.record: the DeviceActor was stopped") from exc
+        slots: list[_Slot] = []
+        for i, stage in enumerate(stages):
+            slots.extend(_operands(i, stage, ctx))
+        for slot in slots:
+            _check_operand(slot.recorded, slot.recorded, ctx, f"stage {slot.stage}")
+        steps = [_step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in stages]
+        stream_id = ctx.runtime.stream_pool.acquire()
+        stream = ctx.runtime.stream_pool.resolve(stream_id)
+        assert stream is not None
+        graph = ctx.driver.record_graph(ctx.ordinal, steps)
+        return cls(ctx, stages, slots, graph, stream_id, stream)
+
+    # -- properties ---------------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """The generation the graph was recorded in. Thread rule: any thread."""
+        return self._ctx.generation
+
+    @property
+    def stream_id(self) -> StreamId:
+        """The graph's own stream, on which every replay runs. Thread rule: any thread."""
+        return self._stream_id
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages as recorded (bindings not applied). Thread rule: any thread."""
+        return self._stages
+
+    @property
+    def closed(self) -> bool:
+        """Whether the graph was closed (by :meth:`close`, or after its generation ended)."""
+        return self._graph is None
+
+    # -- replay -------------------------------------------------------------------------------------
+    def replay(self, bind: Mapping[Operand, Operand] | None = None) -> GraphDone:
+        """Run every stage once, as one launch on the graph's stream, tracked on the handles.
+
+        Args:
+            bind: recorded operand -> its replacement, for this replay and the later ones (see
+                the module docstring). A replacement is of the same kind (``GpuRef`` or
+                ``PinnedBuffer``), of the same device and of exactly the same size.
+        Returns:
+            a :class:`GraphDone` to wait on.
+        Raises:
+            GpuRefStale: a handle (recorded or bound) is stale or released, or the device was
+                rebuilt since recording (the graph is closed then); nothing is launched.
+            InvalidRequest: a key of ``bind`` that no stage names, a replacement of another kind,
+                device or size, a released buffer, a closed graph; nothing changes.
+            DriverError, ContextPoisoned: the device's.
+        Thread rule: any thread; serialized with the graph's other replays.
+        """
+        with self._lock:
+            graph = self._graph
+            if graph is None:
+                raise InvalidRequest("BatchGraph.replay: the graph was closed")
+            ctx = self._ctx
+            if not ctx.is_current():
+                self._close_locked()
+                raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}: the graph was recorded in "
+                                  f"generation {ctx.generation}; record it again on the new handles")
+            if bind:
+                self._bind(bind, graph)
+            uses = self._uses
+            for ref, _access in uses:
+                ref.access()  # stale or released: GpuRefStale, before anything is enqueued
+            sid, runtime = self._stream_id, ctx.runtime
+            tracking = self._tracking
+            try:
+                if tracking:
+                    for ref, access in uses:
+                        runtime.prepare_block_use(ref.block, sid, access)
+                graph.launch(self._stream)
+                if tracking:
+                    for ref, access in uses:
+                        runtime.finish_block_use(ref.block, sid, access)
+                event = self._stream.record_event()
+                if not tracking:
+                    self._stream.synchronize()  # an untracked stack: done before anyone sees it
+            except XlogError as exc:
+                if not isinstance(exc, GpuRefStale) and not ctx.is_current():
+                    self._close_locked()
+                    raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the replay") from exc
+                raise
+            for ref, access in uses:
+                if access.writes:
+                    ref.record_write(sid)
+            return GraphDone(event)
+
+    def _bind(self, bind: Mapping[Operand, Operand], graph: Graph) -> None:
+        """Check every replacement, then update the steps they change (nothing changes on a
+        refused one)."""
+        ctx = self._ctx
+        changed: dict[int, Operand] = {}
+        for recorded, new in bind.items():
+            slot = self._by_recorded.get(id(recorded))
+            if slot is None or slot.recorded is not recorded:
+                raise InvalidRequest(f"BatchGraph.replay: bind names {recorded!r}, which no stage of the graph names")
+            if new is not slot.bound:
+                _check_operand(new, recorded, ctx, f"bind[{recorded!r}]")
+                changed[id(recorded)] = new
+        if not changed:
+            return
+        current = {id(s.recorded): s.bound for s in self._slots}
+        current.update(changed)
+        stages = sorted({s.stage for s in self._slots if id(s.recorded) in changed})
+        for i in stages:
+            graph.update(i, _step(self._stages[i], current, self._views))
+        for s in self._slots:
+            if id(s.recorded) in changed:
+                s.bound = changed[id(s.recorded)]
+        self._uses = self._merged_uses()
+
+    def _merged_uses(self) -> list[tuple[GpuRef, Access]]:
+        """One (handle, access) per distinct block bound now; read and written is READ_WRITE."""
+        merged: dict[int, tuple[GpuRef, Access]] = {}
+        for s in self._slots:
+            if s.access is None:
+                continue
+            ref = cast(GpuRef, s.bound)
+            key = ref.block.ptr
+            prev = merged.get(key)
+            access = s.access if prev is None or prev[1] is s.access else Access.READ_WRITE
+            merged[key] = (ref, access)
+        return list(merged.values())
+
+    # -- closing ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the device graph (replays already launched still run). Idempotent.
+        Thread rule: any thread."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.close()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._graph is None else ""
+        return (f"BatchGraph(device={self._ctx.ordinal}, generation={self._ctx.generation}, "
+                f"stages={len(self._stages)}{state})")
+
+
+# -- stages as operands and steps ------------------------------------------------------------------
+def _operands(i: int, stage: object, ctx: DeviceContext) -> list[_Slot]:
+    """The operands of stage ``i`` in a fixed order, checked for type; else ``InvalidRequest``."""
+    what = f"BatchGraph stage {i}"
+    if isinstance(stage, CopyToDevice):
+        _need(stage.ref, GpuRef, f"{what} (CopyToDevice.ref)")
+        _need(stage.data, PinnedBuffer, f"{what} (CopyToDevice.data: pinned required, from AllocatePinned)")
+        data = cast(PinnedBuffer, stage.data)
+        if data.nbytes > stage.ref.nbytes:
+            raise InvalidRequest(f"{what} (CopyToDevice.data): {data.nbytes} bytes do not fit in {stage.ref!r}")
+        return [_Slot(i, stage.ref, stage.ref, Access.WRITE), _Slot(i, data, data, None)]
+    if isinstance(stage, CopyToHost):
+        _need(stage.ref, GpuRef, f"{what} (CopyToHost.ref)")
+        _need(stage.out, PinnedBuffer, f"{what} (CopyToHost.out: pinned required, from AllocatePinned)")
+        out = cast(PinnedBuffer, stage.out)
+        nbytes = stage.ref.nbytes if stage.nbytes is None else stage.nbytes
+        most = min(stage.ref.nbytes, out.nbytes)
+        if type(nbytes) is not int or not 0 < nbytes <= most:
+            raise InvalidRequest(f"{what} (CopyToHost.nbytes): expected an int in 1..{most}, got {stage.nbytes!r}")
+        return [_Slot(i, stage.ref, stage.ref, Access.READ), _Slot(i, out, out, None)]
+    if isinstance(stage, CopyDeviceToDevice):
+        _need(stage.src, GpuRef, f"{what} (CopyDeviceToDevice.src)")
+        _need(stage.dst, GpuRef, f"{what} (CopyDeviceToDevice.dst)")
+        if stage.src is stage.dst:
+            raise InvalidRequest(f"{what} (CopyDeviceToDevice.dst): source and destination are the same handle")
+        if stage.src.nbytes > stage.dst.nbytes:
+            raise InvalidRequest(f"{what} (CopyDeviceToDevice.src): {stage.src!r} does not fit in {stage.dst!r}")
+        return [_Slot(i, stage.src, stage.src, Access.READ), _Slot(i, stage.dst, stage.dst, Access.WRITE)]
+    if isinstance(stage, Fill):
+        _need(stage.ref, GpuRef, f"{what} (Fill.ref)")
+        if type(stage.byte) is not int or not 0 <= stage.byte <= 255:
+            raise InvalidRequest(f"{what} (Fill.byte): expected an int in 0..255, got {stage.byte!r}")
+        return [_Slot(i, stage.ref, stage.ref, Access.WRITE)]
+    if isinstance(stage, Launch):
+        checked = _checked(stage, what)
+        return [_Slot(i, arg.ref, arg.ref, arg.access) for _, arg in checked.buffers]
+    raise InvalidRequest(f"{what}: expected CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill or Launch, "
+                         f"got {type(stage).__name__}")
+
+
+def _need(value: object, kind: type, what: str) -> None:
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"{what}: expected a {kind.__name__}, got {type(value).__name__}")
+
+
+def _check_operand(new: object, recorded: Operand, ctx: DeviceContext, what: str) -> None:
+    """``new`` may stand where ``recorded`` was recorded: same kind, device, generation, size."""
+    if isinstance(recorded, GpuRef):
+        if not isinstance(new, GpuRef):
+            raise InvalidRequest(f"BatchGraph {what}: expected a GpuRef, got {type(new).__name__}")
+        block = new.access()  # stale or released: GpuRefStale
+        if block.device_ordinal != ctx.ordinal:
+            raise InvalidRequest(f"BatchGraph {what}: {new!r} is of device {block.device_ordinal}, "
+                                 f"the graph of device {ctx.ordinal}")
+        if new.context is not ctx:
+            raise GpuRefStale("context rebuilt", f"BatchGraph {what}: {new!r} is of generation {new.generation}, "
+                              f"the graph of generation {ctx.generation}")
+        if new.nbytes != recorded.nbytes:
+            raise InvalidRequest(f"BatchGraph {what}: {new!r} holds {new.nbytes} bytes, the recorded handle "
+                                 f"{recorded.nbytes}: a graph's operands keep their sizes")
+        return
+    if not isinstance(new, PinnedBuffer):
+        raise InvalidRequest(f"BatchGraph {what}: expected a PinnedBuffer, got {type(new).__name__}")
+    if new.released:
+        raise InvalidRequest(f"BatchGraph {what}: {new!r} was released")
+    if new.driver is not ctx.driver or new.device_ordinal != ctx.ordinal:
+        raise InvalidRequest(f"BatchGraph {what}: {new!r} is a pinned buffer of device {new.device_ordinal} of a "
+                             f"{new.driver.kind} driver, the graph of device {ctx.ordinal} ({ctx.driver.kind} driver)")
+    if new.nbytes != recorded.nbytes:
+        raise InvalidRequest(f"BatchGraph {what}: {new!r} holds {new.nbytes} bytes, the recorded buffer "
+                             f"{recorded.nbytes}: a graph's operands keep their sizes")
+
+
+def _view(buf: PinnedBuffer, views: dict[int, tuple[PinnedBuffer, memoryview]]) -> memoryview:
+    """``buf``'s byte view, made once per buffer and kept (with the buffer) in ``views``."""
+    hit = views.get(id(buf))
+    if hit is not None and hit[0] is buf:
+        return hit[1]
+    view = buf.view()
+    if len(views) > 256:  # a graph bound to ever new buffers: keep the cache bounded
+        views.clear()
+    views[id(buf)] = (buf, view)
+    return view
+
+
+def _step(stage: Stage, bound: Mapping[int, Operand], views: dict[int, tuple[PinnedBuffer, memoryview]]) -> GraphStep:
+    """The driver step of ``stage`` with its operands as ``bound`` maps them (by the recorded
+    operand's id)."""
+
+    def ref(r: GpuRef) -> DeviceBlock:
+        return cast(GpuRef, bound[id(r)]).block
+
+    def host(b: object) -> memoryview:
+        return _view(cast(PinnedBuffer, bound[id(b)]), views)
+
+    if isinstance(stage, CopyToDevice):
+        return HostToDevice(ref(stage.ref).ptr, host(stage.data))
+    if isinstance(stage, CopyToHost):
+        nbytes = stage.ref.nbytes if stage.nbytes is None else stage.nbytes
+        return DeviceToHost(host(stage.out)[:nbytes], ref(stage.ref).ptr)
+    if isinstance(stage, CopyDeviceToDevice):
+        return DeviceToDevice(ref(stage.dst).ptr, ref(stage.src).ptr, stage.src.nbytes)
+    if isinstance(stage, Fill):
+        block = ref(stage.ref)
+        return Memset(block.ptr, stage.byte, block.nbytes)
+    checked = _checked(stage, "BatchGraph stage")
+    args = list(checked.args)
+    for i, arg in checked.buffers:
+        args[i] = ref(arg.ref).ptr
+    return KernelStep(stage.kernel, _dims(stage.grid), _dims(stage.block), tuple(args))
+
+
+def _dims(d: Any) -> tuple[int, int, int]:
+    """An int or up to three ints as three (missing ones 1); ``check_steps`` judges the values."""
+    if isinstance(d, int):
+        return (d, 1, 1)
+    t = tuple(d)
+    return cast(tuple[int, int, int], t + (1,) * (3 - len(t)))

@@ -1,0 +1,309 @@
+"""``CudaGraph``: a list of steps (:mod:`..graph`) recorded as a ``CUgraphExec`` of explicit nodes.
+
+Why explicit nodes and not stream capture: each step's node handle is known when it is added, so
+a replaced step is one ``cuGraphExec*NodeSetParams`` on that node, with no search of the graph
+for which captured node was which. Each node depends on the one before it: a chain, which is the
+order the steps would have on one stream. cuda.core's graph builder captures streams and updates
+whole graphs (``cuGraphExecUpdate``), not single nodes, so the nodes are made through
+``cuda.bindings`` here.
+
+The hot calls keep the GIL (see :mod:`.held`): ``cuGraphLaunch`` only enqueues, and a memcpy
+node's update takes the node's ``CUDA_MEMCPY3D`` by address, kept per node and changed in place
+(its host or device address), so an update builds no new struct. The rest (recording, kernel and
+memset updates, destruction) goes through cuda.bindings.
+
+Lifetime: a graph belongs to its device's epoch. A launch takes the launch stream's gate and
+checks, under it, that the stream and the graph are of the current epoch, so a rebuild either
+waits for the launch to be enqueued (and then synchronizes the context before it frees anything)
+or the launch is refused. ``close`` destroys the exec and the graph while the context they were
+made in still exists (the same incarnation); after a reset from outside the handles would dangle,
+so they are left to the driver (a few KiB). The host views of the current steps are held by the
+graph; a view replaced by ``update`` is handed to the last launch stream to keep until the
+launches before the replacement ran.
+
+Thread rule: any thread; one lock per graph serializes launch, update and close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ...errors import DriverError, InvalidRequest
+from ..graph import DeviceToDevice, DeviceToHost, GraphStep, HostToDevice, KernelStep, Memset, check_steps, same_shape
+from .call import SUCCESS, cu
+from .held import as_result
+from .memory import _address
+
+if TYPE_CHECKING:
+    from .context import CudaDevice
+    from .streams import CudaStream
+
+__all__ = ["CudaGraph"]
+
+_HOST = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_HOST
+_DEVICE = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+
+
+class _Node:
+    """One step's node, its parameters as the driver last took them, and what they keep alive."""
+
+    __slots__ = ("keep", "node", "params", "step")
+
+    def __init__(self, step: GraphStep, node: Any, params: Any, keep: object) -> None:
+        self.step, self.node, self.params, self.keep = step, node, params, keep
+
+
+class CudaGraph:
+    """A recorded graph of one :class:`~.context.CudaDevice` (see the module docstring and
+    :class:`~xlog_actors.driver.graph.Graph` for the contract).
+
+    Thread rule: any thread; ``_lock`` serializes launch, update and close.
+    """
+
+    def __init__(self, dev: CudaDevice, steps: Sequence[GraphStep], functions: Sequence[Any],
+                 pack: Any, is_pinned: Any) -> None:
+        """Record ``steps`` (checked) on ``dev``, current in the calling thread.
+
+        Args:
+            dev: the device, entered by the caller.
+            steps: the checked steps.
+            functions: each ``KernelStep``'s ``CUfunction`` (in order of the kernel steps).
+            pack: ``(kernel, args) -> (slots, params)``, the driver's argument packer.
+            is_pinned: ``(address, nbytes) -> bool``, the driver's pinned-memory test.
+        Raises:
+            InvalidRequest: a host view outside pinned memory.
+            DriverError, ContextPoisoned: a node the driver refuses.
+        """
+        self._dev = dev
+        self._epoch = dev.epoch
+        self._incarnation = dev.incarnation
+        self._pack = pack
+        self._is_pinned = is_pinned
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last_stream: CudaStream | None = None
+        self._functions = list(functions)
+        self._nodes: list[_Node] = []
+        err, self._graph = cu.cuGraphCreate(0)
+        if err != SUCCESS:
+            dev.fail(err, "cuGraphCreate")
+        self._exec: Any = None
+        try:
+            fn_at = 0
+            prev: list[Any] = []
+            for i, step in enumerate(steps):
+                fn = None
+                if isinstance(step, KernelStep):
+                    fn = self._functions[fn_at]
+                    fn_at += 1
+                node = self._add(i, step, prev, fn)
+                self._nodes.append(node)
+                prev = [node.node]
+            err, self._exec = cu.cuGraphInstantiate(self._graph, 0)
+            if err != SUCCESS:
+                self._exec = None
+                dev.fail(err, "cuGraphInstantiate")
+        except BaseException:
+            self._destroy()
+            raise
+        self._exec_h = int(self._exec)
+
+    # -- nodes ------------------------------------------------------------------------------------
+    def _copy_params(self, i: int, step: HostToDevice | DeviceToHost | DeviceToDevice) -> tuple[Any, object]:
+        p = cu.CUDA_MEMCPY3D()
+        p.Height = 1
+        p.Depth = 1
+        p.WidthInBytes = step.nbytes
+        keep: object = None
+        if isinstance(step, HostToDevice):
+            host = _address(step.src)
+            if not self._is_pinned(host, step.nbytes):
+                raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
+            p.srcMemoryType, p.srcHost, p.dstMemoryType, p.dstDevice = _HOST, host, _DEVICE, step.dst
+            keep = step.src
+        elif isinstance(step, DeviceToHost):
+            host = _address(step.dst)
+            if not self._is_pinned(host, step.nbytes):
+                raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
+            p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstHost = _DEVICE, step.src, _HOST, host
+            keep = step.dst
+        else:
+            p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstDevice = _DEVICE, step.src, _DEVICE, step.dst
+        return p, keep
+
+    def _kernel_params(self, step: KernelStep, fn: Any) -> tuple[Any, object]:
+        slots, address = self._pack(step.kernel, step.args)
+        p = cu.CUDA_KERNEL_NODE_PARAMS()
+        p.func = fn
+        p.gridDimX, p.gridDimY, p.gridDimZ = step.grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = step.block
+        p.sharedMemBytes = 0
+        p.kernelParams = address
+        return p, slots
+
+    @staticmethod
+    def _memset_params(step: Memset) -> Any:
+        p = cu.CUDA_MEMSET_NODE_PARAMS()
+        p.dst = step.dst
+        p.value = step.byte
+        p.elementSize = 1
+        p.width = step.nbytes
+        p.height = 1
+        p.pitch = 0
+        return p
+
+    def _add(self, i: int, step: GraphStep, prev: list[Any], fn: Any) -> _Node:
+        dev, graph = self._dev, self._graph
+        if isinstance(step, KernelStep):
+            params, keep = self._kernel_params(step, fn)
+            err, node = cu.cuGraphAddKernelNode(graph, prev, len(prev), params)
+            what = f"cuGraphAddKernelNode({step.kernel.name})"
+        elif isinstance(step, Memset):
+            params, keep = self._memset_params(step), None
+            err, node = cu.cuGraphAddMemsetNode(graph, prev, len(prev), params, dev.ctx)
+            what = f"cuGraphAddMemsetNode({step.nbytes} bytes at {step.dst:#x})"
+        else:
+            params, keep = self._copy_params(i, step)
+            err, node = cu.cuGraphAddMemcpyNode(graph, prev, len(prev), params, dev.ctx)
+            what = f"cuGraphAddMemcpyNode({type(step).__name__}, {step.nbytes} bytes)"
+        if err != SUCCESS:
+            dev.fail(err, f"graph step {i}: {what}")
+        return _Node(step, node, params, keep)
+
+    # -- the protocol -----------------------------------------------------------------------------
+    @property
+    def ordinal(self) -> int:
+        """The device the graph was recorded on. Thread rule: any thread."""
+        return self._dev.ordinal
+
+    @property
+    def steps(self) -> tuple[GraphStep, ...]:
+        """The steps the next launch runs. Thread rule: any thread."""
+        return tuple(n.step for n in self._nodes)
+
+    def _check_open(self) -> CudaDevice:
+        dev = self._dev
+        if self._closed or self._exec is None:
+            raise DriverError(f"device {dev.ordinal}: the graph was closed", code="CUDA_ERROR_INVALID_HANDLE")
+        if self._epoch != dev.epoch:
+            if dev.poisoned is not None:
+                raise dev.poisoned_error()
+            raise DriverError(
+                f"device {dev.ordinal}: the graph belongs to a destroyed context (context rebuilt)",
+                code="CUDA_ERROR_INVALID_HANDLE",
+            )
+        return dev
+
+    def launch(self, s: CudaStream) -> None:
+        """``cuGraphLaunch`` on ``s`` (a stream of this graph's device, resolved by the driver).
+        See :meth:`~xlog_actors.driver.graph.Graph.launch`."""
+        if s._dev is not self._dev:
+            raise InvalidRequest(f"{s!r} is not a stream of the graph's device {self._dev.ordinal}")
+        with self._lock:
+            gate = s._gate
+            gate.acquire()
+            try:
+                dev = s._enter()
+                self._check_open()
+                # Only enqueues: the GIL is kept (see .held).
+                err = dev.held.graph_launch(self._exec_h, s._handle)
+            finally:
+                gate.release()
+            self._last_stream = s
+        if err:
+            dev.fail(as_result(err), f"cuGraphLaunch(stream {s._id})")
+
+    def update(self, index: int, step: GraphStep) -> None:
+        """Replace step ``index`` with ``step`` (see :meth:`~xlog_actors.driver.graph.Graph.update`)."""
+        with self._lock:
+            dev = self._check_open()
+            if type(index) is not int or not 0 <= index < len(self._nodes):
+                raise InvalidRequest(f"graph step index {index!r} out of range 0..{len(self._nodes) - 1}")
+            check_steps([step])
+            node = self._nodes[index]
+            why = same_shape(node.step, step)
+            if why is not None:
+                raise InvalidRequest(f"graph step {index}: {why}")
+            dev.enter()
+            if isinstance(step, (HostToDevice, DeviceToHost, DeviceToDevice)):
+                self._update_copy(index, node, step, dev)
+            elif isinstance(step, KernelStep):
+                fn = node.params.func
+                params, keep = self._kernel_params(step, fn)
+                (err,) = cu.cuGraphExecKernelNodeSetParams(self._exec, node.node, params)
+                if err != SUCCESS:
+                    dev.fail(err, f"graph step {index}: cuGraphExecKernelNodeSetParams({step.kernel.name})")
+                node.params, node.keep = params, keep
+            else:
+                assert isinstance(step, Memset)
+                params = self._memset_params(step)
+                (err,) = cu.cuGraphExecMemsetNodeSetParams(self._exec, node.node, params, dev.ctx)
+                if err != SUCCESS:
+                    dev.fail(err, f"graph step {index}: cuGraphExecMemsetNodeSetParams")
+                node.params = params
+            node.step = step
+
+    def _update_copy(self, index: int, node: _Node, step: HostToDevice | DeviceToHost | DeviceToDevice,
+                     dev: CudaDevice) -> None:
+        """A copy node's update: the kept ``CUDA_MEMCPY3D`` changed in place, then set on the
+        exec by address, the GIL kept; changed back if the driver refuses it."""
+        p = node.params
+        old = (int(p.srcHost), int(p.srcDevice), int(p.dstHost), int(p.dstDevice))
+        keep: object = None
+        if isinstance(step, HostToDevice):
+            host = _address(step.src)
+            if host != old[0] and not self._is_pinned(host, step.nbytes):
+                raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
+            p.srcHost, p.dstDevice = host, step.dst
+            keep = step.src
+        elif isinstance(step, DeviceToHost):
+            host = _address(step.dst)
+            if host != old[2] and not self._is_pinned(host, step.nbytes):
+                raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
+            p.srcDevice, p.dstHost = step.src, host
+            keep = step.dst
+        else:
+            p.srcDevice, p.dstDevice = step.src, step.dst
+        err = dev.held.graph_memcpy_set(self._exec_h, int(node.node), p.getPtr(), int(dev.ctx))
+        if err:
+            p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = old
+            dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
+        replaced, node.keep = node.keep, keep
+        last = self._last_stream
+        if replaced is not None and replaced is not keep and last is not None:
+            # Launches before this update may still be reading or writing the old view.
+            with contextlib.suppress(DriverError):  # a stream closed since: its work ran or was dropped
+                last._keep_until_done(replaced)
+
+    def close(self) -> None:
+        """Destroy the exec and the graph (see the module docstring). Idempotent; never raises."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            last = self._last_stream
+            keep = [n.keep for n in self._nodes if n.keep is not None and not isinstance(n.keep, ctypes.Array)]
+            if last is not None and keep:
+                with contextlib.suppress(Exception):  # the stream may be gone with its context
+                    last._keep_until_done(keep)
+            self._destroy()
+
+    def _destroy(self) -> None:
+        dev = self._dev
+        if dev.incarnation != self._incarnation or dev.ctx is None or not dev.primary_active():
+            return  # the context they were made in is gone: the handles dangle (module docstring)
+        with contextlib.suppress(Exception):  # best effort
+            if self._exec is not None:
+                cu.cuGraphExecDestroy(self._exec)
+            cu.cuGraphDestroy(self._graph)
+        self._exec = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # finalizers must not raise
+            if not self._closed:
+                self._closed = True
+                self._destroy()

@@ -1,0 +1,313 @@
+"""Graphs: a fixed sequence of device steps recorded once and launched (replayed) many times.
+
+A graph is what a driver makes of a list of steps (:data:`GraphStep`): copies between pinned host
+memory and the device, device-to-device copies, fills and kernel launches, with raw pointers, as
+the driver's other calls take them. Each launch runs the steps in their order, as if they had been
+enqueued one by one on the launch stream: a step starts after the one before it ends, and the
+launch as a whole is ordered on its stream like any other work (after what was enqueued before it,
+before what is enqueued after it). Launches of one graph never overlap each other.
+
+A step can be replaced between launches by one of the same shape (:func:`same_shape`): the same
+kind, the same byte count, the same kernel and dimensions; its pointers and scalars may differ.
+Launches already enqueued keep the steps they were launched with. What a step reads or writes on
+the host must be page-locked (``Driver.alloc_pinned``), as for any asynchronous copy, and must stay
+put until every launch that uses it ran: the graph keeps the views of its current steps
+referenced, and a replaced view until the launches before the replacement ran.
+
+On CUDA a graph is a ``CUgraphExec`` of explicit nodes, one per step, each depending on the one
+before it (:mod:`.cuda.graph`); a launch is one ``cuGraphLaunch``, and a replaced step one
+``cuGraphExec*NodeSetParams``. The host driver replays the steps through its own calls, in order
+(:class:`SteppedGraph`), which is exactly the order a CUDA graph's chain of nodes gives. A graph
+belongs to the context it was recorded in: after that context is rebuilt (or its driver closed),
+``launch`` and ``update`` raise ``DriverError`` (``CUDA_ERROR_INVALID_HANDLE``), as a stream of it
+does.
+
+Thread rule: a graph may be launched from any thread; ``launch``, ``update`` and ``close`` of one
+graph are serialized by its own lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+
+from ..errors import DriverError, InvalidRequest
+from .kernel import Kernel
+
+if TYPE_CHECKING:
+    from .protocol import Driver, Stream
+
+__all__ = [
+    "DeviceToDevice",
+    "DeviceToHost",
+    "Graph",
+    "GraphStep",
+    "HostToDevice",
+    "KernelStep",
+    "Memset",
+    "SteppedGraph",
+    "check_steps",
+    "same_shape",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class HostToDevice:
+    """Copy all of ``src`` (a byte view of pinned host memory) to the device address ``dst``."""
+
+    dst: int
+    src: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes copied: the view's length."""
+        return len(self.src)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceToHost:
+    """Copy ``len(dst)`` bytes from the device address ``src`` into ``dst`` (a writable byte
+    view of pinned host memory)."""
+
+    dst: memoryview
+    src: int
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes copied: the view's length."""
+        return len(self.dst)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceToDevice:
+    """Copy ``nbytes`` from the device address ``src`` to ``dst`` (same device)."""
+
+    dst: int
+    src: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Memset:
+    """Set ``nbytes`` bytes at the device address ``dst`` to ``byte`` (0..255)."""
+
+    dst: int
+    byte: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStep:
+    """Launch ``kernel`` with resolved arguments (pointers as ints, scalars), as ``Driver.launch``
+    takes them; ``grid`` and ``block`` are three positive ints each."""
+
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: tuple[object, ...]
+
+
+GraphStep: TypeAlias = HostToDevice | DeviceToHost | DeviceToDevice | Memset | KernelStep
+"""One step of a graph."""
+
+
+def same_shape(old: GraphStep, new: GraphStep) -> str | None:
+    """Why ``new`` cannot replace ``old`` in a recorded graph, or None when it can.
+
+    Args:
+        old: the recorded step.
+        new: its replacement.
+    Returns:
+        None, or a sentence naming what differs (the kind, the byte count, the kernel or its
+        dimensions).
+    Thread rule: any thread.
+    """
+    if type(new) is not type(old):
+        return f"a {type(new).__name__} cannot replace a {type(old).__name__}"
+    if isinstance(old, KernelStep):
+        assert isinstance(new, KernelStep)
+        if new.kernel is not old.kernel:
+            return f"kernel {new.kernel.name} cannot replace kernel {old.kernel.name}"
+        if new.grid != old.grid or new.block != old.block:
+            return (f"dimensions grid={new.grid} block={new.block} differ from the recorded "
+                    f"grid={old.grid} block={old.block}")
+        if len(new.args) != len(old.args):
+            return f"{len(new.args)} arguments differ from the recorded {len(old.args)}"
+        return None
+    assert not isinstance(old, KernelStep) and not isinstance(new, KernelStep)
+    nbytes_new = new.nbytes
+    nbytes_old = old.nbytes
+    if nbytes_new != nbytes_old:
+        return f"{nbytes_new} bytes differ from the recorded {nbytes_old}"
+    return None
+
+
+def check_steps(steps: Sequence[object]) -> tuple[GraphStep, ...]:
+    """``steps`` as a tuple once each is a :data:`GraphStep` with sane fields; else
+    ``InvalidRequest`` naming the first one at fault.
+
+    Args:
+        steps: the steps to record, at least one.
+    Returns:
+        the steps, as a tuple.
+    Raises:
+        InvalidRequest: no steps, a step of another type, a host view that is not a C-contiguous
+            byte view (or a read-only one to copy into), a negative or zero byte count, a fill
+            byte out of 0..255, dimensions that are not three positive ints.
+    Thread rule: any thread.
+    """
+    if not isinstance(steps, (list, tuple)) or not steps:
+        raise InvalidRequest(f"a graph needs a non-empty list of steps, got {steps!r}")
+    out: list[GraphStep] = []
+    for i, step in enumerate(steps):
+        what = f"graph step {i}"
+        if isinstance(step, (HostToDevice, DeviceToHost)):
+            view = step.src if isinstance(step, HostToDevice) else step.dst
+            if not isinstance(view, memoryview) or view.format != "B" or not view.c_contiguous or view.ndim != 1:
+                raise InvalidRequest(f"{what}: the host side must be a 1-D byte memoryview, got {view!r}")
+            if isinstance(step, DeviceToHost) and view.readonly:
+                raise InvalidRequest(f"{what}: the host view to copy into is read-only")
+            if len(view) == 0:
+                raise InvalidRequest(f"{what}: copies no bytes")
+        elif isinstance(step, (DeviceToDevice, Memset)):
+            if type(step.nbytes) is not int or step.nbytes <= 0:
+                raise InvalidRequest(f"{what}: nbytes must be a positive int, got {step.nbytes!r}")
+            if isinstance(step, Memset) and (type(step.byte) is not int or not 0 <= step.byte <= 255):
+                raise InvalidRequest(f"{what}: byte must be an int in 0..255, got {step.byte!r}")
+        elif isinstance(step, KernelStep):
+            for name, dims in (("grid", step.grid), ("block", step.block)):
+                if (not isinstance(dims, tuple) or len(dims) != 3
+                        or not all(type(d) is int and d > 0 for d in dims)):
+                    raise InvalidRequest(f"{what}: {name} must be three positive ints, got {dims!r}")
+        else:
+            raise InvalidRequest(f"{what}: expected a graph step (HostToDevice, DeviceToHost, DeviceToDevice, "
+                                 f"Memset or KernelStep), got {type(step).__name__}")
+        out.append(step)
+    return tuple(out)
+
+
+@runtime_checkable
+class Graph(Protocol):
+    """A recorded graph of one device (see the module docstring)."""
+
+    @property
+    def ordinal(self) -> int:
+        """The device the graph was recorded on. Thread rule: any thread."""
+        ...
+
+    @property
+    def steps(self) -> tuple[GraphStep, ...]:
+        """The steps the next launch runs. Thread rule: any thread."""
+        ...
+
+    def launch(self, stream: Any) -> None:
+        """Enqueue one run of every step, in order, on ``stream`` (a stream of the graph's device).
+
+        Raises:
+            InvalidRequest: ``stream`` is not a stream of this driver and device.
+            DriverError: the graph was closed, or its context rebuilt (``CUDA_ERROR_INVALID_HANDLE``);
+                the stream's own errors.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        ...
+
+    def update(self, index: int, step: GraphStep) -> None:
+        """Replace step ``index`` for the launches after this call.
+
+        Raises:
+            InvalidRequest: ``index`` out of range, or ``step`` not of the recorded one's shape
+                (:func:`same_shape`); nothing changes.
+            DriverError: closed, or its context rebuilt.
+        Thread rule: any thread.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the graph (launches already enqueued still run). Idempotent; never raises.
+        Thread rule: any thread."""
+        ...
+
+
+class SteppedGraph:
+    """A graph that replays its steps through its driver's own calls, one by one, on the launch
+    stream: the host driver's graph (its calls are the lowest layer there), and the reference
+    behaviour every driver's graph has.
+
+    Host views stay referenced by the driver's copies themselves until they ran, so a replaced
+    view needs no keeping here.
+
+    Thread rule: any thread; one lock serializes launch, update and close.
+    """
+
+    def __init__(self, driver: Driver, ordinal: int, steps: Sequence[GraphStep], epoch: Callable[[], int]) -> None:
+        """Args:
+            driver: the driver whose calls replay the steps.
+            ordinal: the device.
+            steps: checked steps (:func:`check_steps`).
+            epoch: reads the device context's epoch now; a launch or update runs only while it
+                reads what it read at recording.
+        Thread rule: any thread.
+        """
+        self._driver = driver
+        self._ordinal = ordinal
+        self._steps = list(steps)
+        self._epoch_now = epoch
+        self._epoch = epoch()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def ordinal(self) -> int:
+        """The device the graph was recorded on. Thread rule: any thread."""
+        return self._ordinal
+
+    @property
+    def steps(self) -> tuple[GraphStep, ...]:
+        """The steps the next launch runs. Thread rule: any thread."""
+        return tuple(self._steps)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DriverError(f"device {self._ordinal}: the graph was closed", code="CUDA_ERROR_INVALID_HANDLE")
+        if self._epoch_now() != self._epoch:
+            raise DriverError(
+                f"device {self._ordinal}: the graph belongs to a destroyed context (context rebuilt)",
+                code="CUDA_ERROR_INVALID_HANDLE",
+            )
+
+    def launch(self, stream: Stream) -> None:
+        """Enqueue every step on ``stream`` in order (see :meth:`Graph.launch`)."""
+        driver = self._driver
+        with self._lock:
+            self._check_open()
+            for step in self._steps:
+                if isinstance(step, HostToDevice):
+                    driver.copy_to_device(step.dst, step.src, stream)
+                elif isinstance(step, KernelStep):
+                    driver.launch(step.kernel, step.grid, step.block, step.args, stream)
+                elif isinstance(step, DeviceToHost):
+                    driver.copy_to_host_into(step.src, step.dst, stream)
+                elif isinstance(step, DeviceToDevice):
+                    driver.copy_device_to_device(step.dst, step.src, step.nbytes, stream)
+                else:
+                    driver.fill(step.dst, step.byte, step.nbytes, stream)
+
+    def update(self, index: int, step: GraphStep) -> None:
+        """Replace step ``index`` (see :meth:`Graph.update`)."""
+        with self._lock:
+            self._check_open()
+            if type(index) is not int or not 0 <= index < len(self._steps):
+                raise InvalidRequest(f"graph step index {index!r} out of range 0..{len(self._steps) - 1}")
+            check_steps([step])
+            why = same_shape(self._steps[index], step)
+            if why is not None:
+                raise InvalidRequest(f"graph step {index}: {why}")
+            self._steps[index] = step
+
+    def close(self) -> None:
+        """Forget the steps. Idempotent; never raises."""
+        with self._lock:
+            self._closed = True
