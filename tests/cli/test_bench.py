@@ -8,12 +8,14 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import xlog_actors as xa
+from xlog_actors.actors import Fill
 from xlog_actors.cli import main
 from xlog_actors.cli.bench import (
     GROUPS,
@@ -79,7 +81,7 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 17  # the seventeen rows with a target that run on the host
+    assert len(targeted) == 18  # the eighteen rows with a target that run on the host
 
 
 def test_quick_host_measures_the_history_row(quick_doc: dict) -> None:
@@ -104,6 +106,59 @@ def test_quick_host_runs_the_concurrency_rows(quick_doc: dict) -> None:
         assert row["ratio"] == pytest.approx(row["median"] / row["reference"]["median"])
     # the other rows carry the new key empty: readers of older runs see nothing else change
     assert all(r["concurrency"] is None for r in quick_doc["rows"] if r["unit"] != "ops/s")
+
+
+def test_quick_host_measures_the_library_message_round_trip(quick_doc: dict) -> None:
+    """One small library message asked of a CopyActor, beside the bare pykka ask it must beat."""
+    row = {r["name"]: r for r in quick_doc["rows"]}["CopyActor Fill round trip"]
+    assert row["reference"]["name"] == "bare pykka ask round trip to a trivial actor"
+    assert row["target"]["text"] == "<= 0.25x" and row["unit"] == "us"
+    assert "served in the asker's thread" in row["note"]
+    assert _positive_finite(row["median"]) and _positive_finite(row["reference"]["median"])
+
+
+def _fill_row_only() -> Group:
+    (actors,) = [group for group in GROUPS if "CopyActor Fill round trip" in group.names]
+    (row,) = [row for row in actors.rows if row.name == "CopyActor Fill round trip"]
+    return Group(actors.title, (row,), base=actors.base)
+
+
+def test_the_library_message_row_is_served_in_the_askers_thread(
+    host_driver_for_bench: xa.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the row's note claims: once the setup's first Fill has started the actor, every timed
+    ``copy.ask(Fill(ref, 7))`` runs its handler in the asking thread, not the actor's."""
+    from xlog_actors.actors.copy_actor import CopyActor
+
+    threads: list[int] = []
+    fill = CopyActor._fill
+
+    def spy(self: CopyActor, msg: Fill) -> None:
+        if msg.byte == 7:
+            threads.append(threading.get_ident())
+        fill(self, msg)
+
+    monkeypatch.setattr(CopyActor, "_fill", spy)
+    doc = collect(host_driver_for_bench, quick=True, groups=[_fill_row_only()])
+    assert doc["errors"] == [] and [r["name"] for r in doc["rows"]] == ["CopyActor Fill round trip"]
+    assert len(threads) >= 10 and set(threads) == {threading.get_ident()}
+
+
+def test_the_library_message_row_checks_that_its_fills_ran(
+    host_driver_for_bench: xa.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xlog_actors.actors.copy_actor import CopyActor
+
+    fill = CopyActor._fill
+
+    def lost(self: CopyActor, msg: Fill) -> None:
+        if msg.byte != 7:  # the setup's fill runs; the timed ones are answered but do nothing
+            fill(self, msg)
+
+    monkeypatch.setattr(CopyActor, "_fill", lost)
+    doc = collect(host_driver_for_bench, quick=True, groups=[_fill_row_only()])
+    assert doc["rows"] == []
+    assert "not the bytes the timed asks filled" in doc["errors"][0]["error"]
 
 
 def test_targets_are_issue_16s_table() -> None:

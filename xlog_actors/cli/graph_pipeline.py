@@ -81,8 +81,8 @@ class _GraphRun:
 
     def _new_slot(self, s: int) -> _GraphSlot:
         """Slot ``s``'s buffers (poisoned, as :mod:`.pipeline` says why) and its recorded graph."""
-        inp: GpuRef = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT))
-        out: GpuRef = self.device.ask(Allocate(self.out_bytes, tag=_OUTPUT))
+        inp: GpuRef = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT), block=True)
+        out: GpuRef = self.device.ask(Allocate(self.out_bytes, tag=_OUTPUT), block=True)
         self.copy.ask(Fill(inp, _POISON))
         self.copy.ask(Fill(out, _POISON))
         grid, block = launch_shape(self.n)
@@ -216,7 +216,7 @@ def run_graph_pipeline(
         if run is not None:
             seconds, cpu = _drive(run, cfg, progress)
             errors = run.errors
-        stats = device.ask(GetStats())
+        stats = device.ask(GetStats(), block=True)
     finally:
         if run is not None:
             run.close()
