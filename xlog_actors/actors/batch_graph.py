@@ -118,7 +118,7 @@ class BatchGraph:
     """
 
     def __init__(self, ctx: DeviceContext, stages: tuple[Stage, ...], slots: list[_Slot],
-                 graph: Graph, stream_id: StreamId, stream: Stream) -> None:
+                 graph: Graph, stream_id: StreamId, stream: Stream, track: bool) -> None:
         """Internal: use :meth:`record`."""
         self._ctx = ctx
         self._stages = stages
@@ -127,14 +127,17 @@ class BatchGraph:
         self._stream_id = stream_id
         self._stream = stream
         self._lock = threading.Lock()
-        self._tracking = ctx.runtime.supports_block_use_tracking()
+        self._tracking = track and ctx.runtime.supports_block_use_tracking()
+        # An untracked stack (the direct one) cannot order others after a replay: each replay is
+        # then waited for before it returns, as a library actor does.
+        self._synchronize = track and not self._tracking
         self._by_recorded = {id(s.recorded): s for s in slots}
         self._views: dict[int, tuple[PinnedBuffer, memoryview]] = {}
         self._uses = self._merged_uses()
 
     # -- recording --------------------------------------------------------------------------------
     @classmethod
-    def record(cls, device: pykka.ActorRef[Any], stages: Sequence[Stage]) -> BatchGraph:
+    def record(cls, device: pykka.ActorRef[Any], stages: Sequence[Stage], *, track: bool = True) -> BatchGraph:
         """Record ``stages`` as one graph of ``device``'s current generation.
 
         The stages are library messages, as a ``CopyActor`` or ``KernelActor`` takes them, run in
@@ -149,6 +152,8 @@ class BatchGraph:
         Args:
             device: the ``ActorRef`` of a running ``DeviceActor`` (in this process).
             stages: one or more stages.
+            track: False switches the tracking off (tests and demonstrations of the hazards it
+                prevents only): no waits before a replay, no uses and writes recorded after it.
         Returns:
             the graph, ready to replay.
         Raises:
@@ -163,6 +168,8 @@ class BatchGraph:
             raise InvalidRequest(f"BatchGraph.record needs the ActorRef of a running DeviceActor, got {device!r}")
         if not isinstance(stages, (list, tuple)) or not stages:
             raise InvalidRequest(f"BatchGraph.record: stages must be a non-empty list of stages, got {stages!r}")
+        if not isinstance(track, bool):
+            raise InvalidRequest(f"BatchGraph.record: track must be a bool, got {track!r}")
         stages = tuple(stages)
         try:
             ctx = cast(DeviceContext, device.ask(Attach()))
@@ -178,7 +185,7 @@ class BatchGraph:
         stream = ctx.runtime.stream_pool.resolve(stream_id)
         assert stream is not None
         graph = ctx.driver.record_graph(ctx.ordinal, steps)
-        return cls(ctx, stages, slots, graph, stream_id, stream)
+        return cls(ctx, stages, slots, graph, stream_id, stream, track)
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -244,8 +251,8 @@ class BatchGraph:
                     for ref, access in uses:
                         runtime.finish_block_use(ref.block, sid, access)
                 event = self._stream.record_event()
-                if not tracking:
-                    self._stream.synchronize()  # an untracked stack: done before anyone sees it
+                if self._synchronize:
+                    self._stream.synchronize()
             except XlogError as exc:
                 if not isinstance(exc, GpuRefStale) and not ctx.is_current():
                     self._close_locked()
