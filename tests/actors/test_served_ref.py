@@ -245,3 +245,44 @@ def test_kernel_launches_are_served_in_the_caller_too(device: Any) -> None:
         type(actor)._launch = original  # type: ignore[method-assign]
     assert seen == [threading.get_ident()]
     assert set(np.frombuffer(copy.ask(xa.CopyToHost(out)), np.float32).tolist()) == {3.0}
+
+
+def test_a_posted_ask_that_only_enqueues_is_served_in_the_askers_thread(
+    device: Any, monkeypatch: Any, thread_ident: None
+) -> None:
+    """``ask_posting`` of a Fill (enqueue only) runs in the asker's thread and its answer is on
+    the queue when the call returns; a CopyToHost into pageable memory (it waits) goes through
+    the actor; an error of the served handler is the posted answer and the actor lives on."""
+    import queue
+
+    from xlog_actors.actors.pykka_internals import Answer, ask_posting
+
+    rec = Recorded(monkeypatch)
+    copy = xa.CopyActor.start(device)
+    mine = actor_thread(copy)
+    ref = device.ask(xa.Allocate(4096))
+    replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
+    ask_posting(copy, xa.Fill(ref, 5), replies, "fill")
+    assert replies.get_nowait() == Answer("fill", None, None)  # posted before ask_posting returned
+    assert rec.calls == [(threading.get_ident(), 5)]
+    ask_posting(copy, xa.Fill(ref, 300), replies, "bad")
+    bad = replies.get_nowait()
+    assert bad.key == "bad" and isinstance(bad.error, xa.InvalidRequest)
+    ask_posting(copy, xa.CopyToHost(ref, nbytes=4), replies, "back")
+    answer = replies.get(timeout=10)
+    assert answer == Answer("back", b"\x05" * 4, None)
+    assert copy.proxy().served_here().get() == mine  # the actor still runs
+    assert not copy._actor_weakref().posts_in_caller(xa.CopyToHost(ref, nbytes=4))
+    assert not copy._actor_weakref().posts_in_caller(xa.CopyToDevice(ref, b"pageable"))
+
+
+def test_a_posted_ask_is_not_served_in_the_caller_on_an_untracked_stack(driver: xa.Driver) -> None:
+    """On the direct stack a handler synchronizes its stream: never served in a posting caller."""
+    device = xa.DeviceActor.start(0, driver, resource="direct")
+    try:
+        copy = xa.CopyActor.start(device)
+        ref = device.ask(xa.Allocate(64))
+        copy.ask(xa.Fill(ref, 1))  # attached
+        assert not copy._actor_weakref().posts_in_caller(xa.Fill(ref, 2))
+    finally:
+        pykka.ActorRegistry.stop_all()

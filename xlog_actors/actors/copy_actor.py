@@ -49,6 +49,17 @@ class CopyActor(LibraryActor):
         }
         return handlers.get(type(message))
 
+    def _enqueue_only(self, message: Any) -> bool:
+        # A copy from or into pinned memory and a fill only enqueue; a copy from pageable memory
+        # may be staged by the driver before it returns, one to pageable memory synchronizes, and
+        # a copy between devices may wait for a peer that is not tracked.
+        kind = type(message)
+        if kind is Fill:
+            return True
+        if kind is CopyToDevice:
+            return isinstance(message.data, PinnedBuffer)
+        return kind is CopyToHost and message.out is not None
+
     def _to_device(self, msg: CopyToDevice) -> None:
         self._check_refs(msg, "ref")
         if isinstance(msg.data, PinnedBuffer):

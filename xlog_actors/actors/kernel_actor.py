@@ -37,6 +37,9 @@ class KernelActor(LibraryActor):
             return self._launch
         return self._launches if kind is Launches else None
 
+    def _enqueue_only(self, message: Any) -> bool:
+        return type(message) in (Launch, Launches)  # a launch only enqueues
+
     def _launch(self, msg: Launch) -> None:
         self._launch_all([_checked(msg, "Launch")])
 

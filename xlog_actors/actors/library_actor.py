@@ -210,6 +210,24 @@ class LibraryActor(ResilientActor):
         finally:
             exclusive.release()
 
+    def posts_in_caller(self, message: Any) -> bool:
+        """Whether a non-blocking ask of ``message`` may be served in the asker's thread: its
+        handler only enqueues work on a tracked stack (see :mod:`.served_ref`). A subclass names
+        its messages in :meth:`_enqueue_only`; on an untracked stack every handler waits for its
+        work, so none qualifies.
+
+        Args:
+            message: the message.
+        Returns:
+            True when it may be served in the asker's thread.
+        Thread rule: any thread (reads fields set once per attach).
+        """
+        return (self._tracking or not self._track) and self._ctx is not None and self._enqueue_only(message)
+
+    def _enqueue_only(self, message: Any) -> bool:
+        """Whether ``message``'s handler never waits (a subclass's messages; none here)."""
+        return False
+
     def on_stop(self) -> None:
         """Unsubscribe from the device. Thread rule: the actor's thread (pykka calls it)."""
         try:

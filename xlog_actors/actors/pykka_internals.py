@@ -70,6 +70,7 @@ from pykka._envelope import Envelope
 
 from . import ranges
 from .latch_future import LatchFuture
+from .served_ref import NOT_SERVED
 
 __all__ = [
     "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_posting",
@@ -392,7 +393,21 @@ def ask_posting(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQue
         message: the message.
         replies: where the answer is posted, exactly once.
         key: the caller's name for this ask, posted with its answer.
+    An ask of a library actor whose handler only enqueues device work (never waits) is served in
+    the asking thread when the actor is idle, and its answer posted before this returns
+    (:meth:`.served_ref.ServedRef.serve_posted`): no inbox hop, no wake-up of the actor.
+
     Thread rule: any thread. A dead actor's answer (``ActorDeadError``) is posted before this
     returns; an actor that stops with the message still queued answers it the same way.
     """
+    serve = getattr(ref, "serve_posted", None)
+    if serve is not None:
+        try:
+            value = serve(message)
+        except Exception as exc:  # noqa: BLE001 - the handler's error is the answer, as on the actor's thread
+            replies.put(Answer(key, None, exc))
+            return
+        if value is not NOT_SERVED:
+            replies.put(Answer(key, value, None))
+            return
     ask_into(ref, message, _PostingReply(replies, key))

@@ -7,11 +7,16 @@ machines a thread that slept takes tens to hundreds of microseconds to run again
 asked and then synchronized lost 4 to 8% of its bandwidth to them (docs/performance.md, the copy
 rows). Served in the asker's thread, the work runs exactly as the actor would run it, with no hop.
 
-Only a *blocking* ask is served this way: its asker waits for the reply in any case. A
-non-blocking ask (a pipeline's orchestrator keeping several batches in flight) must return at
-once, and a handler may take long (a ``CopyToHost`` synchronizes the actor's stream), so it goes
-through the inbox. So does an ask with a timeout: a handler running in the asker's thread cannot
-be abandoned when the timeout passes.
+A *blocking* ask is served this way: its asker waits for the reply in any case. A non-blocking
+ask (a pipeline's orchestrator keeping several batches in flight) must return at once, so it is
+served in the asker's thread only when its handler never waits, only enqueues device work (a
+launch, a fill, a copy from or into pinned memory on a tracked stack: the actor's
+:meth:`~CallerServer.posts_in_caller` says which): then the handler takes about as long as
+putting the message in the inbox and waking the actor would, and the answer is posted at once
+(``pykka_internals.ask_posting``, which posts its answers on a queue). Any other non-blocking ask
+goes through the inbox, because a handler may take long (a ``CopyToHost`` into pageable memory
+synchronizes the actor's stream). So does an ask with a timeout: a handler running in the asker's
+thread cannot be abandoned when the timeout passes.
 
 Invariants (kept by :class:`ServedRef` and the library actor's loop together):
 
@@ -61,6 +66,10 @@ class CallerServer(Protocol):
         """Serve ``message`` in this thread when the module docstring's conditions hold: its
         reply (or its error, raised), else :data:`NOT_SERVED`. Thread rule: any thread."""
 
+    def posts_in_caller(self, message: Any) -> bool:
+        """Whether ``message``'s handler only enqueues work (never waits), so a non-blocking ask
+        of it may be served in the asker's thread. Thread rule: any thread."""
+
 
 class ServedRef(pykka.ActorRef[Any]):
     """A pykka ``ActorRef`` whose blocking asks with no timeout, of the actor's
@@ -91,3 +100,20 @@ class ServedRef(pykka.ActorRef[Any]):
                 if reply is not NOT_SERVED:
                     return reply
         return super().ask(message, block=block, timeout=timeout)
+
+    def serve_posted(self, message: Any) -> Any:
+        """Serve a non-blocking ask of ``message`` in this thread when its handler only enqueues
+        work and the actor is idle (see the module docstring).
+
+        Args:
+            message: the message.
+        Returns:
+            the reply, or :data:`NOT_SERVED` (the ask must go through the inbox).
+        Raises:
+            the handler's error, as the actor would answer it.
+        Thread rule: any thread.
+        """
+        actor: CallerServer | None = self._actor_weakref()
+        if actor is None or not actor.posts_in_caller(message):
+            return NOT_SERVED
+        return actor.serve_in_caller(message)
