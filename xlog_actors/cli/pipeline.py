@@ -229,9 +229,12 @@ class _Run:
     """The orchestrating thread's state: the ring, the batches in flight, the tally."""
 
     def __init__(self, device: pykka.ActorRef[Any], actors: tuple[pykka.ActorRef[Any], ...], cfg: PipelineConfig,
-                 data: BatchData, driver: Driver) -> None:
+                 data: BatchData, driver: Driver, inputs: list[PinnedBuffer]) -> None:
         self.device, (self.copy_in, self.kernels, self.copy_out) = device, actors
         self.cfg, self.data, self.driver = cfg, data, driver
+        # ``data``'s inputs as the pinned buffers they live in: a copy in from a PinnedBuffer is
+        # known to only enqueue, so its ask is served in this thread (served_ref).
+        self.inputs = inputs
         self.n = cfg.batch_bytes // 4
         self.shape = launch_shape(self.n)
         self.tail = checksum_tail(self.n)
@@ -317,7 +320,7 @@ class _Run:
         host = self.hosts.popleft() if self.hosts else self._new_host_set()
         batch = _Batch(index, s, slot, host, 0)
         self.inflight.add(batch)
-        ask_posting(self.copy_in, CopyToDevice(slot.inp, self.data.input(index)), self.replies, batch)
+        ask_posting(self.copy_in, CopyToDevice(slot.inp, self.inputs[index % len(self.inputs)]), self.replies, batch)
 
     def _slow_producer(self, ref: GpuRef) -> None:
         # A spin on the copy actor's stream before the copy: what tracking must order after.
@@ -495,12 +498,12 @@ def run_pipeline(
             inputs.append(buffer)  # the owner stays referenced until the run ends
             return _host_array(buffer)
 
-        inputs: list[Any] = []
+        inputs: list[PinnedBuffer] = []
         data = BatchData(cfg.depth + 1, cfg.batch_bytes, input_buffer)
         started.append(CopyActor.start(device, track=cfg.track))
         started.append(KernelActor.start(device, track=cfg.track))
         started.append(CopyActor.start(device, track=cfg.track))
-        run = _Run(device, tuple(started), cfg, data, driver)
+        run = _Run(device, tuple(started), cfg, data, driver, inputs)
         try:
             run.warm_up()
         except XlogError as exc:

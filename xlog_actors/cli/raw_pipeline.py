@@ -14,18 +14,25 @@ loop body is the calls themselves, each one's ``CUresult`` checked by one truth 
 returned (an unchecked error would make the yardstick lie).
 
 On the CUDA driver the calls are ``cuMemcpyHtoDAsync``/``cuMemcpyDtoHAsync`` from pinned host
-buffers (``cuMemHostAlloc``), ``cuEventRecord``/``cuStreamWaitEvent`` and ``cuLaunchKernel``, in
-one of two spellings of the same driver entry points:
+buffers (``cuMemHostAlloc``), ``cuEventRecord``/``cuStreamWaitEvent`` and ``cuLaunchKernel`` (on
+the ``CUfunction`` the driver's own ``launch`` loaded), in one of two spellings of the same
+driver entry points:
 
-* ``"held"`` (the one :func:`raw_pipeline` uses): ``ctypes`` prototypes that keep the GIL
-  (:class:`~xlog_actors.driver.cuda.held.HeldCalls`, the driver's own), taking ints and returning
-  the raw ``CUresult`` int. It is the tightest by design: none of these calls blocks, so letting
-  the GIL go around each one (as ``cuda.bindings`` does) buys nothing and costs a release and a
-  re-acquire per call (a hand-off, whenever another thread of the process wants the GIL), and the
-  result is an int, not a tuple holding an enum member.
-* ``"bindings"``: ``cuda.bindings.driver`` itself, on handles wrapped once
-  (``CUstream``/``CUevent``/``CUdeviceptr``) so no call converts an int; kept so that the two
-  spellings can be compared on the same device.
+* ``"bindings"`` (the one :func:`raw_pipeline` uses): ``cuda.bindings.driver`` itself, on handles
+  wrapped once (``CUstream``/``CUevent``/``CUdeviceptr``, so no call converts an int), each result
+  tested by its first item (``CUresult`` is an int enum, false only for ``CUDA_SUCCESS``). It is
+  the tightest by design: its wrappers are compiled (Cython), so converting the arguments and
+  building the result tuple are a few C operations, and letting the GIL go around the call costs
+  little while no other thread wants it (the raw run runs alone: the demo and its bench row stop
+  the pipeline's actors first).
+* ``"held"``: the driver's ``ctypes`` prototypes that keep the GIL
+  (:class:`~xlog_actors.driver.cuda.held.HeldCalls`), ints in, the ``CUresult`` int out. Keeping
+  the GIL pays where threads contend for it (the actors' case, see :mod:`.held`), but a
+  ``ctypes`` call converts each argument through its type's ``from_param`` and sets up the
+  foreign call anew each time: on an H100, single-threaded, a ``cuStreamWaitEvent`` took about
+  1.4 us this way against 0.95 us through ``cuda.bindings``, ``cuMemcpyHtoDAsync`` 4.4 against
+  3.3 us and ``cuLaunchKernel`` 7.9 against 6.1 us, and the whole loop at 64 KiB batches moved
+  2.4 GB/s against 2.8 GB/s. Kept so that the two spellings can be compared on the same device.
 
 On the host driver, which is the lowest layer there, the same calls are ``HostDriver``'s (its
 methods and its streams' bound once, the loop inlined the same way).
@@ -174,7 +181,7 @@ def _host_loop(driver: Driver, streams: list[Any], schedule: list[Any], grid: in
 _CudaCalls = Literal["held", "bindings"]
 
 #: The spelling :func:`raw_pipeline` uses on CUDA (the module docstring says why).
-_CUDA_CALLS: _CudaCalls = "held"
+_CUDA_CALLS: _CudaCalls = "bindings"
 
 _EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING, as the CUDA driver creates its events
 
