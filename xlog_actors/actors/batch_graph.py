@@ -30,6 +30,7 @@ device actor for its context, so it must not run on the device actor's own threa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,10 +66,16 @@ Stage: TypeAlias = CopyToDevice | CopyToHost | CopyDeviceToDevice | Fill | Launc
 
 Operand: TypeAlias = GpuRef | PinnedBuffer
 
+#: How many completion events a graph re-records in turn (see ``BatchGraph._done_event``).
+_DONE_EVENTS = 64
+
 
 @dataclass(frozen=True, slots=True)
 class GraphDone:
     """The completion of one replay: an event recorded on the graph's stream right after it.
+
+    A graph re-records a ring of 64 events in turn, so a ``GraphDone`` kept past 64 later
+    replays of its graph stands for a later replay: it then waits longer, never less.
 
     Fields: ``event``, the driver event (a stream of the same driver may wait on it).
 
@@ -100,11 +107,11 @@ class GraphDone:
 
 @dataclass(slots=True)
 class _Slot:
-    """One operand of one stage: where it sits, what it was recorded as, what it is bound to."""
+    """One operand of one stage: where it sits and what it was recorded as (what it is bound to
+    now is in ``BatchGraph._bound``)."""
 
     stage: int
     recorded: Operand
-    bound: Operand
     access: Access | None  # a GpuRef's access; None for a host buffer
 
 
@@ -131,9 +138,21 @@ class BatchGraph:
         # An untracked stack (the direct one) cannot order others after a replay: each replay is
         # then waited for before it returns, as a library actor does.
         self._synchronize = track and not self._tracking
-        self._by_recorded = {id(s.recorded): s for s in slots}
+        self._by_recorded: dict[int, _Slot] = {}
+        self._stages_of: dict[int, list[int]] = {}
+        for slot in slots:
+            self._by_recorded.setdefault(id(slot.recorded), slot)
+            at = self._stages_of.setdefault(id(slot.recorded), [])
+            if slot.stage not in at:
+                at.append(slot.stage)
+        #: id(recorded operand) -> what it is bound to now
+        self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
         self._views: dict[int, tuple[PinnedBuffer, memoryview]] = {}
         self._uses = self._merged_uses()
+        # The completions handed out: a ring of events re-recorded in turn, so a replay creates
+        # no event. A GraphDone older than the ring waits for a later replay: never less.
+        self._done_events: list[Event] = []
+        self._done_at = 0
 
     # -- recording --------------------------------------------------------------------------------
     @classmethod
@@ -250,7 +269,7 @@ class BatchGraph:
                 if tracking:
                     for ref, access in uses:
                         runtime.finish_block_use(ref.block, sid, access)
-                event = self._stream.record_event()
+                event = self._done_event()
                 if self._synchronize:
                     self._stream.synchronize()
             except XlogError as exc:
@@ -266,26 +285,51 @@ class BatchGraph:
     def _bind(self, bind: Mapping[Operand, Operand], graph: Graph) -> None:
         """Check every replacement, then update the steps they change (nothing changes on a
         refused one)."""
-        ctx = self._ctx
-        changed: dict[int, Operand] = {}
+        ctx, bound = self._ctx, self._bound
+        changed: list[tuple[int, Operand]] = []
         for recorded, new in bind.items():
-            slot = self._by_recorded.get(id(recorded))
+            key = id(recorded)
+            slot = self._by_recorded.get(key)
             if slot is None or slot.recorded is not recorded:
                 raise InvalidRequest(f"BatchGraph.replay: bind names {recorded!r}, which no stage of the graph names")
-            if new is not slot.bound:
+            if new is not bound[key]:
                 _check_operand(new, recorded, ctx, f"bind[{recorded!r}]")
-                changed[id(recorded)] = new
+                changed.append((key, new))
         if not changed:
             return
-        current = {id(s.recorded): s.bound for s in self._slots}
-        current.update(changed)
-        stages = sorted({s.stage for s in self._slots if id(s.recorded) in changed})
-        for i in stages:
-            graph.update(i, _step(self._stages[i], current, self._views))
-        for s in self._slots:
-            if id(s.recorded) in changed:
-                s.bound = changed[id(s.recorded)]
-        self._uses = self._merged_uses()
+        before = dict(bound)
+        devices = False
+        stages: list[int] = []
+        for key, new in changed:
+            bound[key] = new
+            devices = devices or self._by_recorded[key].access is not None
+            for i in self._stages_of[key]:
+                if i not in stages:
+                    stages.append(i)
+        try:
+            for i in stages:
+                graph.update(i, _step(self._stages[i], bound, self._views), checked=True)
+        except BaseException:
+            bound.clear()
+            bound.update(before)  # what the graph holds for the steps updated before: see below
+            for i in stages:  # put every step back as it was (each update is all or nothing)
+                with contextlib.suppress(XlogError):
+                    graph.update(i, _step(self._stages[i], bound, self._views), checked=True)
+            raise
+        if devices:
+            self._uses = self._merged_uses()
+
+    def _done_event(self) -> Event:
+        """The next event of the ring, recorded now on the graph's stream."""
+        events, stream = self._done_events, self._stream
+        if len(events) < _DONE_EVENTS:
+            event: Event = stream.record_event()
+            events.append(event)
+            return event
+        event = events[self._done_at]
+        self._done_at = (self._done_at + 1) % _DONE_EVENTS
+        stream.record(event)
+        return event
 
     def _merged_uses(self) -> list[tuple[GpuRef, Access]]:
         """One (handle, access) per distinct block bound now; read and written is READ_WRITE."""
@@ -293,7 +337,7 @@ class BatchGraph:
         for s in self._slots:
             if s.access is None:
                 continue
-            ref = cast(GpuRef, s.bound)
+            ref = cast(GpuRef, self._bound[id(s.recorded)])
             key = ref.block.ptr
             prev = merged.get(key)
             access = s.access if prev is None or prev[1] is s.access else Access.READ_WRITE
@@ -328,7 +372,7 @@ def _operands(i: int, stage: object, ctx: DeviceContext) -> list[_Slot]:
         data = cast(PinnedBuffer, stage.data)
         if data.nbytes > stage.ref.nbytes:
             raise InvalidRequest(f"{what} (CopyToDevice.data): {data.nbytes} bytes do not fit in {stage.ref!r}")
-        return [_Slot(i, stage.ref, stage.ref, Access.WRITE), _Slot(i, data, data, None)]
+        return [_Slot(i, stage.ref, Access.WRITE), _Slot(i, data, None)]
     if isinstance(stage, CopyToHost):
         _need(stage.ref, GpuRef, f"{what} (CopyToHost.ref)")
         _need(stage.out, PinnedBuffer, f"{what} (CopyToHost.out: pinned required, from AllocatePinned)")
@@ -337,7 +381,7 @@ def _operands(i: int, stage: object, ctx: DeviceContext) -> list[_Slot]:
         most = min(stage.ref.nbytes, out.nbytes)
         if type(nbytes) is not int or not 0 < nbytes <= most:
             raise InvalidRequest(f"{what} (CopyToHost.nbytes): expected an int in 1..{most}, got {stage.nbytes!r}")
-        return [_Slot(i, stage.ref, stage.ref, Access.READ), _Slot(i, out, out, None)]
+        return [_Slot(i, stage.ref, Access.READ), _Slot(i, out, None)]
     if isinstance(stage, CopyDeviceToDevice):
         _need(stage.src, GpuRef, f"{what} (CopyDeviceToDevice.src)")
         _need(stage.dst, GpuRef, f"{what} (CopyDeviceToDevice.dst)")
@@ -345,15 +389,15 @@ def _operands(i: int, stage: object, ctx: DeviceContext) -> list[_Slot]:
             raise InvalidRequest(f"{what} (CopyDeviceToDevice.dst): source and destination are the same handle")
         if stage.src.nbytes > stage.dst.nbytes:
             raise InvalidRequest(f"{what} (CopyDeviceToDevice.src): {stage.src!r} does not fit in {stage.dst!r}")
-        return [_Slot(i, stage.src, stage.src, Access.READ), _Slot(i, stage.dst, stage.dst, Access.WRITE)]
+        return [_Slot(i, stage.src, Access.READ), _Slot(i, stage.dst, Access.WRITE)]
     if isinstance(stage, Fill):
         _need(stage.ref, GpuRef, f"{what} (Fill.ref)")
         if type(stage.byte) is not int or not 0 <= stage.byte <= 255:
             raise InvalidRequest(f"{what} (Fill.byte): expected an int in 0..255, got {stage.byte!r}")
-        return [_Slot(i, stage.ref, stage.ref, Access.WRITE)]
+        return [_Slot(i, stage.ref, Access.WRITE)]
     if isinstance(stage, Launch):
         checked = _checked(stage, what)
-        return [_Slot(i, arg.ref, arg.ref, arg.access) for _, arg in checked.buffers]
+        return [_Slot(i, arg.ref, arg.access) for _, arg in checked.buffers]
     raise InvalidRequest(f"{what}: expected CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill or Launch, "
                          f"got {type(stage).__name__}")
 

@@ -214,8 +214,10 @@ class Graph(Protocol):
         """
         ...
 
-    def update(self, index: int, step: GraphStep) -> None:
-        """Replace step ``index`` for the launches after this call.
+    def update(self, index: int, step: GraphStep, *, checked: bool = False) -> None:
+        """Replace step ``index`` for the launches after this call. ``checked``: the caller made
+        ``step`` from parts it checked (:func:`check_steps` is skipped; the shape and, on CUDA,
+        the pinned memory are still checked).
 
         Raises:
             InvalidRequest: ``index`` out of range, or ``step`` not of the recorded one's shape
@@ -295,13 +297,14 @@ class SteppedGraph:
                 else:
                     driver.fill(step.dst, step.byte, step.nbytes, stream)
 
-    def update(self, index: int, step: GraphStep) -> None:
+    def update(self, index: int, step: GraphStep, *, checked: bool = False) -> None:
         """Replace step ``index`` (see :meth:`Graph.update`)."""
         with self._lock:
             self._check_open()
             if type(index) is not int or not 0 <= index < len(self._steps):
                 raise InvalidRequest(f"graph step index {index!r} out of range 0..{len(self._steps) - 1}")
-            check_steps([step])
+            if not checked:
+                check_steps([step])
             why = same_shape(self._steps[index], step)
             if why is not None:
                 raise InvalidRequest(f"graph step {index}: {why}")

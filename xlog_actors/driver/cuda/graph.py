@@ -49,12 +49,20 @@ _DEVICE = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
 
 
 class _Node:
-    """One step's node, its parameters as the driver last took them, and what they keep alive."""
+    """One step's node, its parameters as the driver last took them (and, for a copy, the
+    addresses in them as ints), and what they keep alive."""
 
-    __slots__ = ("keep", "node", "params", "step")
+    __slots__ = ("addresses", "keep", "node", "node_h", "params", "params_h", "step")
 
     def __init__(self, step: GraphStep, node: Any, params: Any, keep: object) -> None:
         self.step, self.node, self.params, self.keep = step, node, params, keep
+        self.node_h = int(node)
+        self.params_h = params.getPtr() if isinstance(params, cu.CUDA_MEMCPY3D) else 0
+        #: (srcHost, srcDevice, dstHost, dstDevice) of a copy node
+        self.addresses = (
+            (int(params.srcHost), int(params.srcDevice), int(params.dstHost), int(params.dstDevice))
+            if self.params_h else (0, 0, 0, 0)
+        )
 
 
 class CudaGraph:
@@ -86,6 +94,13 @@ class CudaGraph:
         self._lock = threading.Lock()
         self._closed = False
         self._last_stream: CudaStream | None = None
+        # Views replaced since the last launch: launches before the replacement may still use
+        # them, so the next launch hands them to its stream to keep until it ran (one record for
+        # all, instead of one per update).
+        self._retired: list[object] = []
+        # Host views already found pinned, by identity (each held here, so its memory stays put
+        # and pinned while it is a key): a rebound view is then checked once, not per update.
+        self._pinned_views: dict[int, memoryview] = {}
         self._functions = list(functions)
         self._nodes: list[_Node] = []
         err, self._graph = cu.cuGraphCreate(0)
@@ -111,6 +126,7 @@ class CudaGraph:
             self._destroy()
             raise
         self._exec_h = int(self._exec)
+        self._ctx_h = int(dev.ctx)
 
     # -- nodes ------------------------------------------------------------------------------------
     def _copy_params(self, i: int, step: HostToDevice | DeviceToHost | DeviceToDevice) -> tuple[Any, object]:
@@ -121,19 +137,28 @@ class CudaGraph:
         keep: object = None
         if isinstance(step, HostToDevice):
             host = _address(step.src)
-            if not self._is_pinned(host, step.nbytes):
-                raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
+            self._check_pinned(i, step.src, host)
             p.srcMemoryType, p.srcHost, p.dstMemoryType, p.dstDevice = _HOST, host, _DEVICE, step.dst
             keep = step.src
         elif isinstance(step, DeviceToHost):
             host = _address(step.dst)
-            if not self._is_pinned(host, step.nbytes):
-                raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
+            self._check_pinned(i, step.dst, host)
             p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstHost = _DEVICE, step.src, _HOST, host
             keep = step.dst
         else:
             p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstDevice = _DEVICE, step.src, _DEVICE, step.dst
         return p, keep
+
+    def _check_pinned(self, i: int, view: memoryview, host: int) -> None:
+        """``view`` (at ``host``) lies in pinned memory; else ``InvalidRequest``."""
+        known = self._pinned_views.get(id(view))
+        if known is view:
+            return
+        if not self._is_pinned(host, len(view)):
+            raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
+        if len(self._pinned_views) >= 256:  # bounded: a graph bound to ever new views
+            self._pinned_views.clear()
+        self._pinned_views[id(view)] = view
 
     def _kernel_params(self, step: KernelStep, fn: Any) -> tuple[Any, object]:
         slots, address = self._pack(step.kernel, step.args)
@@ -213,17 +238,27 @@ class CudaGraph:
                 err = dev.held.graph_launch(self._exec_h, s._handle)
             finally:
                 gate.release()
-            self._last_stream = s
-        if err:
-            dev.fail(as_result(err), f"cuGraphLaunch(stream {s._id})")
+            if err:
+                dev.fail(as_result(err), f"cuGraphLaunch(stream {s._id})")
+            last, self._last_stream = self._last_stream, s
+            if self._retired:
+                retired, self._retired = self._retired, []
+                # An event after this launch comes after every earlier launch of the graph too
+                # (launches of one graph run in order): the views are kept until it fires.
+                s._keep_until_done(retired)
+                if last is not None and last is not s:
+                    last._keep_until_done(retired)
 
-    def update(self, index: int, step: GraphStep) -> None:
-        """Replace step ``index`` with ``step`` (see :meth:`~xlog_actors.driver.graph.Graph.update`)."""
+    def update(self, index: int, step: GraphStep, *, checked: bool = False) -> None:
+        """Replace step ``index`` with ``step`` (see :meth:`~xlog_actors.driver.graph.Graph.update`);
+        ``checked``: the caller made ``step`` itself from checked parts, so ``check_steps`` is
+        skipped (the shape and the pinned memory are still checked)."""
         with self._lock:
             dev = self._check_open()
             if type(index) is not int or not 0 <= index < len(self._nodes):
                 raise InvalidRequest(f"graph step index {index!r} out of range 0..{len(self._nodes) - 1}")
-            check_steps([step])
+            if not checked:
+                check_steps([step])
             node = self._nodes[index]
             why = same_shape(node.step, step)
             if why is not None:
@@ -252,32 +287,32 @@ class CudaGraph:
         """A copy node's update: the kept ``CUDA_MEMCPY3D`` changed in place, then set on the
         exec by address, the GIL kept; changed back if the driver refuses it."""
         p = node.params
-        old = (int(p.srcHost), int(p.srcDevice), int(p.dstHost), int(p.dstDevice))
+        old = node.addresses
         keep: object = None
         if isinstance(step, HostToDevice):
             host = _address(step.src)
-            if host != old[0] and not self._is_pinned(host, step.nbytes):
-                raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
-            p.srcHost, p.dstDevice = host, step.dst
+            self._check_pinned(index, step.src, host)
+            new = (host, 0, 0, step.dst)
             keep = step.src
         elif isinstance(step, DeviceToHost):
             host = _address(step.dst)
-            if host != old[2] and not self._is_pinned(host, step.nbytes):
-                raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
-            p.srcDevice, p.dstHost = step.src, host
+            self._check_pinned(index, step.dst, host)
+            new = (0, step.src, host, 0)
             keep = step.dst
         else:
-            p.srcDevice, p.dstDevice = step.src, step.dst
-        err = dev.held.graph_memcpy_set(self._exec_h, int(node.node), p.getPtr(), int(dev.ctx))
+            new = (0, step.src, 0, step.dst)
+        if new == old:
+            node.keep = keep
+            return
+        p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = new
+        err = dev.held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h)
         if err:
             p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = old
             dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
+        node.addresses = new
         replaced, node.keep = node.keep, keep
-        last = self._last_stream
-        if replaced is not None and replaced is not keep and last is not None:
-            # Launches before this update may still be reading or writing the old view.
-            with contextlib.suppress(DriverError):  # a stream closed since: its work ran or was dropped
-                last._keep_until_done(replaced)
+        if replaced is not None and replaced is not keep and self._last_stream is not None:
+            self._retired.append(replaced)  # launches before this update may still use it
 
     def close(self) -> None:
         """Destroy the exec and the graph (see the module docstring). Idempotent; never raises."""
@@ -287,6 +322,8 @@ class CudaGraph:
             self._closed = True
             last = self._last_stream
             keep = [n.keep for n in self._nodes if n.keep is not None and not isinstance(n.keep, ctypes.Array)]
+            keep.extend(self._retired)
+            self._retired = []
             if last is not None and keep:
                 with contextlib.suppress(Exception):  # the stream may be gone with its context
                     last._keep_until_done(keep)
