@@ -101,3 +101,24 @@ def test_a_malformed_sequence_is_refused(device: pykka.ActorRef, launches: objec
     kernels = xa.KernelActor.start(device)
     with pytest.raises(InvalidRequest, match="Launches.launches"):
         kernels.ask(xa.Launches(launches))  # type: ignore[arg-type]
+
+
+def test_a_launch_sent_again_is_checked_again_once_its_arguments_change(device: pykka.ActorRef) -> None:
+    """The kernel actor keeps a sent Launch's checked form; a change to its argument list (a
+    handle swapped, a bare GpuRef put in) must be seen, not served from what was kept."""
+    copy, kernels = xa.CopyActor.start(device), xa.KernelActor.start(device)
+    n = 1024
+    a, b, out = (device.ask(xa.Allocate(4 * n)) for _ in range(3))
+    copy.ask(xa.CopyToDevice(a, np.full(n, 1.0, np.float32)))
+    copy.ask(xa.CopyToDevice(b, np.full(n, 5.0, np.float32)))
+    grid, block = launch_shape(n)
+    args: list[object] = [xa.Out(out), xa.In(a), 2.0, 0.0, n]
+    launch = xa.Launch(SCALE_ADD_F32, grid, block, args)
+    kernels.ask(launch)
+    assert set(_f32(copy, out).tolist()) == {2.0}
+    args[1] = xa.In(b)
+    kernels.ask(launch)
+    assert set(_f32(copy, out).tolist()) == {10.0}
+    args[1] = b
+    with pytest.raises(InvalidRequest, match="wrap a GpuRef"):
+        kernels.ask(launch)

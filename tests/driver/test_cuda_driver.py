@@ -877,6 +877,15 @@ def test_is_pinned_answers_only_for_ranges_inside_one_live_pinned_allocation() -
     assert mem._is_pinned(0x10000, 4096) and mem._is_pinned(0x10800, 16) and mem._is_pinned(0x40000, 256)
     for address, nbytes in ((0x10000, 4097), (0xFFFF, 2), (0x10FFF, 2), (0x20000, 1), (0x40001, 256)):
         assert not mem._is_pinned(address, nbytes), (hex(address), nbytes)
+    # An address met before is answered from its hit, still against the live table: a longer
+    # range past the allocation, or the allocation freed (and another made elsewhere), is refused.
+    assert mem._is_pinned(0x10800, 16) and mem._is_pinned(0x10800, 16)
+    assert not mem._is_pinned(0x10800, 4096)
+    del mem._pinned_table()[0x10000]
+    mem._pinned_table()[0x80000] = (0, 4096)
+    assert not mem._is_pinned(0x10800, 16)
+    mem._pinned_table()[0x10000] = (0, 256)  # a smaller allocation at the same base
+    assert not mem._is_pinned(0x10800, 16) and mem._is_pinned(0x10010, 16)
 
 
 @pytest.mark.gpu

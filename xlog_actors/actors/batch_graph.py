@@ -198,7 +198,7 @@ class BatchGraph:
         for i, stage in enumerate(stages):
             slots.extend(_operands(i, stage, ctx))
         for slot in slots:
-            _check_operand(slot.recorded, slot.recorded, ctx, f"stage {slot.stage}")
+            _check_operand(slot.recorded, slot.recorded, ctx, slot.stage)
         steps = [_step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in stages]
         stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(stream_id)
@@ -293,7 +293,7 @@ class BatchGraph:
             if slot is None or slot.recorded is not recorded:
                 raise InvalidRequest(f"BatchGraph.replay: bind names {recorded!r}, which no stage of the graph names")
             if new is not bound[key]:
-                _check_operand(new, recorded, ctx, f"bind[{recorded!r}]")
+                _check_operand(new, recorded, ctx, None)
                 changed.append((key, new))
         if not changed:
             return
@@ -407,32 +407,39 @@ def _need(value: object, kind: type, what: str) -> None:
         raise InvalidRequest(f"{what}: expected a {kind.__name__}, got {type(value).__name__}")
 
 
-def _check_operand(new: object, recorded: Operand, ctx: DeviceContext, what: str) -> None:
-    """``new`` may stand where ``recorded`` was recorded: same kind, device, generation, size."""
+def _check_operand(new: object, recorded: Operand, ctx: DeviceContext, stage: int | None) -> None:
+    """``new`` may stand where ``recorded`` was recorded: same kind, device, generation, size.
+    ``stage``: the stage being recorded, or None for a binding (named in the error)."""
     if isinstance(recorded, GpuRef):
-        if not isinstance(new, GpuRef):
-            raise InvalidRequest(f"BatchGraph {what}: expected a GpuRef, got {type(new).__name__}")
+        if type(new) is not GpuRef and not isinstance(new, GpuRef):
+            raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: expected a GpuRef, got {type(new).__name__}")
         block = new.access()  # stale or released: GpuRefStale
         if block.device_ordinal != ctx.ordinal:
-            raise InvalidRequest(f"BatchGraph {what}: {new!r} is of device {block.device_ordinal}, "
+            raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} is of device {block.device_ordinal}, "
                                  f"the graph of device {ctx.ordinal}")
         if new.context is not ctx:
-            raise GpuRefStale("context rebuilt", f"BatchGraph {what}: {new!r} is of generation {new.generation}, "
-                              f"the graph of generation {ctx.generation}")
+            raise GpuRefStale("context rebuilt", f"BatchGraph {_what(stage, recorded)}: {new!r} is of generation "
+                              f"{new.generation}, the graph of generation {ctx.generation}")
         if new.nbytes != recorded.nbytes:
-            raise InvalidRequest(f"BatchGraph {what}: {new!r} holds {new.nbytes} bytes, the recorded handle "
-                                 f"{recorded.nbytes}: a graph's operands keep their sizes")
+            raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} holds {new.nbytes} bytes, the "
+                                 f"recorded handle {recorded.nbytes}: a graph's operands keep their sizes")
         return
     if not isinstance(new, PinnedBuffer):
-        raise InvalidRequest(f"BatchGraph {what}: expected a PinnedBuffer, got {type(new).__name__}")
+        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: expected a PinnedBuffer, got {type(new).__name__}")
     if new.released:
-        raise InvalidRequest(f"BatchGraph {what}: {new!r} was released")
+        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} was released")
     if new.driver is not ctx.driver or new.device_ordinal != ctx.ordinal:
-        raise InvalidRequest(f"BatchGraph {what}: {new!r} is a pinned buffer of device {new.device_ordinal} of a "
-                             f"{new.driver.kind} driver, the graph of device {ctx.ordinal} ({ctx.driver.kind} driver)")
+        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} is a pinned buffer of device "
+                             f"{new.device_ordinal} of a {new.driver.kind} driver, the graph of device {ctx.ordinal} "
+                             f"({ctx.driver.kind} driver)")
     if new.nbytes != recorded.nbytes:
-        raise InvalidRequest(f"BatchGraph {what}: {new!r} holds {new.nbytes} bytes, the recorded buffer "
-                             f"{recorded.nbytes}: a graph's operands keep their sizes")
+        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} holds {new.nbytes} bytes, the recorded "
+                             f"buffer {recorded.nbytes}: a graph's operands keep their sizes")
+
+
+def _what(stage: int | None, recorded: Operand) -> str:
+    """How an error names the operand: by its stage while recording, by its key in a binding."""
+    return f"stage {stage}" if stage is not None else f"bind[{recorded!r}]"
 
 
 def _view(buf: PinnedBuffer, views: dict[int, tuple[PinnedBuffer, memoryview]]) -> memoryview:

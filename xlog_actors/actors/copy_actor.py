@@ -41,13 +41,8 @@ class CopyActor(LibraryActor):
     caller_served = (CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill)
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
-        handlers: dict[type, Callable[[Any], Any]] = {
-            CopyToDevice: self._to_device,
-            CopyToHost: self._to_host,
-            CopyDeviceToDevice: self._device_to_device,
-            Fill: self._fill,
-        }
-        return handlers.get(type(message))
+        handler = _HANDLERS.get(type(message))
+        return None if handler is None else handler.__get__(self)
 
     def _enqueue_only(self, message: Any) -> bool:
         # A copy from or into pinned memory and a fill only enqueue; a copy from pageable memory
@@ -199,3 +194,12 @@ class CopyActor(LibraryActor):
 
         self._run([(msg.ref, Access.READ)], enqueue)
         return done[0]
+
+
+#: Message type -> the CopyActor method that serves it (made once, not per message).
+_HANDLERS: dict[type, Callable[..., Any]] = {
+    CopyToDevice: CopyActor._to_device,
+    CopyToHost: CopyActor._to_host,
+    CopyDeviceToDevice: CopyActor._device_to_device,
+    Fill: CopyActor._fill,
+}

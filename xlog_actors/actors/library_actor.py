@@ -395,6 +395,8 @@ def _raise_if_rebuilt(contexts: list[DeviceContext], exc: XlogError) -> None:
 
 def _merge_uses(blocks: list[DeviceBlock], accesses: list[Access]) -> list[tuple[BlockId, Access]]:
     """One (block, access) per distinct block: a block both read and written is READ_WRITE."""
+    if len(blocks) == 1:  # most work touches one handle
+        return [(BlockId.from_block(blocks[0]), accesses[0])]
     merged: dict[BlockId, Access] = {}
     for block, access in zip(blocks, accesses, strict=False):
         key = BlockId.from_block(block)

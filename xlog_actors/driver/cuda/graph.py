@@ -32,7 +32,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...errors import DriverError, InvalidRequest
+from ...errors import DriverError, InvalidRequest, XlogError
 from ..graph import DeviceToDevice, DeviceToHost, GraphStep, HostToDevice, KernelStep, Memset, check_steps, same_shape
 from .call import SUCCESS, cu
 from .held import as_result
@@ -236,18 +236,18 @@ class CudaGraph:
                 self._check_open()
                 # Only enqueues: the GIL is kept (see .held).
                 err = dev.held.graph_launch(self._exec_h, s._handle)
+                if not err and self._retired:
+                    # An event after this launch comes after every earlier launch of the graph
+                    # too (launches of one exec run in order, whatever their streams): the views
+                    # a rebinding retired are kept until it fires. Under the gate, as every use
+                    # of the stream's handle.
+                    retired, self._retired = self._retired, []
+                    s._keep_until_done(retired)
             finally:
                 gate.release()
             if err:
                 dev.fail(as_result(err), f"cuGraphLaunch(stream {s._id})")
-            last, self._last_stream = self._last_stream, s
-            if self._retired:
-                retired, self._retired = self._retired, []
-                # An event after this launch comes after every earlier launch of the graph too
-                # (launches of one graph run in order): the views are kept until it fires.
-                s._keep_until_done(retired)
-                if last is not None and last is not s:
-                    last._keep_until_done(retired)
+            self._last_stream = s
 
     def update(self, index: int, step: GraphStep, *, checked: bool = False) -> None:
         """Replace step ``index`` with ``step`` (see :meth:`~xlog_actors.driver.graph.Graph.update`);
@@ -325,7 +325,8 @@ class CudaGraph:
             keep.extend(self._retired)
             self._retired = []
             if last is not None and keep:
-                with contextlib.suppress(Exception):  # the stream may be gone with its context
+                with last._gate, contextlib.suppress(XlogError):
+                    last._enter()  # a stream gone with its context: its work ran or was dropped
                     last._keep_until_done(keep)
             self._destroy()
 
