@@ -81,7 +81,7 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 18  # the eighteen rows with a target that run on the host
+    assert len(targeted) == 23  # the twenty-three rows with a target that run on the host
 
 
 def test_quick_host_measures_the_history_row(quick_doc: dict) -> None:

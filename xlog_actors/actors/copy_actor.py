@@ -41,8 +41,8 @@ class CopyActor(LibraryActor):
     caller_served = (CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill)
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
-        handler = _HANDLERS.get(type(message))
-        return None if handler is None else handler.__get__(self)
+        name = _HANDLERS.get(type(message))
+        return None if name is None else getattr(self, name)
 
     def _enqueue_only(self, message: Any) -> bool:
         # A copy from or into pinned memory and a fill only enqueue; a copy from pageable memory
@@ -196,10 +196,11 @@ class CopyActor(LibraryActor):
         return done[0]
 
 
-#: Message type -> the CopyActor method that serves it (made once, not per message).
-_HANDLERS: dict[type, Callable[..., Any]] = {
-    CopyToDevice: CopyActor._to_device,
-    CopyToHost: CopyActor._to_host,
-    CopyDeviceToDevice: CopyActor._device_to_device,
-    Fill: CopyActor._fill,
+#: Message type -> the name of the CopyActor method that serves it (a table made once, not per
+#: message; by name, so the method is looked up on the instance as any call would).
+_HANDLERS: dict[type, str] = {
+    CopyToDevice: "_to_device",
+    CopyToHost: "_to_host",
+    CopyDeviceToDevice: "_device_to_device",
+    Fill: "_fill",
 }

@@ -115,6 +115,8 @@ def _report(result: PipelineResult, cfg: PipelineConfig, raw: RawResult | str) -
     if isinstance(raw, RawResult):
         raw_gbs = raw.throughput_bytes_s / 1e9
         versus = f"{raw_gbs:.3g} GB/s, {gbs / raw_gbs:.2f}x" if raw_gbs > 0 else "no time measured"
+        if raw.batches:
+            versus += f"; its CPU {raw.cpu_seconds / raw.batches * 1e6:.1f} µs a batch"
     else:
         versus = raw
     print(f"throughput    {gbs:.3g} GB/s (raw three-stream pipeline: {versus})")

@@ -62,7 +62,8 @@ __all__ = ["RawResult", "raw_pipeline"]
 
 @dataclass(frozen=True)
 class RawResult:
-    """One raw run: its shape and the seconds from the first enqueue to the last byte home.
+    """One raw run: its shape, the seconds from the first enqueue to the last byte home, and the
+    process's CPU seconds (all threads) over the same part.
 
     Thread rule: immutable; any thread.
     """
@@ -70,6 +71,7 @@ class RawResult:
     batches: int
     batch_bytes: int
     seconds: float
+    cpu_seconds: float = 0.0
 
     @property
     def throughput_bytes_s(self) -> float:
@@ -96,10 +98,10 @@ def raw_pipeline(driver: Driver, data: BatchData, batches: int, depth: int) -> R
     if batches < 1 or depth < 1:
         raise ValueError(f"raw pipeline: batches and depth must be at least 1, got {batches} and {depth}")
     if driver.kind == "cuda":
-        seconds = _cuda_run(driver, data, batches, depth, _CUDA_CALLS)
+        seconds, cpu = _cuda_run(driver, data, batches, depth, _CUDA_CALLS)
     else:
-        seconds = _host_run(driver, data, batches, depth)
-    return RawResult(batches, data.nbytes, seconds)
+        seconds, cpu = _host_run(driver, data, batches, depth)
+    return RawResult(batches, data.nbytes, seconds, cpu)
 
 
 def _verify(host_out: Sequence[Any], data: BatchData, batches: int, depth: int) -> None:
@@ -118,7 +120,7 @@ def _schedule(batches: int, depth: int, sources: Sequence[Any], slots: Sequence[
 
 # -- the host driver ------------------------------------------------------------------------------
 
-def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> float:
+def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> tuple[float, float]:
     nbytes, n = data.nbytes, data.nbytes // 4
     grid, block = launch_shape(n)
     streams: list[Any] = []
@@ -138,9 +140,9 @@ def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> floa
         driver.launch(SCALE_ADD_F32, grid, block, slots[0][6], streams[1])  # the CUDA path's warm-up, kept alike
         for s in streams:
             s.synchronize()
-        seconds = _host_loop(driver, streams, _schedule(batches, depth, data.inputs, slots), grid, block)
+        timing = _host_loop(driver, streams, _schedule(batches, depth, data.inputs, slots), grid, block)
         _verify(host_out, data, batches, depth)
-        return seconds
+        return timing
     finally:
         for s in streams:
             s.synchronize()  # nothing below may free what a stream still uses
@@ -150,13 +152,13 @@ def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> floa
             s.close()
 
 
-def _host_loop(driver: Driver, streams: list[Any], schedule: list[Any], grid: int, block: int) -> float:
+def _host_loop(driver: Driver, streams: list[Any], schedule: list[Any], grid: int, block: int) -> tuple[float, float]:
     h2d, launch, d2h, kernel = driver.copy_to_device, driver.launch, driver.copy_to_host_into, SCALE_ADD_F32
     s_in, s_k, s_out = streams
     record_in, record_k, record_out = s_in.record, s_k.record, s_out.record
     wait_in, wait_k, wait_out = s_in.wait, s_k.wait, s_out.wait
     clock = time.perf_counter
-    t0 = clock()
+    t0, c0 = clock(), time.process_time()
     for later, src, d_in, d_out, h_out, e_in, e_k, e_out, args in schedule:
         if later:
             wait_in(e_k)  # the kernel of batch i - depth has read d_in
@@ -173,7 +175,7 @@ def _host_loop(driver: Driver, streams: list[Any], schedule: list[Any], grid: in
     s_in.synchronize()
     s_k.synchronize()
     s_out.synchronize()
-    return clock() - t0
+    return clock() - t0, time.process_time() - c0
 
 
 # -- the CUDA driver ------------------------------------------------------------------------------
@@ -221,7 +223,7 @@ def _ok(result: tuple[Any, ...], call: str) -> Any:
     return result[1] if len(result) > 1 else None
 
 
-def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: _CudaCalls) -> float:
+def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: _CudaCalls) -> tuple[float, float]:
     """The CUDA run through ``calls``' spelling (see the module docstring): the setup, the timed
     loop, the verification and the teardown, which runs whatever failed."""
     from cuda.bindings import driver as cu
@@ -272,7 +274,7 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
                  ctypes.addressof(params[s]) + 8 * _PARAM_COUNT)
                 for s in range(depth)
             ]
-            seconds = _held_loop(device.held, cu, stream_handles, int(fn), grid, block, nbytes,
+            timing = _held_loop(device.held, cu, stream_handles, int(fn), grid, block, nbytes,
                                  _schedule(batches, depth, sources, slots))
         else:
             slots = [
@@ -280,10 +282,10 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
                  ctypes.addressof(params[s]) + 8 * _PARAM_COUNT)
                 for s in range(depth)
             ]
-            seconds = _bindings_loop(cu, [cu.CUstream(h) for h in stream_handles], fn, grid, block, nbytes,
+            timing = _bindings_loop(cu, [cu.CUstream(h) for h in stream_handles], fn, grid, block, nbytes,
                                      _schedule(batches, depth, sources, slots))
         _verify(host_out, data, batches, depth)
-        return seconds
+        return timing
     finally:
         for s in streams:
             s.synchronize()  # nothing below may free or destroy what a stream still uses
@@ -298,14 +300,14 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
 
 
 def _held_loop(held: Any, cu: Any, streams: list[int], fn: int, grid: int, block: int, nbytes: int,
-               schedule: list[Any]) -> float:
+               schedule: list[Any]) -> tuple[float, float]:
     """The timed part through ``HeldCalls``: ints in, the ``CUresult`` int out (0 is success)."""
     h2d, d2h, launch = held.memcpy_htod, held.memcpy_dtoh, held.launch
     record, wait = held.event_record, held.stream_wait
     sync = cu.cuStreamSynchronize  # the one blocking call: through cuda.bindings, which lets the GIL go
     s_in, s_k, s_out = streams
     clock = time.perf_counter
-    t0 = clock()
+    t0, c0 = clock(), time.process_time()
     for later, src, d_in, d_out, h_out, e_in, e_k, e_out, params in schedule:
         if later and (err := wait(s_in, e_k, 0)):  # the kernel of batch i - depth has read d_in
             raise _failed("cuStreamWaitEvent", err)
@@ -330,18 +332,18 @@ def _held_loop(held: Any, cu: Any, streams: list[int], fn: int, grid: int, block
     for s in streams:
         if (result := sync(s))[0]:
             raise _failed("cuStreamSynchronize", result[0])
-    return clock() - t0
+    return clock() - t0, time.process_time() - c0
 
 
 def _bindings_loop(cu: Any, streams: list[Any], fn: Any, grid: int, block: int, nbytes: int,
-                   schedule: list[Any]) -> float:
+                   schedule: list[Any]) -> tuple[float, float]:
     """The timed part through ``cuda.bindings.driver``: each call returns a tuple whose first item
     is the ``CUresult`` (an int enum, false only for ``CUDA_SUCCESS``)."""
     h2d, d2h, record, wait = cu.cuMemcpyHtoDAsync, cu.cuMemcpyDtoHAsync, cu.cuEventRecord, cu.cuStreamWaitEvent
     launch, sync = cu.cuLaunchKernel, cu.cuStreamSynchronize
     s_in, s_k, s_out = streams
     clock = time.perf_counter
-    t0 = clock()
+    t0, c0 = clock(), time.process_time()
     for later, src, d_in, d_out, h_out, e_in, e_k, e_out, params in schedule:
         if later and (r := wait(s_in, e_k, 0))[0]:  # the kernel of batch i - depth has read d_in
             raise _failed("cuStreamWaitEvent", r[0])
@@ -366,4 +368,4 @@ def _bindings_loop(cu: Any, streams: list[Any], fn: Any, grid: int, block: int, 
     for s in streams:
         if (r := sync(s))[0]:
             raise _failed("cuStreamSynchronize", r[0])
-    return clock() - t0
+    return clock() - t0, time.process_time() - c0

@@ -35,8 +35,7 @@ class Plan:
     d2d_bytes: int
     d2d_samples: int
     d2d_per_sync: int  # copies enqueued before each synchronize (both sides)
-    pipe_batches: int
-    pipe_batch_bytes: int
+    pipe_sizes: tuple[tuple[int, int], ...]  # the demo rows: (batch bytes, batches) per size
     pipe_rounds: int
     scale_low: int
     scale_high: int
@@ -80,8 +79,10 @@ _TABLE: dict[str, tuple[Any, Any, Any, Any]] = {
     "d2d_bytes":        (256 * MIB,    GIB,            16 * MIB,       64 * MIB),
     "d2d_samples":      (8,            40,             5,              12),
     "d2d_per_sync":     (8,            8,              2,              2),
-    "pipe_batches":     (16,           64,             6,              32),
-    "pipe_batch_bytes": (16 * MIB,     16 * MIB,       1 * MIB,        1 * MIB),
+    "pipe_sizes":       (((64 * KIB, 400), (MIB, 200), (16 * MIB, 32)),
+                         ((64 * KIB, 2000), (MIB, 1000), (16 * MIB, 128)),
+                         ((64 * KIB, 40), (MIB, 12), (16 * MIB, 4)),
+                         ((64 * KIB, 200), (MIB, 48), (16 * MIB, 8))),
     "pipe_rounds":      (1,            3,              1,              3),
     "scale_low":        (1_000,        1_000,          100,            1_000),
     "scale_high":       (100_000,      100_000,        5_000,          100_000),
