@@ -140,3 +140,29 @@ def test_same_shape_and_check_steps() -> None:
     assert "bytes differ" in (same_shape(Memset(1, 0, 8), Memset(1, 0, 16)) or "")
     assert "cannot replace" in (same_shape(Memset(1, 0, 8), DeviceToDevice(1, 2, 8)) or "")
     assert check_steps([HostToDevice(1, v)]) == (HostToDevice(1, v),)
+
+
+def test_update_host_replaces_a_host_side_and_refuses_the_rest(bufs: _Bufs) -> None:
+    d, (a, b, _c) = bufs.driver, bufs.dev
+    bufs.floats(0)[:] = 1.0
+    bufs.floats(2)[:] = 4.0
+    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), _kernel(b, a), DeviceToHost(bufs.views[1], b)])
+    graph.update_host(0, bufs.views[2])
+    graph.update_host(0, bufs.views[2])  # the same view again: nothing to do
+    graph.launch(bufs.stream)
+    bufs.stream.synchronize()
+    assert set(bufs.floats(1).tolist()) == {9.0}
+    for index, view, words in [
+        (1, bufs.views[2], "not a copy to or from the host"),
+        (0, bufs.views[2][:8], "bytes differ"),
+        (2, memoryview(bytes(4 * N)), "read-only"),
+        (0, memoryview(bytearray(4 * N)), "pinned"),
+        (5, bufs.views[2], "out of range"),
+    ]:
+        with pytest.raises(xa.InvalidRequest, match=words):
+            graph.update_host(index, view)
+    bufs.floats(1)[:] = 0
+    graph.launch(bufs.stream)
+    bufs.stream.synchronize()
+    assert set(bufs.floats(1).tolist()) == {9.0}, "a refused update changed the graph"
+    graph.close()

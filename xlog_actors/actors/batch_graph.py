@@ -102,7 +102,10 @@ class GraphDone:
             ContextPoisoned: the device saw a sticky error.
         Thread rule: any thread.
         """
-        self.event.synchronize()
+        # A replay already done (the usual case for a ring's oldest) answers a query, which keeps
+        # the GIL; the synchronize would let it go and take it back.
+        if not self.event.query():
+            self.event.synchronize()
 
 
 @dataclass(slots=True)
@@ -147,7 +150,7 @@ class BatchGraph:
                 at.append(slot.stage)
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
-        self._views: dict[int, tuple[PinnedBuffer, memoryview]] = {}
+        self._views: _Views = {}
         self._uses = self._merged_uses()
         # The completions handed out: a ring of events re-recorded in turn, so a replay creates
         # no event. A GraphDone older than the ring waits for a later replay: never less.
@@ -297,6 +300,9 @@ class BatchGraph:
                 changed.append((key, new))
         if not changed:
             return
+        if not any(self._by_recorded[key].access is not None for key, _ in changed):
+            self._bind_host(changed, graph)
+            return
         before = dict(bound)
         devices = False
         stages: list[int] = []
@@ -318,6 +324,30 @@ class BatchGraph:
             raise
         if devices:
             self._uses = self._merged_uses()
+
+    def _bind_host(self, changed: list[tuple[int, Operand]], graph: Graph) -> None:
+        """Bindings of host buffers only (checked): each of their copy steps gets the new
+        buffer's view (``Graph.update_host``, one node update each); all or nothing."""
+        bound, stages, views = self._bound, self._stages, self._views
+        done: list[tuple[int, int, Operand]] = []
+        try:
+            for key, new in changed:
+                buf = cast(PinnedBuffer, new)
+                for i in self._stages_of[key]:
+                    stage = stages[i]
+                    nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else _host_bytes(cast(CopyToHost, stage))
+                    graph.update_host(i, _view(buf, nbytes, views))
+                    done.append((key, i, bound[key]))
+                bound[key] = new
+        except BaseException:
+            for key, i, old in reversed(done):  # put the steps already updated back
+                bound[key] = old
+                stage = stages[i]
+                old_buf = cast(PinnedBuffer, old)
+                nbytes = old_buf.nbytes if isinstance(stage, CopyToDevice) else _host_bytes(cast(CopyToHost, stage))
+                with contextlib.suppress(XlogError):
+                    graph.update_host(i, _view(old_buf, nbytes, views))
+            raise
 
     def _done_event(self) -> Event:
         """The next event of the ring, recorded now on the graph's stream."""
@@ -442,33 +472,39 @@ def _what(stage: int | None, recorded: Operand) -> str:
     return f"stage {stage}" if stage is not None else f"bind[{recorded!r}]"
 
 
-def _view(buf: PinnedBuffer, views: dict[int, tuple[PinnedBuffer, memoryview]]) -> memoryview:
-    """``buf``'s byte view, made once per buffer and kept (with the buffer) in ``views``."""
-    hit = views.get(id(buf))
+_Views: TypeAlias = dict[tuple[int, int], tuple[PinnedBuffer, memoryview]]
+
+
+def _view(buf: PinnedBuffer, nbytes: int, views: _Views) -> memoryview:
+    """The byte view of ``buf``'s first ``nbytes``, made once per buffer and length and kept
+    (with the buffer) in ``views``: a step bound to the same buffer again gets the same view,
+    which the driver's graph recognizes as no change."""
+    key = (id(buf), nbytes)
+    hit = views.get(key)
     if hit is not None and hit[0] is buf:
         return hit[1]
     view = buf.view()
+    if nbytes != len(view):
+        view = view[:nbytes]
     if len(views) > 256:  # a graph bound to ever new buffers: keep the cache bounded
         views.clear()
-    views[id(buf)] = (buf, view)
+    views[key] = (buf, view)
     return view
 
 
-def _step(stage: Stage, bound: Mapping[int, Operand], views: dict[int, tuple[PinnedBuffer, memoryview]]) -> GraphStep:
+def _step(stage: Stage, bound: Mapping[int, Operand], views: _Views) -> GraphStep:
     """The driver step of ``stage`` with its operands as ``bound`` maps them (by the recorded
     operand's id)."""
 
     def ref(r: GpuRef) -> DeviceBlock:
         return cast(GpuRef, bound[id(r)]).block
 
-    def host(b: object) -> memoryview:
-        return _view(cast(PinnedBuffer, bound[id(b)]), views)
-
     if isinstance(stage, CopyToDevice):
-        return HostToDevice(ref(stage.ref).ptr, host(stage.data))
+        data = cast(PinnedBuffer, bound[id(stage.data)])
+        return HostToDevice(ref(stage.ref).ptr, _view(data, data.nbytes, views))
     if isinstance(stage, CopyToHost):
-        nbytes = stage.ref.nbytes if stage.nbytes is None else stage.nbytes
-        return DeviceToHost(host(stage.out)[:nbytes], ref(stage.ref).ptr)
+        return DeviceToHost(_view(cast(PinnedBuffer, bound[id(stage.out)]), _host_bytes(stage), views),
+                            ref(stage.ref).ptr)
     if isinstance(stage, CopyDeviceToDevice):
         return DeviceToDevice(ref(stage.dst).ptr, ref(stage.src).ptr, stage.src.nbytes)
     if isinstance(stage, Fill):
@@ -479,6 +515,11 @@ def _step(stage: Stage, bound: Mapping[int, Operand], views: dict[int, tuple[Pin
     for i, arg in checked.buffers:
         args[i] = ref(arg.ref).ptr
     return KernelStep(stage.kernel, _dims(stage.grid), _dims(stage.block), tuple(args))
+
+
+def _host_bytes(stage: CopyToHost) -> int:
+    """The bytes a ``CopyToHost`` stage copies."""
+    return stage.ref.nbytes if stage.nbytes is None else stage.nbytes
 
 
 def _dims(d: Any) -> tuple[int, int, int]:

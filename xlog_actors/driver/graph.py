@@ -49,6 +49,7 @@ __all__ = [
     "Memset",
     "SteppedGraph",
     "check_steps",
+    "host_step",
     "same_shape",
 ]
 
@@ -144,6 +145,37 @@ def same_shape(old: GraphStep, new: GraphStep) -> str | None:
     return None
 
 
+def host_step(steps: Sequence[GraphStep], index: int, view: memoryview) -> HostToDevice | DeviceToHost:
+    """Step ``index`` of ``steps`` with its host side replaced by ``view``; else
+    ``InvalidRequest`` (no such step, no host copy, a view of another length or shape, a
+    read-only view to copy into).
+
+    Args:
+        steps: the graph's steps.
+        index: the step.
+        view: the new host side.
+    Returns:
+        the new step.
+    Raises:
+        InvalidRequest: as above.
+    Thread rule: any thread.
+    """
+    if type(index) is not int or not 0 <= index < len(steps):
+        raise InvalidRequest(f"graph step index {index!r} out of range 0..{len(steps) - 1}")
+    old = steps[index]
+    if not isinstance(old, (HostToDevice, DeviceToHost)):
+        raise InvalidRequest(f"graph step {index} is a {type(old).__name__}, not a copy to or from the host")
+    if type(view) is not memoryview or view.format != "B" or view.ndim != 1 or not view.c_contiguous:
+        raise InvalidRequest(f"graph step {index}: the host side must be a 1-D byte memoryview, got {view!r}")
+    if len(view) != old.nbytes:
+        raise InvalidRequest(f"graph step {index}: {len(view)} bytes differ from the recorded {old.nbytes}")
+    if isinstance(old, HostToDevice):
+        return HostToDevice(old.dst, view)
+    if view.readonly:
+        raise InvalidRequest(f"graph step {index}: the host view to copy into is read-only")
+    return DeviceToHost(view, old.src)
+
+
 def check_steps(steps: Sequence[object]) -> tuple[GraphStep, ...]:
     """``steps`` as a tuple once each is a :data:`GraphStep` with sane fields; else
     ``InvalidRequest`` naming the first one at fault.
@@ -227,6 +259,20 @@ class Graph(Protocol):
         """
         ...
 
+    def update_host(self, index: int, view: memoryview) -> None:
+        """Replace the host side of copy step ``index`` (a ``HostToDevice``'s source or a
+        ``DeviceToHost``'s destination) with ``view``, a byte view of pinned memory of the same
+        length: the cheap update of a graph whose batches differ by their host buffers.
+
+        Raises:
+            InvalidRequest: step ``index`` is no host copy, ``view`` is no 1-D byte view of the
+                step's length (writable, for a copy to the host), or not of pinned memory;
+                nothing changes.
+            DriverError: closed, or its context rebuilt.
+        Thread rule: any thread.
+        """
+        ...
+
     def close(self) -> None:
         """Release the graph (launches already enqueued still run). Idempotent; never raises.
         Thread rule: any thread."""
@@ -244,15 +290,18 @@ class SteppedGraph:
     Thread rule: any thread; one lock serializes launch, update and close.
     """
 
-    def __init__(self, driver: Driver, ordinal: int, steps: Sequence[GraphStep], epoch: Callable[[], int]) -> None:
+    def __init__(self, driver: Driver, ordinal: int, steps: Sequence[GraphStep], epoch: Callable[[], int],
+                 pinned: Callable[[memoryview], bool] | None = None) -> None:
         """Args:
             driver: the driver whose calls replay the steps.
             ordinal: the device.
             steps: checked steps (:func:`check_steps`).
             epoch: reads the device context's epoch now; a launch or update runs only while it
                 reads what it read at recording.
+            pinned: whether a host view lies in the driver's pinned memory (None: not checked).
         Thread rule: any thread.
         """
+        self._pinned = pinned
         self._driver = driver
         self._ordinal = ordinal
         self._steps = list(steps)
@@ -308,6 +357,15 @@ class SteppedGraph:
             why = same_shape(self._steps[index], step)
             if why is not None:
                 raise InvalidRequest(f"graph step {index}: {why}")
+            self._steps[index] = step
+
+    def update_host(self, index: int, view: memoryview) -> None:
+        """Replace the host side of copy step ``index`` (see :meth:`Graph.update_host`)."""
+        with self._lock:
+            self._check_open()
+            step = host_step(self._steps, index, view)
+            if self._pinned is not None and not self._pinned(view):
+                raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
             self._steps[index] = step
 
     def close(self) -> None:

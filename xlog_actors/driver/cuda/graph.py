@@ -33,7 +33,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DriverError, InvalidRequest, XlogError
-from ..graph import DeviceToDevice, DeviceToHost, GraphStep, HostToDevice, KernelStep, Memset, check_steps, same_shape
+from ..graph import (
+    DeviceToDevice,
+    DeviceToHost,
+    GraphStep,
+    HostToDevice,
+    KernelStep,
+    Memset,
+    check_steps,
+    host_step,
+    same_shape,
+)
 from .call import SUCCESS, cu
 from .held import as_result
 from .memory import _address
@@ -280,6 +290,21 @@ class CudaGraph:
                 if err != SUCCESS:
                     dev.fail(err, f"graph step {index}: cuGraphExecMemsetNodeSetParams")
                 node.params = params
+            node.step = step
+
+    def update_host(self, index: int, view: memoryview) -> None:
+        """Replace the host side of copy step ``index`` with ``view`` (see
+        :meth:`~xlog_actors.driver.graph.Graph.update_host`): one ``cuGraphExecMemcpyNodeSetParams``,
+        the GIL kept, and nothing at all when ``view`` is the one the step has."""
+        with self._lock:
+            dev = self._check_open()
+            node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
+            if node is not None and node.keep is view:
+                return
+            step = host_step([n.step for n in self._nodes], index, view)
+            assert node is not None
+            dev.enter()
+            self._update_copy(index, node, step, dev)
             node.step = step
 
     def _update_copy(self, index: int, node: _Node, step: HostToDevice | DeviceToHost | DeviceToDevice,

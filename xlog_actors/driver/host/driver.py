@@ -652,7 +652,7 @@ class HostDriver:
                 view = step.src if isinstance(step, HostToDevice) else step.dst
                 if not self._pinned.holds(view):
                     raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
-        return SteppedGraph(self, ordinal, checked, lambda: dev.epoch)
+        return SteppedGraph(self, ordinal, checked, lambda: dev.epoch, self._pinned.holds)
 
     def rebuild_context(self, ordinal: int) -> None:
         """Destroy device ``ordinal``'s context (every allocation, stream and event of it) and
