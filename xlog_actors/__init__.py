@@ -54,6 +54,7 @@ from .driver import (
     Kernel,
     Stream,
     default_driver,
+    driver_of_kind,
     open_driver,
 )
 from .errors import (
@@ -179,6 +180,7 @@ __all__ = [
     "__version__",
     "build_resource",
     "default_driver",
+    "driver_of_kind",
     "enrich_out_of_memory",
     "exit_process",
     "memory_report",

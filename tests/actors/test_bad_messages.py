@@ -246,7 +246,8 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str]] = [
     ({"ordinal": 2}, "out of range"),
     ({"ordinal": -1}, "out of range"),
     ({"ordinal": "0"}, "must be an int"),
-    ({"driver": "host"}, "driver must be an xlog_actors Driver"),
+    ({"driver": "gpu"}, "unknown driver kind 'gpu'"),
+    ({"driver": 3.5}, "driver must be an xlog_actors Driver"),
 ]
 
 

@@ -584,3 +584,26 @@ def test_client_after_stop_is_unavailable(device: pykka.ActorRef[Any]) -> None:
         client.allocate(64)
     with pytest.raises(xa.GpuRefStale, match="device shutting down|device state dropped"):
         ref.access()
+
+
+def test_a_driver_kind_starts_an_in_process_device_on_the_shared_driver_of_that_kind() -> None:
+    """``DeviceActor.start(0, "host")`` as with ``isolate=True``: the process-wide driver of that
+    kind, shared by every device started so; an unknown kind is refused and nothing starts."""
+    first = xa.DeviceActor.start(0, "host")
+    try:
+        second_ref = first.ask(xa.Allocate(64))
+        assert second_ref.context.driver is xa.driver_of_kind(" HOST ")
+        assert xa.driver_of_kind("host") is xa.driver_of_kind("host")
+    finally:
+        first.stop()
+    again = xa.DeviceActor.start(0, "host")
+    try:
+        assert again.ask(xa.Allocate(64)).context.driver is xa.driver_of_kind("host")
+    finally:
+        again.stop()
+    before = len(pykka.ActorRegistry.get_all())
+    with pytest.raises(xa.InvalidRequest, match="unknown driver kind 'gpu'"):
+        xa.DeviceActor.start(0, "gpu")
+    with pytest.raises(xa.InvalidRequest, match="unknown driver kind"):
+        xa.driver_of_kind(3)
+    assert len(pykka.ActorRegistry.get_all()) == before

@@ -101,7 +101,7 @@ class DeviceActor(ResilientActor):
     def __init__(
         self,
         ordinal: int = 0,
-        driver: Driver | None = None,
+        driver: Driver | str | None = None,
         resource: ResourceSpec = None,
         supervisor: Supervisor | None = None,
     ) -> None:
@@ -110,7 +110,9 @@ class DeviceActor(ResilientActor):
 
         Args:
             ordinal: the device ordinal, below the driver's device count.
-            driver: the driver; None for ``default_driver()``.
+            driver: the driver; a driver kind (``"cuda"``, ``"host"``, ``"auto"``) for the process-wide
+                driver of that kind (``driver_of_kind``, shared by every device started so); None for
+                ``default_driver()``.
             resource: a stack description (``"async+stats"``), a factory ``(driver, ordinal,
                 stream_pool) -> resource``, or None for ``XLOG_ACTORS_RESOURCE`` (else
                 ``"async"``).
@@ -118,7 +120,7 @@ class DeviceActor(ResilientActor):
         Raises:
             InvalidRequest: a bad ordinal, driver, resource description or supervisor, or the
                 ordinal already has a ``DeviceActor`` on this driver. Nothing is left running.
-            DeviceUnavailable: ``driver`` is None and no driver can be opened.
+            DeviceUnavailable: ``driver`` is None or a kind, and no such driver can be opened.
         Thread rule: the caller's thread (``start`` runs it there, before the actor exists).
         """
         config = DeviceConfig.check(ordinal, driver, resource, supervisor)

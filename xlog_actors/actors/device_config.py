@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from ..driver.open import default_driver
+from ..driver.open import default_driver, driver_of_kind
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
 from ..memory.resource import DeviceMemoryResource
@@ -60,7 +60,8 @@ class DeviceConfig:
 
         Args:
             ordinal: the device ordinal (an int below the driver's device count).
-            driver: a driver, or None for ``default_driver()``.
+            driver: a driver, a driver kind (``"cuda"``, ``"host"``, ``"auto"``: the process-wide
+                driver of that kind, ``driver_of_kind``), or None for ``default_driver()``.
             resource: a stack description, a factory ``(driver, ordinal, stream_pool) ->
                 resource``, or None for ``XLOG_ACTORS_RESOURCE`` (else ``"async"``).
             supervisor: a ``Supervisor``, or None for the defaults.
@@ -73,6 +74,8 @@ class DeviceConfig:
         """
         if driver is None:
             driver = default_driver()
+        elif isinstance(driver, str):
+            driver = driver_of_kind(driver)
         missing = [name for name in _DRIVER_METHODS if not callable(getattr(driver, name, None))]
         if missing:
             raise InvalidRequest(

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from .host import FaultKind, HostDriver, HostEvent, HostStream
 from .kernel import DeviceMemoryView, Kernel
-from .open import DRIVER_ENV, default_driver, open_driver
+from .open import DRIVER_ENV, default_driver, driver_of_kind, open_driver
 from .protocol import Driver, DriverKind, Event, Stream
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ __all__ = [
     "Kernel",
     "Stream",
     "default_driver",
+    "driver_of_kind",
     "open_driver",
 ]
 

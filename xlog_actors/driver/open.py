@@ -7,13 +7,22 @@ host driver never imports cuda-python.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Literal
 
 from ..errors import DeviceUnavailable, InvalidRequest
 from .host import HostDriver
 from .protocol import Driver
 
-__all__ = ["DRIVER_ENV", "DRIVER_KINDS", "DriverChoiceKind", "default_driver", "env_driver_kind", "open_driver"]
+__all__ = [
+    "DRIVER_ENV",
+    "DRIVER_KINDS",
+    "DriverChoiceKind",
+    "default_driver",
+    "driver_of_kind",
+    "env_driver_kind",
+    "open_driver",
+]
 
 #: The environment variable naming the driver ``open_driver()`` picks by default:
 #: ``auto``, ``cuda`` or ``host``.
@@ -94,3 +103,34 @@ def default_driver() -> Driver:
     if _default is None:
         _default = open_driver()
     return _default
+
+
+_by_kind: dict[str, Driver] = {}
+_by_kind_lock = threading.Lock()
+
+
+def driver_of_kind(kind: object) -> Driver:
+    """The process-wide driver of ``kind``, what a ``DeviceActor`` started with a driver kind
+    (``DeviceActor.start(0, "cuda")``) runs on: opened on first use and shared by every device
+    started the same way, so two devices of one kind are two ordinals of one driver (peer copies
+    between them work). ``"auto"`` is :func:`default_driver`.
+
+    Args:
+        kind: ``"auto"``, ``"cuda"`` or ``"host"`` (case and spaces ignored).
+    Returns:
+        The driver (the same object for the same kind on every call).
+    Raises:
+        InvalidRequest: an unknown kind (the message names the kinds accepted).
+        DeviceUnavailable: ``"cuda"`` where no GPU is reachable (nothing is kept).
+    Thread rule: any thread; first uses are serialized, so one driver per kind is ever opened.
+    """
+    name = kind.strip().lower() if isinstance(kind, str) else kind
+    if name not in DRIVER_KINDS:
+        raise InvalidRequest(f"unknown driver kind {kind!r}; expected one of {', '.join(DRIVER_KINDS)}")
+    if name == "auto":
+        return default_driver()
+    with _by_kind_lock:
+        driver = _by_kind.get(name)
+        if driver is None:
+            driver = _by_kind[name] = open_driver(name)
+        return driver
