@@ -122,3 +122,26 @@ def test_a_launch_sent_again_is_checked_again_once_its_arguments_change(device: 
     args[1] = b
     with pytest.raises(InvalidRequest, match="wrap a GpuRef"):
         kernels.ask(launch)
+
+
+def test_a_kernel_actor_keeps_no_handle_of_a_launch_it_served(device: pykka.ActorRef) -> None:
+    """Whatever the kernel actor keeps to judge a repeated launch faster, it holds no argument:
+    once the asker drops the message and its handles, their memory goes back to the device."""
+    import gc
+    import time
+
+    kernels = xa.KernelActor.start(device)
+    n = 1024
+    grid, block = launch_shape(n)
+    before = device.ask(xa.GetStats()).bytes_outstanding
+    for _ in range(3):
+        a, out = device.ask(xa.Allocate(4 * n)), device.ask(xa.Allocate(4 * n))
+        launch = xa.Launch(SCALE_ADD_F32, grid, block, [xa.Out(out), xa.In(a), 2.0, 0.0, n])
+        kernels.ask(launch)  # served in this thread
+        kernels.ask(launch, timeout=10)  # served on the actor's thread
+        del a, out, launch
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while device.ask(xa.GetStats()).bytes_outstanding != before:
+        assert time.monotonic() < deadline, "the kernel actor still holds handles of launches it served"
+        time.sleep(0.01)

@@ -1,4 +1,4 @@
-"""Handles across processes (issue #18 step 2): a pickled ``GpuRef`` arrives as a
+"""Handles across processes: a pickled ``GpuRef`` arrives as a
 ``SharedGpuRef`` to the same memory, stale everywhere at once, ordered after its last write,
 alive while any process holds it and freed by its device process only.
 
@@ -178,11 +178,21 @@ def test_the_export_table_bounds_its_slots(device: pykka.ActorRef[Any], monkeypa
     assert table.pinned_count() == 0
 
 
-def test_an_import_of_a_gone_table_is_device_unavailable(device: pykka.ActorRef[Any]) -> None:
+def test_an_import_of_a_gone_table_arrives_stale(device: pykka.ActorRef[Any]) -> None:
+    """A handle pickled before its owner ended (an isolated device restarting while the message
+    was on its way) still unpickles, so the message that carried it arrives; every use of it is
+    ``GpuRefStale``, and dropping it gives nothing back to anybody."""
     export = export_ref(device.ask(xa.Allocate(256)))
-    bogus = export._replace(table="xlog-refs-gone-0-0")
-    with pytest.raises(DeviceUnavailable, match="gone"):
-        import_ref(bogus)
+    bogus = export._replace(table="xlog-refs-gone-0-0", cell="xlog-refs-gone-0-0")
+    message = pickle.loads(pickle.dumps(("batch 7", import_ref, bogus)))
+    handle = message[1](message[2])
+    assert handle.released
+    with pytest.raises(xa.GpuRefStale, match="context rebuilt.*owner ended"):
+        handle.access()
+    with pytest.raises(xa.GpuRefStale):
+        pickle.dumps(handle)
+    handle.release()
+    del handle
     import_ref(export).release()
 
 
@@ -605,7 +615,7 @@ def _run_batch(device: Any, copy: Any, kernels: Any, b: int, n: int, fault: Any 
         reason="plants a real illegal address: the sanitizer reports it")]),
 ])
 def test_process_mode_acceptance_an_illegal_address_mid_pipeline(peer: Connection, kind: str) -> None:
-    """Issue #18's acceptance as one test: a kernel writes an illegal address in the device
+    """The process mode's acceptance as one test: a kernel writes an illegal address in the device
     process while a pipeline runs; the device comes back in a new process with generation + 1;
     the old handles fail in the parent and in a third process; new allocations work; the dead
     process's memory is given back (CUDA: ``cuMemGetInfo`` back to what it read with the device

@@ -1,4 +1,4 @@
-"""Handles across processes on one node: what a pickled ``GpuRef`` becomes (issue #18 step 2).
+"""Handles across processes on one node: what a pickled ``GpuRef`` becomes.
 
 Pickling a ``GpuRef`` (``pickle``, a ``multiprocessing`` queue or pipe) exports it
 (:func:`export_ref`): the device's driver names the allocation for other processes (a
@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import os
 import weakref
+from array import array
 from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
 from ..driver.host.ipc import HostIpcEvent, HostMemoryExport, open_memory
 from ..driver.shared_memory import mapped, mapped_if_open
-from ..errors import GpuRefStale, InvalidRequest
+from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest
 from .export_table import (
     COUNTS_RANGE,
     HEADER_CELLS,
@@ -177,8 +178,10 @@ def import_ref(export: GpuRefExport) -> SharedGpuRef:
 
     Returns:
         The handle. Opening never fails for staleness: ``access()`` reports it, as for any handle.
-    Raises:
-        DeviceUnavailable: the owner's export table is gone (its process ended).
+        A descriptor whose owner's export table is gone (its process ended: an isolated device
+        that restarted while the message carrying the handle was on its way) still opens, as a
+        handle that was never live here: every ``access()`` raises ``GpuRefStale("context
+        rebuilt")``, so the message that carried it arrives whole.
     Thread rule: any thread.
     """
     return SharedGpuRef(export)
@@ -212,23 +215,33 @@ class SharedGpuRef:
     Thread rule: any thread.
     """
 
-    __slots__ = ("__weakref__", "_cell", "_export", "_finalizer", "_memory", "_opened", "_released", "_word")
+    __slots__ = (
+        "__weakref__", "_cell", "_export", "_finalizer", "_gone", "_memory", "_opened", "_released", "_word",
+    )
 
     def __init__(self, export: GpuRefExport) -> None:
-        """Open ``export`` (use :func:`import_ref`).
-
-        Raises:
-            DeviceUnavailable: the owner's export table is gone.
-        """
-        cells = _table_cells(export.table)
+        """Open ``export`` (use :func:`import_ref`); a descriptor whose owner's table is gone opens
+        as a stale handle (see :func:`import_ref`)."""
         self._export = export
-        self._cell = _table_cells(export.cell)[0:1]
+        self._gone: str | None = None
         self._word = state_word(export.generation, STATUS_RUNNING)
         self._memory: Any = None
         # The CUDA mapping lives in a list the finalizer holds too, so that it is dropped before
         # the count goes back even when the handle is collected (a slot would be cleared after).
         self._opened: list[Any] = []
         self._released = False
+        try:
+            cells = _table_cells(export.table)
+        except DeviceUnavailable as exc:
+            # The owner ended after the pickle: nothing to adopt and no count to give back. A
+            # one-cell word that never matches sends every access to ``_stale``.
+            self._gone = str(exc)
+            self._cell = memoryview(array("q", [-1]))
+            self._released = True
+            self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial, [])
+            self._finalizer.detach()
+            return
+        self._cell = _table_cells(export.cell)[0:1]
         self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial, self._opened)
         if cells[HEADER_CELLS + 2 * export.slot + 1] != export.serial:
             # The owner freed the slot before this import (a late pickle): never adopt a stranger.
@@ -251,8 +264,10 @@ class SharedGpuRef:
         raise self._stale()
 
     def _stale(self) -> GpuRefStale:
-        word = int(self._cell[0])
         where = self._export.where()
+        if self._gone is not None:
+            return GpuRefStale("context rebuilt", f"{where}; its owner ended before the handle arrived ({self._gone})")
+        word = int(self._cell[0])
         if word >> 2 != self._export.generation:
             return GpuRefStale("context rebuilt", f"{where}; the device is at generation {word >> 2}")
         if word & 3 == STATUS_POISONED:
