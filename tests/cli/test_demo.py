@@ -116,8 +116,9 @@ def test_demo_command_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "verification  ok: 4/4" in out and "driver        host" in out
     throughput = next(line for line in out.splitlines() if line.startswith("throughput"))
-    assert re.fullmatch(r"throughput +[0-9.e+]+ GB/s \(raw three-stream pipeline: [0-9.e+]+ GB/s, [0-9.]+x\)",
-                        throughput), throughput
+    assert re.fullmatch(r"throughput +[0-9.e+]+ GB/s \(raw three-stream pipeline: [0-9.e+]+ GB/s, [0-9.]+x; "
+                        r"its CPU [0-9.]+ µs a batch\)", throughput), throughput
+    assert re.search(r"^cpu +[0-9.]+ µs a batch", out, re.M) and "mode          actors" in out
     assert main(["demo", "--driver", "host", "--batches", "4", "--batch-mib", "0.25",
                  "--no-tracking", "--slow-producer-us", "30000"]) == 1
     assert "FAILED" in capsys.readouterr().out
@@ -224,3 +225,32 @@ def test_a_run_that_fails_before_it_starts_leaves_no_landing_thread(
     with pytest.raises(RuntimeError, match="warm-up broke"):
         run_pipeline(driver, PipelineConfig(batches=2, batch_bytes=1 << 12))
     assert sum(t.name == "demo-landing" for t in threading.enumerate()) == before
+
+
+def test_the_graph_mode_verifies_every_batch_and_survives_a_rebuild(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--driver", "host", "--graph", "--batches", "24", "--batch-mib", "0.0625"]) == 0
+    out = capsys.readouterr().out
+    assert "verification  ok: 24/24" in out and "mode          graph" in out
+    assert main(["demo", "--driver", "host", "--graph", "--batches", "24", "--batch-mib", "0.0625",
+                 "--depth", "4", "--rebuild-at", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "verification  ok: 24/24" in out
+    generation = next(line for line in out.splitlines() if line.startswith("generation"))
+    assert re.fullmatch(r"generation +1 \(([1-9][0-9]*) batch\(es\) redone after stale handles\)", generation), generation
+
+
+def test_the_graph_mode_refuses_the_actor_pipelines_hazard_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in (["--no-tracking"], ["--slow-producer-us", "100"]):
+        assert main(["demo", "--driver", "host", "--graph", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--graph" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_the_graph_mode_on_the_gpu_verifies_every_batch_and_survives_a_rebuild(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--driver", "cuda", "--graph", "--batches", "64", "--batch-mib", "1",
+                 "--rebuild-at", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "verification  ok: 64/64" in out and "generation    1" in out

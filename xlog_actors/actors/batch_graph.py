@@ -34,37 +34,26 @@ import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
 import pykka
 
 from ..driver.graph import (
-    DeviceToDevice,
-    DeviceToHost,
     Graph,
-    GraphStep,
-    HostToDevice,
-    KernelStep,
-    Memset,
 )
 from ..driver.protocol import Event, Stream
 from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
-from ..memory.block import Access, DeviceBlock, StreamId
+from ..memory.block import Access, StreamId
 from ..memory.pinned import PinnedBuffer
 from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
-from .kernel_actor import _checked
-from .library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch
+from .graph_stages import Operand, Slot, Stage, Views, check_operand, host_bytes, operands, step, view
+from .library_messages import CopyToDevice, CopyToHost
 from .messages import Attach
 from .pykka_internals import is_actor_ref_of
 
 __all__ = ["BatchGraph", "GraphDone", "Stage"]
-
-Stage: TypeAlias = CopyToDevice | CopyToHost | CopyDeviceToDevice | Fill | Launch
-"""A stage of a batch: the library message that would do it (see :meth:`BatchGraph.record`)."""
-
-Operand: TypeAlias = GpuRef | PinnedBuffer
 
 #: How many completion events a graph re-records in turn (see ``BatchGraph._done_event``).
 _DONE_EVENTS = 64
@@ -108,16 +97,6 @@ class GraphDone:
             self.event.synchronize()
 
 
-@dataclass(slots=True)
-class _Slot:
-    """One operand of one stage: where it sits and what it was recorded as (what it is bound to
-    now is in ``BatchGraph._bound``)."""
-
-    stage: int
-    recorded: Operand
-    access: Access | None  # a GpuRef's access; None for a host buffer
-
-
 class BatchGraph:
     """A batch's stages recorded once as a graph of the device; see the module docstring.
 
@@ -127,7 +106,7 @@ class BatchGraph:
     Thread rule: any thread; one replay at a time per graph (its lock).
     """
 
-    def __init__(self, ctx: DeviceContext, stages: tuple[Stage, ...], slots: list[_Slot],
+    def __init__(self, ctx: DeviceContext, stages: tuple[Stage, ...], slots: list[Slot],
                  graph: Graph, stream_id: StreamId, stream: Stream, track: bool) -> None:
         """Internal: use :meth:`record`."""
         self._ctx = ctx
@@ -141,7 +120,7 @@ class BatchGraph:
         # An untracked stack (the direct one) cannot order others after a replay: each replay is
         # then waited for before it returns, as a library actor does.
         self._synchronize = track and not self._tracking
-        self._by_recorded: dict[int, _Slot] = {}
+        self._by_recorded: dict[int, Slot] = {}
         self._stages_of: dict[int, list[int]] = {}
         for slot in slots:
             self._by_recorded.setdefault(id(slot.recorded), slot)
@@ -150,7 +129,7 @@ class BatchGraph:
                 at.append(slot.stage)
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
-        self._views: _Views = {}
+        self._views: Views = {}
         self._uses = self._merged_uses()
         # The completions handed out: a ring of events re-recorded in turn, so a replay creates
         # no event. A GraphDone older than the ring waits for a later replay: never less.
@@ -197,12 +176,12 @@ class BatchGraph:
             ctx = cast(DeviceContext, device.ask(Attach()))
         except pykka.ActorDeadError as exc:
             raise DeviceUnavailable("BatchGraph.record: the DeviceActor was stopped") from exc
-        slots: list[_Slot] = []
+        slots: list[Slot] = []
         for i, stage in enumerate(stages):
-            slots.extend(_operands(i, stage, ctx))
+            slots.extend(operands(i, stage, ctx))
         for slot in slots:
-            _check_operand(slot.recorded, slot.recorded, ctx, slot.stage)
-        steps = [_step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in stages]
+            check_operand(slot.recorded, slot.recorded, ctx, slot.stage)
+        steps = [step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in stages]
         stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(stream_id)
         assert stream is not None
@@ -296,7 +275,7 @@ class BatchGraph:
             if slot is None or slot.recorded is not recorded:
                 raise InvalidRequest(f"BatchGraph.replay: bind names {recorded!r}, which no stage of the graph names")
             if new is not bound[key]:
-                _check_operand(new, recorded, ctx, None)
+                check_operand(new, recorded, ctx, None)
                 changed.append((key, new))
         if not changed:
             return
@@ -314,13 +293,13 @@ class BatchGraph:
                     stages.append(i)
         try:
             for i in stages:
-                graph.update(i, _step(self._stages[i], bound, self._views), checked=True)
+                graph.update(i, step(self._stages[i], bound, self._views), checked=True)
         except BaseException:
             bound.clear()
             bound.update(before)  # what the graph holds for the steps updated before: see below
             for i in stages:  # put every step back as it was (each update is all or nothing)
                 with contextlib.suppress(XlogError):
-                    graph.update(i, _step(self._stages[i], bound, self._views), checked=True)
+                    graph.update(i, step(self._stages[i], bound, self._views), checked=True)
             raise
         if devices:
             self._uses = self._merged_uses()
@@ -335,8 +314,8 @@ class BatchGraph:
                 buf = cast(PinnedBuffer, new)
                 for i in self._stages_of[key]:
                     stage = stages[i]
-                    nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else _host_bytes(cast(CopyToHost, stage))
-                    graph.update_host(i, _view(buf, nbytes, views))
+                    nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
+                    graph.update_host(i, view(buf, nbytes, views))
                     done.append((key, i, bound[key]))
                 bound[key] = new
         except BaseException:
@@ -344,9 +323,9 @@ class BatchGraph:
                 bound[key] = old
                 stage = stages[i]
                 old_buf = cast(PinnedBuffer, old)
-                nbytes = old_buf.nbytes if isinstance(stage, CopyToDevice) else _host_bytes(cast(CopyToHost, stage))
+                nbytes = old_buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
                 with contextlib.suppress(XlogError):
-                    graph.update_host(i, _view(old_buf, nbytes, views))
+                    graph.update_host(i, view(old_buf, nbytes, views))
             raise
 
     def _done_event(self) -> Event:
@@ -390,141 +369,3 @@ class BatchGraph:
         state = " closed" if self._graph is None else ""
         return (f"BatchGraph(device={self._ctx.ordinal}, generation={self._ctx.generation}, "
                 f"stages={len(self._stages)}{state})")
-
-
-# -- stages as operands and steps ------------------------------------------------------------------
-def _operands(i: int, stage: object, ctx: DeviceContext) -> list[_Slot]:
-    """The operands of stage ``i`` in a fixed order, checked for type; else ``InvalidRequest``."""
-    what = f"BatchGraph stage {i}"
-    if isinstance(stage, CopyToDevice):
-        _need(stage.ref, GpuRef, f"{what} (CopyToDevice.ref)")
-        _need(stage.data, PinnedBuffer, f"{what} (CopyToDevice.data: pinned required, from AllocatePinned)")
-        data = cast(PinnedBuffer, stage.data)
-        if data.nbytes > stage.ref.nbytes:
-            raise InvalidRequest(f"{what} (CopyToDevice.data): {data.nbytes} bytes do not fit in {stage.ref!r}")
-        return [_Slot(i, stage.ref, Access.WRITE), _Slot(i, data, None)]
-    if isinstance(stage, CopyToHost):
-        _need(stage.ref, GpuRef, f"{what} (CopyToHost.ref)")
-        _need(stage.out, PinnedBuffer, f"{what} (CopyToHost.out: pinned required, from AllocatePinned)")
-        out = cast(PinnedBuffer, stage.out)
-        nbytes = stage.ref.nbytes if stage.nbytes is None else stage.nbytes
-        most = min(stage.ref.nbytes, out.nbytes)
-        if type(nbytes) is not int or not 0 < nbytes <= most:
-            raise InvalidRequest(f"{what} (CopyToHost.nbytes): expected an int in 1..{most}, got {stage.nbytes!r}")
-        return [_Slot(i, stage.ref, Access.READ), _Slot(i, out, None)]
-    if isinstance(stage, CopyDeviceToDevice):
-        _need(stage.src, GpuRef, f"{what} (CopyDeviceToDevice.src)")
-        _need(stage.dst, GpuRef, f"{what} (CopyDeviceToDevice.dst)")
-        if stage.src is stage.dst:
-            raise InvalidRequest(f"{what} (CopyDeviceToDevice.dst): source and destination are the same handle")
-        if stage.src.nbytes > stage.dst.nbytes:
-            raise InvalidRequest(f"{what} (CopyDeviceToDevice.src): {stage.src!r} does not fit in {stage.dst!r}")
-        return [_Slot(i, stage.src, Access.READ), _Slot(i, stage.dst, Access.WRITE)]
-    if isinstance(stage, Fill):
-        _need(stage.ref, GpuRef, f"{what} (Fill.ref)")
-        if type(stage.byte) is not int or not 0 <= stage.byte <= 255:
-            raise InvalidRequest(f"{what} (Fill.byte): expected an int in 0..255, got {stage.byte!r}")
-        return [_Slot(i, stage.ref, Access.WRITE)]
-    if isinstance(stage, Launch):
-        checked = _checked(stage, what)
-        return [_Slot(i, arg.ref, arg.access) for _, arg in checked.buffers]
-    raise InvalidRequest(f"{what}: expected CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill or Launch, "
-                         f"got {type(stage).__name__}")
-
-
-def _need(value: object, kind: type, what: str) -> None:
-    if not isinstance(value, kind):
-        raise InvalidRequest(f"{what}: expected a {kind.__name__}, got {type(value).__name__}")
-
-
-def _check_operand(new: object, recorded: Operand, ctx: DeviceContext, stage: int | None) -> None:
-    """``new`` may stand where ``recorded`` was recorded: same kind, device, generation, size.
-    ``stage``: the stage being recorded, or None for a binding (named in the error)."""
-    if isinstance(recorded, GpuRef):
-        if type(new) is not GpuRef and not isinstance(new, GpuRef):
-            raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: expected a GpuRef, got {type(new).__name__}")
-        block = new.access()  # stale or released: GpuRefStale
-        if block.device_ordinal != ctx.ordinal:
-            raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} is of device {block.device_ordinal}, "
-                                 f"the graph of device {ctx.ordinal}")
-        if new.context is not ctx:
-            raise GpuRefStale("context rebuilt", f"BatchGraph {_what(stage, recorded)}: {new!r} is of generation "
-                              f"{new.generation}, the graph of generation {ctx.generation}")
-        if new.nbytes != recorded.nbytes:
-            raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} holds {new.nbytes} bytes, the "
-                                 f"recorded handle {recorded.nbytes}: a graph's operands keep their sizes")
-        return
-    if not isinstance(new, PinnedBuffer):
-        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: expected a PinnedBuffer, got {type(new).__name__}")
-    if new.released:
-        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} was released")
-    if new.driver is not ctx.driver or new.device_ordinal != ctx.ordinal:
-        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} is a pinned buffer of device "
-                             f"{new.device_ordinal} of a {new.driver.kind} driver, the graph of device {ctx.ordinal} "
-                             f"({ctx.driver.kind} driver)")
-    if new.nbytes != recorded.nbytes:
-        raise InvalidRequest(f"BatchGraph {_what(stage, recorded)}: {new!r} holds {new.nbytes} bytes, the recorded "
-                             f"buffer {recorded.nbytes}: a graph's operands keep their sizes")
-
-
-def _what(stage: int | None, recorded: Operand) -> str:
-    """How an error names the operand: by its stage while recording, by its key in a binding."""
-    return f"stage {stage}" if stage is not None else f"bind[{recorded!r}]"
-
-
-_Views: TypeAlias = dict[tuple[int, int], tuple[PinnedBuffer, memoryview]]
-
-
-def _view(buf: PinnedBuffer, nbytes: int, views: _Views) -> memoryview:
-    """The byte view of ``buf``'s first ``nbytes``, made once per buffer and length and kept
-    (with the buffer) in ``views``: a step bound to the same buffer again gets the same view,
-    which the driver's graph recognizes as no change."""
-    key = (id(buf), nbytes)
-    hit = views.get(key)
-    if hit is not None and hit[0] is buf:
-        return hit[1]
-    view = buf.view()
-    if nbytes != len(view):
-        view = view[:nbytes]
-    if len(views) > 256:  # a graph bound to ever new buffers: keep the cache bounded
-        views.clear()
-    views[key] = (buf, view)
-    return view
-
-
-def _step(stage: Stage, bound: Mapping[int, Operand], views: _Views) -> GraphStep:
-    """The driver step of ``stage`` with its operands as ``bound`` maps them (by the recorded
-    operand's id)."""
-
-    def ref(r: GpuRef) -> DeviceBlock:
-        return cast(GpuRef, bound[id(r)]).block
-
-    if isinstance(stage, CopyToDevice):
-        data = cast(PinnedBuffer, bound[id(stage.data)])
-        return HostToDevice(ref(stage.ref).ptr, _view(data, data.nbytes, views))
-    if isinstance(stage, CopyToHost):
-        return DeviceToHost(_view(cast(PinnedBuffer, bound[id(stage.out)]), _host_bytes(stage), views),
-                            ref(stage.ref).ptr)
-    if isinstance(stage, CopyDeviceToDevice):
-        return DeviceToDevice(ref(stage.dst).ptr, ref(stage.src).ptr, stage.src.nbytes)
-    if isinstance(stage, Fill):
-        block = ref(stage.ref)
-        return Memset(block.ptr, stage.byte, block.nbytes)
-    checked = _checked(stage, "BatchGraph stage")
-    args = list(checked.args)
-    for i, arg in checked.buffers:
-        args[i] = ref(arg.ref).ptr
-    return KernelStep(stage.kernel, _dims(stage.grid), _dims(stage.block), tuple(args))
-
-
-def _host_bytes(stage: CopyToHost) -> int:
-    """The bytes a ``CopyToHost`` stage copies."""
-    return stage.ref.nbytes if stage.nbytes is None else stage.nbytes
-
-
-def _dims(d: Any) -> tuple[int, int, int]:
-    """An int or up to three ints as three (missing ones 1); ``check_steps`` judges the values."""
-    if isinstance(d, int):
-        return (d, 1, 1)
-    t = tuple(d)
-    return cast(tuple[int, int, int], t + (1,) * (3 - len(t)))

@@ -1,7 +1,11 @@
 """What every library actor shares: its own stream on a device, and the tracking protocol
 around each piece of work (validate, ``prepare_block_use``, enqueue, ``finish_block_use``,
 ``record_write``), on the actor's own device and, through bridge streams, on a peer device
-(:mod:`.peer_use`)."""
+(:mod:`.peer_use`).
+
+Past 400 lines because the actor's life (start, attach, stop), the three ways a message is served
+(its thread, a blocking asker's, a posting asker's) and the one tracked ``_run`` they all end in
+share one lock and one attach state, and read best together."""
 
 from __future__ import annotations
 

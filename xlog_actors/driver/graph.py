@@ -31,13 +31,31 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from ..errors import DriverError, InvalidRequest
 from .kernel import Kernel
 
-if TYPE_CHECKING:
-    from .protocol import Driver, Stream
+
+class _StepCalls(Protocol):
+    """The driver calls :class:`SteppedGraph` replays its steps through: a subset of
+    ``Driver``'s (named here so that this module does not import the protocol module, which
+    imports it)."""
+
+    def copy_to_device(self, ptr: int, data: Any, stream: Any) -> None:
+        """As ``Driver.copy_to_device``."""
+
+    def copy_to_host_into(self, ptr: int, out: Any, stream: Any) -> None:
+        """As ``Driver.copy_to_host_into``."""
+
+    def copy_device_to_device(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """As ``Driver.copy_device_to_device``."""
+
+    def fill(self, ptr: int, byte: int, nbytes: int, stream: Any) -> None:
+        """As ``Driver.fill``."""
+
+    def launch(self, kernel: Kernel, grid: Any, block: Any, args: Sequence[object], stream: Any) -> None:
+        """As ``Driver.launch``."""
 
 __all__ = [
     "DeviceToDevice",
@@ -290,7 +308,7 @@ class SteppedGraph:
     Thread rule: any thread; one lock serializes launch, update and close.
     """
 
-    def __init__(self, driver: Driver, ordinal: int, steps: Sequence[GraphStep], epoch: Callable[[], int],
+    def __init__(self, driver: _StepCalls, ordinal: int, steps: Sequence[GraphStep], epoch: Callable[[], int],
                  pinned: Callable[[memoryview], bool] | None = None) -> None:
         """Args:
             driver: the driver whose calls replay the steps.
@@ -329,8 +347,9 @@ class SteppedGraph:
                 code="CUDA_ERROR_INVALID_HANDLE",
             )
 
-    def launch(self, stream: Stream) -> None:
-        """Enqueue every step on ``stream`` in order (see :meth:`Graph.launch`)."""
+    def launch(self, stream: Any) -> None:
+        """Enqueue every step on ``stream`` (a stream of the driver) in order (see
+        :meth:`Graph.launch`)."""
         driver = self._driver
         with self._lock:
             self._check_open()
