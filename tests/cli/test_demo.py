@@ -236,7 +236,8 @@ def test_the_graph_mode_verifies_every_batch_and_survives_a_rebuild(capsys: pyte
     out = capsys.readouterr().out
     assert "verification  ok: 24/24" in out
     generation = next(line for line in out.splitlines() if line.startswith("generation"))
-    assert re.fullmatch(r"generation +1 \(([1-9][0-9]*) batch\(es\) redone after stale handles\)", generation), generation
+    redone = r"generation +1 \(([1-9][0-9]*) batch\(es\) redone after stale handles\)"
+    assert re.fullmatch(redone, generation), generation
 
 
 def test_the_graph_mode_refuses_the_actor_pipelines_hazard_flags(capsys: pytest.CaptureFixture[str]) -> None:
