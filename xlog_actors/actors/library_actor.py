@@ -343,6 +343,9 @@ class LibraryActor(ResilientActor):
         same guard, so a rebuild that retires the stream meanwhile reads as a stale handle too.
         ``peers``: ``(handle, access, field)`` of handles of *other* devices of the driver, each
         ordered through a bridge stream on its device (see :mod:`.peer_use`)."""
+        if len(uses) == 1 and not peers and not wait and self._tracking:
+            self._run_one(uses[0][0], uses[0][1], enqueue)
+            return
         refs = [ref for ref, _ in uses]
         ctx = self._context_for(refs)
         ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
@@ -388,6 +391,33 @@ class LibraryActor(ResilientActor):
                 ref.record_write(sid)
         for peer in peer_uses:
             peer.record_write()
+
+
+    def _run_one(self, ref: GpuRef, access: Access,
+                 enqueue: Callable[[Driver, Stream, list[DeviceBlock]], None]) -> None:
+        """``_run`` of one handle on a tracked stack, with no peer and no wait: the same steps
+        in the same order (most messages: a fill, a copy, a one-buffer launch), without the lists
+        and merges several handles need."""
+        ctx = self._ctx
+        if ctx is None or not ctx.open or ref.generation > ctx.generation:
+            ctx = self._attach()
+        ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
+        block = ctx.check_ref(ref)
+        if ref.context is not ctx:
+            raise GpuRefStale("context rebuilt", f"{ref!r} is not of device {ctx.ordinal}'s current context")
+        stream, driver, sid = self._stream, self._driver, self._stream_id
+        assert stream is not None and driver is not None
+        runtime = ctx.runtime
+        try:
+            runtime.prepare_block_use(block, sid, access)
+            enqueue(driver, stream, [block])
+            runtime.finish_block_use(block, sid, access)
+        except XlogError as exc:
+            if not isinstance(exc, GpuRefStale):  # a rebuild in the middle: a stale handle (see _run)
+                _raise_if_rebuilt([ctx], exc)
+            raise
+        if access.writes:
+            ref.record_write(sid)
 
 
 def _raise_if_rebuilt(contexts: list[DeviceContext], exc: XlogError) -> None:

@@ -38,6 +38,7 @@ HELD_ENTRY_POINTS: Final = (
     "cuDevicePrimaryCtxGetState",
     "cuGraphLaunch",
     "cuGraphExecMemcpyNodeSetParams",
+    "cuMemsetD8Async",
 )
 
 def as_result(code: int) -> Any:
@@ -70,6 +71,7 @@ class HeldCalls:
         "memcpy_dtod",
         "memcpy_dtoh",
         "memcpy_htod",
+        "memset_d8",
         "stream_wait",
     )
 
@@ -103,6 +105,8 @@ class HeldCalls:
             entry_points["cuLaunchKernel"]
         )
 
+        #: (dst device ptr, byte, count, stream) -> CUresult
+        self.memset_d8 = f(_INT, _U64, ctypes.c_ubyte, _SIZE, _PTR)(entry_points["cuMemsetD8Async"])
         #: (graph exec, stream) -> CUresult: one replay, enqueued
         self.graph_launch = f(_INT, _PTR, _PTR)(entry_points["cuGraphLaunch"])
         #: (graph exec, node, const CUDA_MEMCPY3D*, context) -> CUresult: a copy node's new

@@ -306,7 +306,7 @@ class CudaMemory(CudaHostMemory):
         s = self._stream_work(stream, (ptr, "fill"))
         with s._gate:
             dev = s._enter()
-            (err,) = cu.cuMemsetD8Async(ptr, byte, nbytes, s._cu)
+            err = as_result(dev.held.memset_d8(ptr, byte, nbytes, s._handle))  # only enqueues: see .held
         if err != SUCCESS:
             dev.fail(err, f"cuMemsetD8Async({nbytes} bytes at {ptr:#x}, stream {s._id})")
 
