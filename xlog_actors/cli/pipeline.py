@@ -6,10 +6,11 @@ One thread orchestrates, and it waits on one queue only. Every ask goes out with
 ``ask_posting``, whose answer (the reply or its error) is posted on that queue with the batch as
 its key, once the actor has *enqueued* the stage (the device work goes on). A batch is three
 asks: its copy in, its kernel, and one copy back of its output with the checksum behind it. When
-the copy back is enqueued, a landing thread waits for it to land and posts that on the same
-queue. The orchestrator never polls a future and never waits for one batch while another has a
-stage to send. No code here synchronizes the device: the library actors' tracking orders every
-stage after the one before it on another stream, and a ring buffer's reuse after its last reader.
+the copy back is enqueued, the orchestrator watches it land itself (``_Landing``: a query per
+look, a blocking wait on the oldest only when no other answer can come). The orchestrator never
+waits for one batch while another has a stage to send. No code here synchronizes the device: the
+library actors' tracking orders every stage after the one before it on another stream, and a ring
+buffer's reuse after its last reader.
 
 The inputs are built once, before timing starts (:class:`~.batches.BatchData`). Every batch is
 verified exactly, off the critical path: the kernel, ``SCALE_ADD_CHECKSUM_F32``, writes the
@@ -30,7 +31,6 @@ retries and verification share one state, and the host-memory seams sit beside t
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -192,37 +192,47 @@ _STAGES = ("copy in", "kernel", "copy out", "copy out")
 
 
 class _Landing:
-    """A thread that waits, in order, for each batch's copies back to land, and posts
-    ``Answer(batch, _LANDED, None)`` (or the error the wait raised) on the run's queue. The
-    waits are blocking driver calls that let the GIL go, so the orchestrator and the actors
-    run meanwhile; copies back land in the order they were enqueued on the one copy-out stream,
-    so one thread in FIFO order never waits behind a batch that could have been reported."""
+    """The batches whose copies back are enqueued and not yet seen landed, oldest first. The
+    orchestrator takes the ones that landed (a query each, which keeps the GIL) whenever it looks
+    for answers, and blocks on the oldest only when nothing else can come: no thread of its own,
+    so no GIL hand-off and no queue post per batch. Copies back land in the order they were
+    enqueued on the one copy-out stream, so the oldest is always the next to land."""
 
-    def __init__(self, replies: queue.SimpleQueue[Answer]) -> None:
-        self._replies = replies
-        self._todo: queue.SimpleQueue[tuple[_Batch, CopyDone] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="demo-landing", daemon=True)
-        self._thread.start()
+    def __init__(self) -> None:
+        self._todo: deque[tuple[_Batch, CopyDone]] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._todo)
 
     def watch(self, batch: _Batch, reply: CopyDone) -> None:
-        """Post ``batch`` once the copy behind ``reply`` has landed."""
-        self._todo.put((batch, reply))
+        """Report ``batch`` once the copy behind ``reply`` has landed."""
+        self._todo.append((batch, reply))
 
-    def close(self) -> None:
-        """Stop once every watched copy is reported. Idempotent."""
-        if self._thread.is_alive():
-            self._todo.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._todo.get()) is not None:
-            batch, reply = item
+    def landed(self) -> list[Answer]:
+        """The answers of the copies that have landed, oldest first (never blocks); a wait that
+        raised (a rebuild while the copy was landing) is that batch's answer."""
+        out: list[Answer] = []
+        todo = self._todo
+        while todo:
+            batch, reply = todo[0]
             try:
-                _wait_landed(reply)
-            except BaseException as exc:  # noqa: BLE001 - posted: the orchestrator decides what it means
-                self._replies.put(Answer(batch, None, exc))
+                if not reply.done():
+                    break
+            except BaseException as exc:  # noqa: BLE001 - the orchestrator decides what it means
+                out.append(Answer(batch, None, exc))
             else:
-                self._replies.put(Answer(batch, _LANDED, None))
+                out.append(Answer(batch, _LANDED, None))
+            todo.popleft()
+        return out
+
+    def wait_oldest(self) -> Answer:
+        """Block until the oldest copy has landed (the caller knows one is watched); its answer."""
+        batch, reply = self._todo.popleft()
+        try:
+            _wait_landed(reply)
+        except BaseException as exc:  # noqa: BLE001 - the orchestrator decides what it means
+            return Answer(batch, None, exc)
+        return Answer(batch, _LANDED, None)
 
 
 class _Run:
@@ -240,7 +250,8 @@ class _Run:
         self.tail = checksum_tail(self.n)
         self.out_bytes = self.tail + 8  # what a batch's copy back carries: output and checksum
         self.replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
-        self.landing = _Landing(self.replies)
+        self.landing = _Landing()
+        self.asked = 0  # asks sent whose answer has not come back yet
         self.slots: list[_Slot | None] = [None] * cfg.depth
         self.free = deque(range(cfg.depth))
         self.hosts: deque[_HostSet] = deque()  # free host sets; 2 * depth at most are made
@@ -307,9 +318,11 @@ class _Run:
                 grid, block = self.shape
                 args = [Out(slot.out), In(slot.inp), ALPHA, BETA, self.n]
                 slot.launch = Launch(SCALE_ADD_CHECKSUM_F32, grid, block, args)
+            self.asked += 1
             ask_posting(self.kernels, slot.launch, self.replies, batch)
         else:
             out = self.kept.get(batch.index, batch.host.out)
+            self.asked += 1
             _copy_back(self.copy_out, slot.out, self.out_bytes, out, self.replies, batch)
 
     def start(self, index: int, s: int) -> None:
@@ -320,6 +333,7 @@ class _Run:
         host = self.hosts.popleft() if self.hosts else self._new_host_set()
         batch = _Batch(index, s, slot, host, 0)
         self.inflight.add(batch)
+        self.asked += 1
         ask_posting(self.copy_in, CopyToDevice(slot.inp, self.inputs[index % len(self.inputs)]), self.replies, batch)
 
     def _slow_producer(self, ref: GpuRef) -> None:
@@ -430,26 +444,52 @@ class _Run:
                 self.errors.append(f"copy in, batch {index}: {exc!r}")
         if not self.inflight:
             return
-        try:
-            answer = self.replies.get(timeout=timeout)
-        except queue.Empty:
+        if self._take_ready():
             return
+        if self.asked or not self.landing:
+            # An answer is still to come from an actor's own thread: wait for it (the copies
+            # back are looked at again on the next step).
+            try:
+                answer = self.replies.get(timeout=timeout)
+            except queue.Empty:
+                return
+            self._answered(answer)
+        else:
+            self.on_answer(self.landing.wait_oldest())
+        self._take_ready()
+
+    def _take_ready(self) -> bool:
+        """Take every answer already in and every copy back already landed; whether any was."""
+        took = False
         while True:
-            self.on_answer(answer)
             try:
                 answer = self.replies.get_nowait()
             except queue.Empty:
-                return
+                break
+            self._answered(answer)
+            took = True
+        for answer in self.landing.landed():
+            self.on_answer(answer)
+            took = True
+        return took
+
+    def _answered(self, answer: Answer) -> None:
+        self.asked -= 1
+        self.on_answer(answer)
 
     def finish(self, deadline: float) -> None:
         """After an error or a timeout: take the answers of what is still in flight (nothing new
-        is sent), so no buffer is dropped while in use; then stop the landing thread."""
+        is sent), so no buffer is dropped while in use."""
         while self.inflight and time.perf_counter() < deadline:
-            try:
-                self.on_answer(self.replies.get(timeout=max(0.0, deadline - time.perf_counter())))
-            except queue.Empty:
-                break
-        self.landing.close()
+            if self._take_ready():
+                continue
+            if self.asked or not self.landing:
+                try:
+                    self._answered(self.replies.get(timeout=max(0.0, deadline - time.perf_counter())))
+                except queue.Empty:
+                    break
+            else:
+                self.on_answer(self.landing.wait_oldest())
 
 
 def run_pipeline(
@@ -511,8 +551,6 @@ def run_pipeline(
         seconds, cpu = _drive(run, cfg, progress)
         stats = device.ask(GetStats(), block=True)
     finally:
-        if run is not None:
-            run.landing.close()  # done by _drive; here for a failure before it (a thread per run otherwise)
         for ref in reversed(started):
             ref.stop()
         if own_device:
