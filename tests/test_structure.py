@@ -1,9 +1,11 @@
-"""The shape of the package, checked: layers import one way, no import circle anywhere, every public
-name documented, and a long module says why it is long.
+"""The shape of the package, checked: layers import one way, no import circle anywhere (none inside
+a folder, none across folders), every public name documented, and a long module says why it is
+long.
 
-Imports are read from the source (``ast``), counting those made under ``TYPE_CHECKING``; a
-type-only back reference is allowed only where listed below, between two types that truly refer
-to each other.
+Imports are read from the source (``ast``), counting those made under ``TYPE_CHECKING`` and
+those made inside functions: a type-only import closes a circle like any other. Two types that
+truly refer to each other live in one module, or one names a protocol of the other that a lower
+module defines.
 """
 
 from __future__ import annotations
@@ -22,12 +24,6 @@ PACKAGE_DIR = Path(xlog_actors.__file__).parent
 #: Bottom up: a module may import modules of its own layer or of a lower one, never a higher one.
 #: ``_core`` is the compiled core: it calls the driver, and ``memory`` is its Python face.
 LAYERS = ["errors", "driver", "kernels", "_core", "memory", "runtime", "actors", "interop", "ray", "cli"]
-
-#: (importer, imported): type-only back references between two types that refer to each other.
-ALLOWED_TYPE_ONLY_CYCLES = {
-    ("xlog_actors.actors.gpu_ref", "xlog_actors.actors.device_context"),
-    ("xlog_actors.driver.cuda.context", "xlog_actors.driver.cuda.streams"),
-}
 
 LONG_MODULE_LINES = 400
 
@@ -101,9 +97,13 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> dict[str, bool]:
     return found
 
 
-def _graph() -> dict[str, dict[str, bool]]:
-    known = _modules()
+def _graph_of(known: dict[str, Path]) -> dict[str, dict[str, bool]]:
+    """Module -> the modules of ``known`` it imports -> whether only under ``TYPE_CHECKING``."""
     return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def _graph() -> dict[str, dict[str, bool]]:
+    return _graph_of(_modules())
 
 
 def _layer(module: str) -> int | None:
@@ -151,24 +151,57 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+def _circles_inside_folders(graph: dict[str, dict[str, bool]], known: dict[str, Path]) -> list[list[str]]:
+    """A circle of each folder that has one: imports between modules of one folder (a package's
+    ``__init__`` belongs to its own folder), those made only under ``TYPE_CHECKING`` included."""
+    by_folder: dict[Path, dict[str, set[str]]] = {}
+    for importer, imported in graph.items():
+        folder = known[importer].parent
+        for target in imported:  # type-only or not: both close a circle
+            if known[target].parent == folder:
+                by_folder.setdefault(folder, {}).setdefault(importer, set()).add(target)
+    return [circle for _, edges in sorted(by_folder.items()) if (circle := _cycle(edges)) is not None]
+
+
+def test_no_import_circle_inside_a_folder() -> None:
+    circles = _circles_inside_folders(_graph(), _modules())
+    assert not circles, "import circles inside a folder: " + "; ".join(" -> ".join(c) for c in circles)
+
+
 def test_no_import_circle_in_the_package() -> None:
-    """Package ``__init__`` modules count as modules: a submodule that imports an ``__init__``
-    which (perhaps through others) imports that submodule back closes a circle like any other."""
-    edges: dict[str, set[str]] = {}
-    for importer, imported in _graph().items():
-        for target, type_only in imported.items():
-            if not (type_only and (importer, target) in ALLOWED_TYPE_ONLY_CYCLES):
-                edges.setdefault(importer, set()).add(target)
+    """Across folders too. Package ``__init__`` modules count as modules: a submodule that imports
+    an ``__init__`` which (perhaps through others) imports that submodule back closes a circle like
+    any other."""
+    edges = {importer: set(imported) for importer, imported in _graph().items()}
     assert _cycle(edges) is None, f"import circle: {' -> '.join(_cycle(edges) or [])}"
 
 
-def test_each_allowed_back_reference_is_type_only_and_says_why() -> None:
-    graph = _graph()
-    for importer, imported in ALLOWED_TYPE_ONLY_CYCLES:
-        assert graph[importer].get(imported) is True, f"{importer} -> {imported} is not type-only"
-        source = _modules()[importer].read_text(encoding="utf-8")
-        block = source[source.index("if TYPE_CHECKING") :][:600]
-        assert "#" in block, f"{importer}: the type-only import of {imported} must say why in a comment"
+def test_the_folder_check_finds_a_type_only_circle(tmp_path: Path) -> None:
+    """The checker on a synthetic package read from files: ``a`` imports ``b``, and ``b`` imports
+    ``a`` only under ``TYPE_CHECKING``; that is a circle. ``c``, in another folder, imports ``a``
+    and ``a`` imports ``c`` back: not inside a folder (the package-wide test catches it)."""
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    files = {
+        "pkg": "",
+        "pkg.a": "from . import b\nfrom .sub import c\n",
+        "pkg.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n",
+        "pkg.sub": "",
+        "pkg.sub.c": "def f():\n    from ..a import A\n",
+    }
+    known: dict[str, Path] = {}
+    for name, text in files.items():
+        is_package = name in ("pkg", "pkg.sub")
+        path = tmp_path.joinpath(*name.split("."), "__init__.py") if is_package else (
+            tmp_path.joinpath(*name.split(".")).with_suffix(".py")
+        )
+        path.write_text(text, encoding="utf-8")
+        known[name] = path
+    graph = _graph_of(known)
+    assert graph["pkg.b"] == {"pkg.a": True} and graph["pkg.a"] == {"pkg.b": False, "pkg.sub.c": False}
+    assert _circles_inside_folders(graph, known) == [["pkg.a", "pkg.b", "pkg.a"]]
+    known["pkg.b"].write_text("", encoding="utf-8")  # the back reference gone: no circle in the folder
+    assert _circles_inside_folders(_graph_of(known), known) == []
+    assert _cycle({k: set(v) for k, v in _graph_of(known).items()}) == ["pkg.a", "pkg.sub.c", "pkg.a"]
 
 
 def _public_objects() -> list[tuple[str, object]]:

@@ -1,4 +1,4 @@
-"""The isolated device's fast path (#18): frees ride in the next ask's frame, the child's frame
+"""The isolated device's fast path: frees ride in the next ask's frame, the child's frame
 reader serves ``Allocate``/``Free`` itself only while its device actor is quiet, and the pipe
 readers spin before they sleep (only on machines of four cores or more; forced here)."""
 
@@ -13,7 +13,7 @@ import pykka
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.actors.isolated import ChildFault, _child, _protocol, _proxy
+from xlog_actors.actors.isolated import ChildFault, _child, _lane, _protocol, _proxy, _reader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,7 +139,8 @@ def test_a_restart_answers_every_direct_allocation_in_flight(
 def test_forced_spinning_readers_serve_and_free_as_the_sleeping_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """The parent's reader and the askers' futures spin (forced on this machine whatever its
     cores); every reply still reaches its asker and every dropped handle is freed."""
-    monkeypatch.setattr(_proxy, "spin_budget", lambda seconds: seconds)
+    for module in (_proxy, _reader, _lane):  # the askers' futures, the reader, the lane's waits
+        monkeypatch.setattr(module, "spin_budget", lambda seconds: seconds)
     device = xa.DeviceActor.start(0, "host", isolate=True)
     held = None
     for _ in range(50):

@@ -39,7 +39,7 @@ from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
 from .ops cimport DriverOps, ops_for
 from .ptr_table cimport PtrTable, key_of
-from .resource_core cimport ResourceCore
+from .resource_core cimport ResourceCore, record_history
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.limits import ALIGNMENT
@@ -349,11 +349,7 @@ cdef class AsyncCore(ResourceCore):
             self._live_bytes += entry.nbytes
         lock_release(&self._lock)
         if not collision:
-            if self._history is not None:
-                if self._ring is not None:
-                    self._ring.record(block, HISTORY_ALLOC)
-                else:
-                    self._history.record_alloc(block)
+            record_history(self, block, HISTORY_ALLOC)
             return block
         self._ops.free_async(ptr, cu_stream)
         raise DriverError(
@@ -423,11 +419,7 @@ cdef class AsyncCore(ResourceCore):
                 self._events._free.extend(reads.values())
         finally:
             lock_release(&self._lock)
-        if self._history is not None:
-            if self._ring is not None:
-                self._ring.record(block, HISTORY_FREE)
-            else:
-                self._history.record_free(block)
+        record_history(self, block, HISTORY_FREE)
 
     # -- reaping ----------------------------------------------------------------------------
     def reap_pending(self):

@@ -11,7 +11,7 @@ from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
 from libc.stdint cimport uint64_t
 from cpython.object cimport PyObject
-from .resource_core cimport ResourceCore
+from .resource_core cimport ResourceCore, record_history
 
 from ..driver.checks import check_device, check_nbytes, unknown_block
 from ..driver.limits import ALIGNMENT
@@ -95,11 +95,7 @@ cdef class DirectCore(ResourceCore):
             raise DriverError(
                 f"DirectCudaResource on device {self._ordinal}: pointer collision on alloc ({ptr:#x} is already live)"
             )
-        if self._history is not None:
-            if self._ring is not None:
-                self._ring.record(block, HISTORY_ALLOC)
-            else:
-                self._history.record_alloc(block)
+        record_history(self, block, HISTORY_ALLOC)
         return block
 
     def deallocate(self, block):
@@ -151,11 +147,7 @@ cdef class DirectCore(ResourceCore):
             finally:
                 lock_release(&self._lock)
             raise
-        if self._history is not None:
-            if self._ring is not None:
-                self._ring.record(block, HISTORY_FREE)
-            else:
-                self._history.record_free(block)
+        record_history(self, block, HISTORY_FREE)
 
     def bytes_outstanding(self):
         """Bytes of the live blocks (a free completes before ``deallocate`` returns, so nothing

@@ -1,6 +1,6 @@
 # What both compiled resources hold; see resource_core.pyx.
 
-from .history_ring cimport HistoryRing
+from .history_ring cimport HISTORY_ALLOC, HistoryRing
 from .ops cimport DriverOps
 
 
@@ -11,3 +11,19 @@ cdef class ResourceCore:
     cdef int _lock  # lock.pxd's; zeroed (free) when the object is made
     cdef object _history
     cdef HistoryRing _ring
+
+
+# Report ``block``'s allocation or free (``action``: HISTORY_ALLOC or HISTORY_FREE) to the
+# resource's memory history, if one is set: a HistoryRing in C, any other history through its
+# record_alloc/record_free. Both resources call it after the operation succeeded, in the calling
+# thread, outside their lock; switched off it costs one pointer compare (it is inlined).
+cdef inline int record_history(ResourceCore core, object block, int action) except -1:
+    if core._history is None:
+        return 0
+    if core._ring is not None:
+        core._ring.record(block, action)
+    elif action == HISTORY_ALLOC:
+        core._history.record_alloc(block)
+    else:
+        core._history.record_free(block)
+    return 0

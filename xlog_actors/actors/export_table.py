@@ -40,6 +40,7 @@ import threading
 import weakref
 from typing import Any, Final
 
+from ..driver.once import made_once
 from ..driver.shared_memory import SharedSegment, segment_name
 from ..errors import InvalidRequest
 from .device_state import DeviceState
@@ -127,15 +128,13 @@ class ExportTable:
 
         Thread rule: any thread.
         """
-        table = _tables.get(state)
-        if table is None:
-            with _tables_lock:
-                table = _tables.get(state)
-                if table is None:
-                    table = cls(state)
-                    _tables[state] = table
-                    weakref.finalize(state, table.close)
-        return table
+
+        def make() -> ExportTable:
+            table = cls(state)
+            weakref.finalize(state, table.close)
+            return table
+
+        return made_once(_tables, _tables_lock, state, make)
 
     def __repr__(self) -> str:
         return f"ExportTable({self.name!r}, {self.pinned_count()} pinned)"

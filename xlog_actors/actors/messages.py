@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pykka
 
 from ..errors import InvalidRequest
-from ..memory.block import AllocTag, DeviceBlock, StreamId
+from ..memory.block import AllocTag, StreamId
 from ..memory.history import DEFAULT_MAX_ENTRIES, ORIGIN_CAPTURE, Frames, capture_frames
-
-if TYPE_CHECKING:
-
-    from .gpu_ref import GpuRef
+from .gpu_ref import GpuRef, Reclaim  # Reclaim: the context's wake-up, which lives beside it
 
 __all__ = [
     "Allocate",
@@ -47,8 +44,21 @@ __all__ = [
 ]
 
 
+class _Originated:
+    """The ``__post_init__`` of the messages that carry an ``origin`` field: while a device
+    records a memory history, the stack where the message was made (the caller of its
+    ``__init__``, two frames up)."""
+
+    __slots__ = ()
+    origin: Frames | None
+
+    def __post_init__(self) -> None:
+        if ORIGIN_CAPTURE[0] and self.origin is None:
+            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
+
+
 @dataclass(frozen=True, slots=True)
-class Allocate:
+class Allocate(_Originated):
     """Allocate one block.
 
     Fields: ``nbytes`` (a positive int), ``stream`` (a ``StreamId`` of the device's stream pool;
@@ -64,10 +74,6 @@ class Allocate:
     stream: StreamId = StreamId.DEFAULT
     tag: AllocTag = AllocTag.UNTAGGED
     origin: Frames | None = field(default=None, compare=False, repr=False, kw_only=True)
-
-    def __post_init__(self) -> None:
-        if ORIGIN_CAPTURE[0] and self.origin is None:
-            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # An isolated device's every allocation crosses a pipe: plain fields pickle in about 3 µs,
@@ -105,7 +111,7 @@ class AllocatePinned:
 
 
 @dataclass(frozen=True, slots=True)
-class AllocateMany:
+class AllocateMany(_Originated):
     """Allocate several blocks in one round trip, all or none.
 
     Fields: ``sizes`` (a list or tuple of positive ints), ``stream`` and ``tag`` as in
@@ -121,13 +127,9 @@ class AllocateMany:
     tag: AllocTag = AllocTag.UNTAGGED
     origin: Frames | None = field(default=None, compare=False, repr=False, kw_only=True)
 
-    def __post_init__(self) -> None:
-        if ORIGIN_CAPTURE[0] and self.origin is None:
-            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
-
 
 @dataclass(frozen=True, slots=True)
-class Free:
+class Free(_Originated):
     """Free a handle now rather than when its last reference goes.
 
     Fields: ``ref``, a ``GpuRef`` of this device.
@@ -140,10 +142,6 @@ class Free:
 
     ref: GpuRef
     origin: Frames | None = field(default=None, compare=False, repr=False, kw_only=True)
-
-    def __post_init__(self) -> None:
-        if ORIGIN_CAPTURE[0] and self.origin is None:
-            object.__setattr__(self, "origin", capture_frames(sys._getframe(2)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,19 +297,6 @@ class DeviceStats:
     batches: int = 0
     batched_messages: int = 0
     largest_batch: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Reclaim:
-    """Internal wake-up: a ``GpuRef`` of ``generation`` went away or was released, and its
-    ``block`` waits in that context's reclaim queue.
-
-    Fields: ``block``, ``generation``.
-    Reply: None (it is told); a reclaim of an older generation is ignored.
-    """
-
-    block: DeviceBlock
-    generation: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Named shared-memory segments: what processes of one node map together (issue #18 step 2).
+"""Named shared-memory segments: what processes of one node map together.
 
 A :class:`SharedSegment` is a POSIX shared-memory object (``/dev/shm/<name>``, Linux) mapped
 whole. The host driver keeps the emulated device memory of a shareable device in one, and the
@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from multiprocessing import resource_tracker
 
 from ..errors import DeviceUnavailable, InvalidRequest
+from .once import made_once
 
 __all__ = [
     "ORPHAN_AGE_S",
@@ -240,14 +241,7 @@ def mapped(name: str) -> SharedSegment:
         DeviceUnavailable, InvalidRequest: as :meth:`SharedSegment.open`, on first use.
     Thread rule: any thread.
     """
-    segment = _mapped.get(name)
-    if segment is None:
-        with _mapped_lock:
-            segment = _mapped.get(name)
-            if segment is None:
-                segment = SharedSegment.open(name)
-                _mapped[name] = segment
-    return segment
+    return made_once(_mapped, _mapped_lock, name, lambda: SharedSegment.open(name))
 
 
 def mapped_if_open(name: str) -> SharedSegment | None:

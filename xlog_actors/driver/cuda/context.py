@@ -40,7 +40,7 @@ import threading
 import weakref
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn, Protocol
 
 from ...errors import ContextLost, ContextPoisoned, DeviceUnavailable, DriverError, OutOfMemory
 from ..kernel import Kernel
@@ -52,10 +52,7 @@ from .pool_ipc import create_pool, retire_pool
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's is 3.11+; annotations are never evaluated here
 
-    # A type-only back reference: a device holds its streams, and each stream its device.
-    from .streams import CudaStream
-
-__all__ = ["STAMPED_ATTRIBUTES", "CudaDevice", "Stamped", "tls"]
+__all__ = ["STAMPED_ATTRIBUTES", "CudaDevice", "DeviceStream", "Stamped", "tls"]
 
 _UINT64_MAX: Final[int] = (1 << 64) - 1
 # Codes of cuInit / cuDevicePrimaryCtxRetain meaning "this machine cannot give you the device".
@@ -151,6 +148,22 @@ class Stamped:
 _VERSION_LOCK = threading.RLock()
 
 
+class DeviceStream(Protocol):
+    """What a device needs of the streams it holds (``CudaDevice.streams``; a
+    :class:`.streams.CudaStream` is one): to retire them on a rebuild or close.
+
+    A stream refers to its device and a device to its streams; the device names only this
+    protocol, so :mod:`.streams` depends on this module and not the other way round.
+
+    Thread rule: ``_invalidate`` runs under the device's lock; ``_destroy_handles`` after the
+    stream was retired, while its context still exists.
+    """
+
+    def _invalidate(self, reason: str) -> bool: ...
+
+    def _destroy_handles(self) -> None: ...
+
+
 class CudaDevice(Stamped):
     """One ordinal of one :class:`CudaDriver`: its primary-context retain and what lives in it.
 
@@ -189,7 +202,7 @@ class CudaDevice(Stamped):
         # from outside leaves the default pool's blocks taken (the pool is a device object).
         self.pool_live: set[int] = set()
         self.direct_live: set[int] = set()
-        self.streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
+        self.streams: weakref.WeakSet[DeviceStream] = weakref.WeakSet()
         self.modules: list[Any] = []
         self.functions: dict[Kernel, Any] = {}
         # (event, object) pairs of streams closed with copies in flight; dropped as they fire
@@ -447,7 +460,7 @@ class CudaDevice(Stamped):
             else:
                 orphans.clear()
 
-    def _teardown(self, reason: str) -> list[CudaStream]:
+    def _teardown(self, reason: str) -> list[DeviceStream]:
         """Under ``lock``: invalidate every object this driver made in the context (epoch bump)
         and forget its per-context state. Returns the streams this call retired (their handles
         are the caller's to destroy, or to forget with a dead context).

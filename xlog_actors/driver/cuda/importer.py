@@ -5,7 +5,8 @@ Shared by the legacy IPC path (:mod:`.ipc`) and the IPC-capable pool (:mod:`.poo
 
 Invariants: the primary context of an ordinal is retained at most once per process, and never
 released (an importer's mappings live in it until the process ends or they are closed); a handle
-is exactly :data:`HANDLE_BYTES` bytes.
+is exactly :data:`HANDLE_BYTES` bytes; a mapping (:class:`ImportedMapping`) is released once, when
+its last user drops it, and never in the owner's own process.
 
 Thread rule: any thread. :data:`lock` guards the tables of opened mappings of both IPC modules
 (an open maps at most once per process); the retain table has a lock of its own, because an
@@ -21,7 +22,7 @@ from typing import Any, Final
 
 from .call import check, cu
 
-__all__ = ["HANDLE_BYTES", "bytes_of", "lock", "make_current", "struct_of"]
+__all__ = ["HANDLE_BYTES", "ImportedMapping", "bytes_of", "lock", "make_current", "struct_of"]
 
 #: The size of a CUDA IPC memory or event handle, and of a pool pointer's export data.
 HANDLE_BYTES: Final = 64
@@ -72,3 +73,34 @@ def make_current(ordinal: int) -> None:
                 _contexts[ordinal] = ctx
     (err,) = cu.cuCtxSetCurrent(ctx)
     check(err, f"cuCtxSetCurrent (device {ordinal})")
+
+
+class ImportedMapping:
+    """One process's mapping of another process's device memory, shared by the handles of its
+    blocks (the importers' tables hold it weakly) and released when the last one drops it:
+    :class:`.ipc.OpenedMemory` (legacy IPC) and :class:`.pool_ipc.ImportedPointer` (a pool
+    block) say how. ``base`` is its address here; 0 in the owner's own process, where the owner's
+    address needs no mapping and nothing is released.
+
+    Thread rule: any thread.
+    """
+
+    __slots__ = ("__weakref__", "_ordinal", "base")
+
+    def __init__(self, ordinal: int, base: int) -> None:
+        """A mapping of device ``ordinal``'s memory at ``base`` (0: in the owner's process)."""
+        self._ordinal = ordinal
+        self.base = base
+
+    def _release(self, base: int) -> None:
+        """Give the mapping at ``base`` back to CUDA (the device's context is current)."""
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        if self.base == 0:
+            return
+        try:
+            make_current(self._ordinal)
+            self._release(self.base)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone with the process
+            return

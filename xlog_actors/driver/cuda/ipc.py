@@ -1,4 +1,4 @@
-"""Handles across processes on the GPU: CUDA IPC memory and event handles (issue #18 step 2).
+"""Handles across processes on the GPU: CUDA IPC memory and event handles.
 
 The owner side (:func:`export_memory`, :func:`record_event`) runs in the device's process with
 its context; the importer side (:func:`open_memory`, :func:`wait_event`) in any process of the
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 from ...errors import DeviceUnavailable, InvalidRequest
 from . import pool_ipc
 from .call import NOT_READY, SUCCESS, check, cu
-from .importer import bytes_of, lock, make_current, struct_of
+from .importer import ImportedMapping, bytes_of, lock, make_current, struct_of
 
 __all__ = [
     "CudaMemoryExport",
@@ -106,33 +106,23 @@ def export_memory(driver: Any, ordinal: int, ptr: int, nbytes: int) -> CudaMemor
     return CudaMemoryExport(bytes_of(handle), ptr - int(base), nbytes, os.getpid(), ptr)
 
 
-class OpenedMemory:
-    """One process's mapping of an exported allocation, shared by the handles of its blocks (it
-    is unmapped when the last one drops it); ``base`` is the allocation's address here, 0 in the
-    owner's own process, where ``ptr`` needs no mapping.
+class OpenedMemory(ImportedMapping):
+    """One process's mapping of an exported allocation (made by :func:`open_memory`), shared by
+    the handles of its blocks (it is unmapped, ``cuIpcCloseMemHandle``, when the last one drops
+    it); ``base`` is the allocation's address here, 0 in the owner's own process, where ``ptr``
+    needs no mapping.
 
     Thread rule: any thread.
     """
 
-    __slots__ = ("__weakref__", "_ordinal", "base")
-
-    def __init__(self, ordinal: int, base: int) -> None:
-        """A mapping at ``base`` (made by :func:`open_memory`)."""
-        self._ordinal = ordinal
-        self.base = base
+    __slots__ = ()
 
     def ptr(self, export: CudaMemoryExport) -> int:
         """The address of ``export``'s block in this process. Thread rule: any thread."""
         return export.ptr if self.base == 0 else self.base + export.offset
 
-    def __del__(self) -> None:
-        if self.base == 0:
-            return
-        try:
-            make_current(self._ordinal)
-            cu.cuIpcCloseMemHandle(self.base)
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone with the process
-            return
+    def _release(self, base: int) -> None:
+        cu.cuIpcCloseMemHandle(base)
 
 
 def open_memory(

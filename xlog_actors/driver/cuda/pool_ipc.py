@@ -1,4 +1,4 @@
-"""The IPC-capable stream-ordered pool (issue #18): blocks of the ``async`` stack, zero-copy in
+"""The IPC-capable stream-ordered pool: blocks of the ``async`` stack, zero-copy in
 other processes of the node.
 
 * **The pool.** A device of a ``CudaDriver(ipc_pool=True)`` allocates from a pool of its own,
@@ -43,7 +43,7 @@ from typing import Any, Final, NamedTuple
 from ...errors import InvalidRequest
 from ..fd_passing import fetch_fd, served
 from .call import SUCCESS, check, cu
-from .importer import bytes_of, lock, make_current, struct_of
+from .importer import ImportedMapping, bytes_of, lock, make_current, struct_of
 
 __all__ = [
     "FETCH_TIMEOUT_S",
@@ -179,33 +179,22 @@ def export_pointer(ordinal: int, ptr: int, nbytes: int, pool: Any) -> CudaPoolEx
     return CudaPoolExport(served().address, key, bytes_of(data), nbytes, os.getpid(), ptr)
 
 
-class ImportedPointer:
-    """One process's import of a pool block, shared by the handles of the block (freed with
-    ``cuMemFree`` when the last one drops it); ``base`` is its address here, 0 in the owner's own
-    process, where the owner's address needs no import.
+class ImportedPointer(ImportedMapping):
+    """One process's import of a pool block (made by :func:`open_pointer`), shared by the handles
+    of the block (freed with ``cuMemFree`` when the last one drops it); ``base`` is its address
+    here, 0 in the owner's own process, where the owner's address needs no import.
 
     Thread rule: any thread.
     """
 
-    __slots__ = ("__weakref__", "_ordinal", "base")
-
-    def __init__(self, ordinal: int, base: int) -> None:
-        """An import at ``base`` (made by :func:`open_pointer`)."""
-        self._ordinal = ordinal
-        self.base = base
+    __slots__ = ()
 
     def ptr(self, export: CudaPoolExport) -> int:
         """The address of ``export``'s block in this process. Thread rule: any thread."""
         return export.ptr if self.base == 0 else self.base
 
-    def __del__(self) -> None:
-        if self.base == 0:
-            return
-        try:
-            make_current(self._ordinal)
-            cu.cuMemFree(self.base)
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone with the process
-            return
+    def _release(self, base: int) -> None:
+        cu.cuMemFree(base)
 
 
 def open_pointer(ordinal: int, export: CudaPoolExport) -> ImportedPointer:

@@ -1,0 +1,174 @@
+"""``ChildLink``: the parent's record of one serving child process: its asks in flight, its queue
+of frees and its generations.
+
+Invariants:
+
+* **Pipelined asks.** Sending an ask only registers it under a fresh request id with its asker's
+  future (the ``pending`` table) and pickles it onto the pipe; the child's reader thread
+  (:mod:`._reader`) resolves the future when the reply with that id arrives, so many asks are in
+  flight at once, answered in whatever order the child serves them. An ask is registered only
+  while the child is alive: one sent to a child that died meanwhile is answered by its death.
+* **Frees ride the frames.** Dropped parent handles queue ``(child generation, address)`` in the
+  link's ``frees`` (their context's ``reclaim``); the frees of the current generation go with the
+  next ask, in its frame (the child frees them before it serves the ask), or in a ``free`` frame
+  of their own when the proxy is woken for them (``Flush``). Those of an older generation are
+  dropped: their memory went with their context, and nothing is ever freed into a newer one.
+* **The parent holds the generation.** Each child has its own ``DeviceState`` in the parent,
+  starting at ``base``, where the previous child's generation ended, plus one. The child's
+  generation ``g`` is the parent's ``base + g``; a reply made in a newer child generation than the
+  current context's advances the state to it (``context_for``), and its handles validate against
+  it on every ``access()``. A child's death bumps or poisons it (:mod:`._reader`).
+
+Thread rules: the proxy's thread (or an asker's, on the fast path) sends asks and frees; the
+reader thread resolves them. ``pending``, ``alive`` and the current context ``ctx`` change under
+``lock``; ``frees`` is a ``deque`` any thread may append to (a garbage collector's included).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pykka
+
+from ..._core.call_lane import CallLane
+from ...driver.shared_memory import SharedSegment
+from ...errors import InvalidRequest
+from ..device_state import DeviceState
+from ._process import ChildProcess
+from ._remote import RemoteContext, RemoteDriverFace
+
+__all__ = ["ChildLink", "Flush"]
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    """Told to the proxy by a context's wake-up: the free queue of its child grew; the proxy
+    sends it (``ChildLink.flush_frees``). Thread rule: told from any thread."""
+
+
+class ChildLink:
+    """One serving child process, its requests in flight and its generations, in the parent.
+
+    Thread rule: see the module docstring; ``lock`` guards ``pending``, ``alive`` and ``ctx``.
+    """
+
+    def __init__(
+        self, proc: ChildProcess, owner: str, ordinal: int, kind: str, generation: int, restarts: int,
+        lane: tuple[SharedSegment, CallLane] | None, lane_spin: float,
+    ) -> None:
+        """Args:
+            proc: the configured child process.
+            owner: the proxy's actor URN (the owner of the parent-side handles).
+            ordinal: the device ordinal.
+            kind: the child's driver kind (what the handles say their driver is).
+            generation: the parent's generation of the child's first context (``base``).
+            restarts: the proxy's restarts so far (added to the child's own in its statistics).
+            lane: the child's call lane, its shared segment and the parent's view, or None.
+            lane_spin: how long an asker spins for the child's answer in the lane.
+        """
+        self.proc = proc
+        self.lane_segment: SharedSegment | None = None if lane is None else lane[0]
+        self.lane: CallLane | None = None if lane is None else lane[1]
+        #: Diagnostics: the allocations answered in the lane (tests and the anatomy script).
+        self.lane_answers = 0
+        self.lane_spin = lane_spin
+        self.owner = owner
+        self.ordinal = ordinal
+        self.base = generation
+        self.restarts = restarts
+        self.lock = threading.Lock()
+        self.pending: dict[int, tuple[pykka.Future[Any] | None, Any]] = {}
+        self.ids = itertools.count(1)
+        self.alive = True
+        self.stopping = False
+        self.poisoned: BaseException | None = None
+        self.poisoned_at: float | None = None
+        self.next_generation = generation + 1
+        self.timeline: dict[str, Any] = {}
+        self.state = DeviceState(ordinal, generation)
+        self.frees: deque[tuple[int, int]] = deque()
+        self.face = RemoteDriverFace(kind)
+        self.wake: Callable[[], None] = lambda: None
+        self.ctx = self.context(0, self.state.token)
+        self.reader: threading.Thread | None = None
+
+    def context(self, child_generation: int, token: object) -> RemoteContext:
+        """A new context of the child's ``child_generation``, validated against ``token``."""
+        return RemoteContext(
+            self.owner, self.state, self.base + child_generation, token, child_generation, self.frees,
+            self.wake, self.face,
+        )
+
+    # -- asks and frees (the proxy's side) ------------------------------------------------------
+    def send_ask(self, payload: Any, future: pykka.Future[Any] | None, message: Any) -> bool:
+        """Send one ask, with the frees queued before it in the same frame (one write, one
+        read in the child, which frees them first); False when the child is known dead (nothing
+        was sent)."""
+        with self.lock:
+            if not self.alive:
+                return False
+            rid = next(self.ids)
+            self.pending[rid] = (future, message)
+        frees = self.take_frees()
+        try:
+            self.proc.channel.send(("ask", rid, payload, frees))
+        except InvalidRequest as exc:  # (before ValueError, its base) it cannot be pickled: nothing sent
+            with self.lock:
+                self.pending.pop(rid, None)
+            self.send_frees(frees)  # they were taken for this frame: they still go
+            what = type(getattr(message, "message", message)).__name__
+            raise InvalidRequest(
+                f"isolated device {self.ordinal}: {what} cannot cross to the device process (it must "
+                f"pickle; a kernel's host implementation must be a module-level function): {exc}"
+            ) from None
+        except (OSError, ValueError):
+            pass  # the child died: the reader answers this ask with the death's error
+        return True
+
+    def flush_frees(self) -> None:
+        """Send the frees of dropped handles of the current generation in a frame of their own."""
+        self.send_frees(self.take_frees())
+
+    def take_frees(self) -> tuple[int, list[int]] | None:
+        """Empty the free queue: ``(child generation, addresses)`` of the current generation, or
+        None when none is (older ones went with their context)."""
+        frees = self.frees
+        if not frees:
+            return None
+        current = self.ctx.child_generation
+        ptrs = []
+        while frees:
+            generation, ptr = frees.popleft()
+            if generation == current:
+                ptrs.append(ptr)
+        return (current, ptrs) if ptrs else None
+
+    def send_frees(self, frees: tuple[int, list[int]] | None) -> None:
+        """Send ``frees`` (what ``take_frees`` returned) in a ``free`` frame; nothing for None."""
+        if frees is not None:
+            try:
+                self.proc.channel.send(("free", *frees))
+            except (OSError, ValueError):
+                pass  # the child is gone, and its memory with it
+
+    # -- generations (the reader's side) --------------------------------------------------------
+    def context_for(self, child_generation: int) -> RemoteContext:
+        """The context of the child's ``child_generation``, advancing to it when it is newer."""
+        with self.lock:
+            ctx = self.ctx
+            if child_generation == ctx.child_generation:
+                return ctx
+            if child_generation > ctx.child_generation and self.alive:
+                ctx.open = False
+                while self.state.generation < self.base + child_generation:
+                    self.state.bump_generation()
+                self.ctx = self.context(child_generation, self.state.token)
+                return self.ctx
+        stale = self.context(child_generation, object())  # replaced already: stale from birth
+        stale.open = False
+        return stale

@@ -1,0 +1,206 @@
+"""``ChildKeeper``: keeps one child process serving an isolated device: launches it, replaces it
+when it dies, and stops the device for good past the restart intensity.
+
+Invariants:
+
+* **One serving child** at a time (``child``); a dead one is replaced once per death, by the
+  proxy's thread, after its reader marked the death and answered its askers (the replacement
+  waits for that reader). A child replaced is never sent anything again.
+* **Restarts** go through the ``Supervisor``'s restart intensity (per ordinal); past it the device
+  stops for good (``stopped``) as an in-process one does: a ``GenerationChanged(..., "stopped")``
+  to the subscribers, and every later ask ``DeviceUnavailable``. A launch that fails counts as a
+  restart, and the next attempt follows.
+* **A booted child is kept in reserve** (``spare``, spawned when the proxy starts and after each
+  restart) so that a restart does not wait for an interpreter to start and import; an unused
+  reserve is killed when the device stops.
+* **Generations continue across children**: a new child's first generation is the one its
+  predecessor's death left next (bumped, or past a poisoned one), so every handle of the dead
+  child is stale and none of the new child's is.
+* **The call lane** is opened for a child at its launch when ``want_lane()`` says so (read then,
+  so a change applies from the next child), and its shared segment is closed if the launch fails.
+
+Thread rules: every method runs on the proxy's thread (the first launch on the thread that starts
+the proxy); asker threads only read ``child`` and ``stopped`` (the fast path), each a single
+attribute read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pykka
+
+from ..._core.call_lane import CallLane
+from ...driver.shared_memory import SharedSegment
+from ...errors import DeviceUnavailable
+from .. import messages as m
+from ..supervisor import Supervisor
+from ._lane import lane_spin, open_lane
+from ._link import ChildLink, Flush
+from ._process import STOP_TIMEOUT_S, ChildProcess
+from ._reader import ChildExited, start_reader
+
+__all__ = ["ChildKeeper"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChildKeeper:
+    """The serving child of one isolated device, its reserve and its restarts; see the module
+    docstring.
+
+    Thread rule: the proxy's thread; any thread may read ``child`` and ``stopped``.
+    """
+
+    def __init__(
+        self,
+        ordinal: int,
+        kind: str | None,
+        resource: str | Callable[..., Any] | None,
+        supervisor: Supervisor,
+        ipc_pool: bool,
+        proxy: pykka.ActorRef[Any],
+        want_lane: Callable[[], bool],
+        notify: Callable[[m.GenerationChanged], None],
+    ) -> None:
+        """Launch the first child and wait until it serves.
+
+        Args:
+            ordinal, kind, resource, supervisor, ipc_pool: the device's configuration (see
+                ``IsolatedDevice``).
+            proxy: the proxy's ``ActorRef``, told what a child's threads report.
+            want_lane: whether the next child launched gets a call lane.
+            notify: tells the subscribers a status change (on the proxy's thread).
+        Raises:
+            InvalidRequest, DeviceUnavailable: as the child met them; nothing is left running.
+        """
+        self.ordinal = ordinal
+        self.kind = kind
+        self.resource = resource
+        self.supervisor = supervisor
+        self.ipc_pool = ipc_pool
+        self._proxy = proxy
+        self._want_lane = want_lane
+        self._notify = notify
+        self.restarts = 0
+        self.stopped: DeviceUnavailable | None = None
+        self.spare: ChildProcess | None = None
+        self.child: ChildLink = self.launch(0, ChildProcess(ordinal))
+
+    def launch(self, generation: int, proc: ChildProcess) -> ChildLink:
+        """Hand ``proc`` the device and wait until it serves; its link, its reader started."""
+        configured = time.monotonic()
+        supervisor = self.supervisor
+        lane: tuple[SharedSegment, CallLane] | None = None
+        try:
+            if self._want_lane():
+                lane = open_lane(self.ordinal)
+            proc.channel.send(
+                ("config", self.ordinal, self.kind, self.resource, supervisor.max_restarts, supervisor.within_s,
+                 self.ipc_pool, None if lane is None else lane[0].name)
+            )
+            booted, frame = proc.await_ready(self.ordinal)
+        except BaseException:
+            proc.end(0.0)
+            if lane is not None:
+                lane[0].close()
+            raise
+        child = ChildLink(
+            proc, self._proxy.actor_urn, self.ordinal, self.kind or "auto", generation, self.restarts, lane,
+            lane_spin(),
+        )
+        child.timeline.update(
+            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured,
+            driver_open=frame[1], ready=frame[2],
+        )
+        me = self._proxy
+
+        def tell(message: Any) -> None:
+            try:
+                me.tell(message)
+            except pykka.ActorDeadError:
+                pass  # the proxy stopped meanwhile
+
+        child.wake = lambda: tell(Flush())
+        child.ctx = child.context(0, child.state.token)
+        start_reader(child, lambda c: tell(ChildExited(c)), tell)
+        return child
+
+    def boot_spare(self) -> None:
+        """Spawn the reserve child (it boots while the device serves)."""
+        self.spare = ChildProcess(self.ordinal)
+
+    def serving(self) -> ChildLink | None:
+        """The serving child, replacing a dead one first; None once stopped for good."""
+        if self.stopped is None and not self.child.alive:
+            self.restart(self.child)
+        return None if self.stopped is not None else self.child
+
+    def restart(self, dead: ChildLink) -> None:
+        """Replace ``dead`` if it is still the serving child (once per death)."""
+        if dead is not self.child or self.stopped is not None:
+            return
+        if dead.reader is not None:
+            dead.reader.join(STOP_TIMEOUT_S)  # its death is marked and its askers answered
+        generation = dead.next_generation
+        while True:
+            if not self.supervisor.allow_restart(self.ordinal):
+                self.stop_for_good(f"restart intensity exceeded; the last process ended: {dead.poisoned!r}")
+                return
+            self.restarts += 1
+            proc, self.spare = self.spare or ChildProcess(self.ordinal), None
+            try:
+                child = self.launch(generation, proc)
+            except Exception as exc:  # noqa: BLE001 - counted; the next attempt follows
+                logger.error("isolated device %d: a new process failed: %r", self.ordinal, exc)
+                continue
+            break
+        child.timeline.update(previous_poisoned=dead.poisoned_at, previous_exit_seen=dead.timeline.get("exit_seen"))
+        self.child = child
+        logger.warning(
+            "isolated device %d: process %s ended; process %s serves generation %d",
+            self.ordinal, dead.proc.process.pid, child.proc.process.pid, generation,
+        )
+        self._notify(m.GenerationChanged(self.ordinal, generation, "running"))
+        self.spare = ChildProcess(self.ordinal)
+
+    def stop_for_good(self, reason: str) -> None:
+        """Stop the device for good (idempotent): end the child and the reserve, tell the
+        subscribers ``"stopped"``; every later ask is ``DeviceUnavailable`` with ``reason``."""
+        if self.stopped is not None:
+            return
+        logger.error("isolated device %d: stopped for good: %s", self.ordinal, reason)
+        self.stopped = DeviceUnavailable(f"isolated device {self.ordinal} was stopped for good: {reason}")
+        child = self.child
+        child.state.begin_shutdown()
+        if child.alive:
+            child.stopping = True
+            child.proc.end(STOP_TIMEOUT_S)
+        self._discard_spare()
+        self._notify(m.GenerationChanged(self.ordinal, child.state.generation, "stopped"))
+
+    def stop(self) -> None:
+        """The proxy stops: end the child (killed if it does not end in ``STOP_TIMEOUT_S``) and
+        the reserve; every handle is ``"device shutting down"``."""
+        child = self.child
+        child.stopping = True
+        child.state.begin_shutdown()
+        child.proc.end(STOP_TIMEOUT_S)
+        if child.reader is not None:
+            child.reader.join(STOP_TIMEOUT_S)
+        self._discard_spare()
+
+    def stopped_stats(self) -> m.DeviceStats:
+        """The statistics of a device stopped for good."""
+        return m.DeviceStats(
+            device_id=self.ordinal, generation=self.child.state.generation, bytes_outstanding=0, live_blocks=0,
+            restarts=self.restarts, status="stopped", driver=self.kind or "auto", stack="",
+        )
+
+    def _discard_spare(self) -> None:
+        if self.spare is not None:
+            self.spare.discard()
+            self.spare = None
