@@ -104,16 +104,13 @@ def test_an_unpicklable_allocate_is_refused_and_the_frees_before_it_still_go() -
     assert device.ask(xa.Allocate(64)).generation == 0
 
 
-@pytest.mark.parametrize(
-    ("kind", "error", "reason"),
-    [("sticky", xa.GpuRefStale, "context poisoned"), ("kill", xa.DeviceUnavailable, None)],
-)
+@pytest.mark.parametrize("kind", ["sticky", "kill"])
 def test_a_restart_answers_every_direct_allocation_in_flight(
-    kind: str, error: type[Exception], reason: str | None, run_threads: Callable[..., list[BaseException]]
+    kind: str, run_threads: Callable[..., list[BaseException]]
 ) -> None:
     """Allocations from several threads at once, sent straight from their askers' threads, are
-    in flight when the child fails: each gets the typed error, none hangs, and the next child
-    serves."""
+    in flight when the child fails: none hangs, and each is served by the next child (an
+    allocation names no handle, so the death is no reason to refuse it)."""
     device = xa.DeviceActor.start(0, "host", supervisor=xa.Supervisor(max_restarts=3), isolate=True)
     device.tell(ChildFault(kind, hold=6))  # type: ignore[arg-type]  # armed before the allocations reach it
     outcomes: list[BaseException | object] = []
@@ -131,8 +128,7 @@ def test_a_restart_answers_every_direct_allocation_in_flight(
     assert run_threads(ask_two, 3, 40) == []  # fails the test if an asker hangs
     assert len(outcomes) == 6
     for outcome in outcomes:
-        assert isinstance(outcome, error), outcome
-        assert reason is None or getattr(outcome, "reason", None) == reason
+        assert isinstance(outcome, xa.GpuRef) and outcome.generation == 1, outcome
     assert device.ask(xa.Allocate(64)).generation == 1
 
 

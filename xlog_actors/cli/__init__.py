@@ -1,4 +1,4 @@
-"""Layer 5: the command line. ``xlog-actors info | demo | bench | memory`` (also ``python -m xlog_actors``).
+"""Layer 5: the command line. ``xlog-actors info | demo | bench | memory | chaos`` (also ``python -m xlog_actors``).
 
 Every flag is checked before any work starts: a mistake is one line on stderr naming the flag and
 what it accepts, with exit status 2; ``--driver cuda`` where no GPU is usable is one line naming what
@@ -89,6 +89,27 @@ def _parser() -> OneLineParser:
         "-o", "--output", metavar="OUT.html", type=writable_file, default=None,
         help="where to write the page (default: PATH with .html; its directory must exist and be writable)",
     )
+    chaos = sub.add_parser(
+        "chaos", help="faults, kills and restarts under load, every invariant checked (exit 1 when one broke)"
+    )
+    _add_driver(chaos)
+    chaos.add_argument(
+        "--seconds", type=positive_float, default=60.0,
+        help="seconds of load in all, > 0, split between the devices (default 60)",
+    )
+    chaos.add_argument("--seed", type=at_least(0), default=1, help="the random choices' seed, >= 0 (default 1)")
+    chaos.add_argument("--threads", type=at_least(1), default=8, help="load threads, 1 to 64 (default 8)")
+    chaos.add_argument(
+        "--workers", type=at_least(0), default=2, help="worker processes handles are sent to, 0 to 8 (default 2)"
+    )
+    chaos.add_argument(
+        "--fault-every", metavar="SECONDS", type=positive_float, default=3.0,
+        help="the mean interval between faults, > 0 (default 3)",
+    )
+    chaos.add_argument(
+        "--devices", choices=("both", "in-process", "isolated"), default="both",
+        help="which device to run: both one after the other (default), or one of them",
+    )
     return parser
 
 
@@ -101,6 +122,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "chaos":
+        from .chaos import run_chaos
+
+        return run_chaos(args)
     if args.command == "memory":
         from .memory import run_memory
 

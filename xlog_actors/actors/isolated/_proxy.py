@@ -61,7 +61,7 @@ from ._library import to_child
 from ._link import ChildLink, Flush
 from ._process import READY_TIMEOUT_S
 from ._protocol import ChildFault, ExportBlock, ExportHandle, FreeBlock, LibraryStop, LibraryWork
-from ._reader import ChildExited, ChildStopped, Notify
+from ._reader import ChildExited, ChildStopped, Notify, Reissue
 from ._remote import RemoteContext
 from ._restarts import ChildKeeper
 
@@ -95,7 +95,8 @@ class ChildTimeline:
 
     Reply: a dict: ``pid`` (the child's process id), ``spawned`` (the process started),
     ``booted`` (interpreter up, imports done), ``configured`` (the parent handed it the
-    device), ``driver_open``, ``ready``; and, when it replaced a child, ``previous_poisoned``
+    device), ``driver_open``, ``ready``, ``spare_pid`` (the reserve process's id, None while
+    there is none); and, when it replaced a child, ``previous_poisoned``
     (when the parent heard of the sticky error met in the previous child, or None) and
     ``previous_exit_seen`` (the parent saw that child's pipe end).
     """
@@ -233,8 +234,15 @@ class IsolatedDevice(ResilientActor):
             self._notify(message.message)
         elif isinstance(message, Flush):
             keeper.child.flush_frees()
+        elif isinstance(message, Reissue):
+            try:
+                self._forward(message.message, message.future)
+            except Exception as error:  # noqa: BLE001 - the asker's answer: DeviceUnavailable, when none serves
+                message.future.set_exception((type(error), error, None))
         elif isinstance(message, ChildTimeline):
-            return dict(keeper.child.timeline)
+            timeline = dict(keeper.child.timeline)
+            timeline["spare_pid"] = None if keeper.spare is None else keeper.spare.process.pid
+            return timeline
         else:
             raise InvalidRequest(
                 f"an isolated DeviceActor {self._ordinal} does not serve {type(message).__name__} messages; "

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pykka
+
 from ..._core.doorbell import Doorbell
 from ...driver.shared_memory import unlink_segments_of
 from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRefStale, XlogError
@@ -46,7 +48,7 @@ from ..supervisor import EXIT_POISONED
 from ._link import ChildLink
 from ._protocol import RemoteBlock, decode_error
 
-__all__ = ["RING_AFTER_RELEASE", "ChildExited", "ChildStopped", "Notify", "start_reader"]
+__all__ = ["RING_AFTER_RELEASE", "ChildExited", "ChildStopped", "Notify", "Reissue", "start_reader"]
 
 #: Whether the reply reader rings an answered asker's ``SpinningFuture`` only once it released
 #: the GIL (``_read``), rather than as it sets the reply. Set it both ways to measure it
@@ -70,6 +72,18 @@ class ChildStopped:
     Thread rule: told by the reader thread."""
 
     child: ChildLink
+
+
+@dataclass(frozen=True, slots=True)
+class Reissue:
+    """Told to the proxy: an allocation (``Allocate``/``AllocateMany``) that was in flight when
+    its child died; the proxy sends it to the child that serves next, with the same future, or
+    answers it ``DeviceUnavailable`` when none can. An allocation names no handle, so the death
+    of the process that was to serve it is no reason to refuse it. Thread rule: told by the
+    reader thread."""
+
+    message: Any
+    future: pykka.Future[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +127,7 @@ def _read(link: ChildLink, on_exit: Callable[[ChildLink], None], tell: Callable[
             logger.error("isolated device %d: a frame from the child failed: %r", link.ordinal, exc, exc_info=exc)
     if bell is not None:
         bell.ring()
-    _died(link)
+    _died(link, tell)
     if not link.stopping:
         on_exit(link)
 
@@ -183,7 +197,7 @@ def _decode(link: ChildLink, message: Any, value: Any) -> Any:
     return value
 
 
-def _died(link: ChildLink) -> None:
+def _died(link: ChildLink, tell: Callable[[Any], None]) -> None:
     proc = link.proc
     proc.process.join(5.0)  # its pipe ended: the exit follows at once
     code = proc.process.exitcode
@@ -214,7 +228,10 @@ def _died(link: ChildLink) -> None:
         link.next_generation = link.state.bump_generation()
         text = f"{where} ended (exit code {code}) with the request in flight; a new process is started"
     proc.channel.close()
-    for future, _message in pending.values():
+    for future, message in pending.values():
+        if future is not None and not link.stopping and isinstance(message, (m.Allocate, m.AllocateMany)):
+            tell(Reissue(message, future))  # served by the next child (see Reissue)
+            continue
         if future is not None:  # one fresh error per asker: each raise adds its own traceback
             error = GpuRefStale("context poisoned", text) if error_type is GpuRefStale else DeviceUnavailable(text)
             future.set_exception((type(error), error, None))

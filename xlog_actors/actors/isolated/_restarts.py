@@ -12,7 +12,9 @@ Invariants:
   restart, and the next attempt follows.
 * **A booted child is kept in reserve** (``spare``, spawned when the proxy starts and after each
   restart) so that a restart does not wait for an interpreter to start and import; an unused
-  reserve is killed when the device stops.
+  reserve is killed when the device stops. Only a death of the serving child is a restart: a
+  reserve found dead when a restart comes, or one that fails as it is handed the device, is
+  replaced by a fresh process (``SPARE_RETRIES`` times per restart) and logged as the spare's.
 * **Generations continue across children**: a new child's first generation is the one its
   predecessor's death left next (bumped, or past a poisoned one), so every handle of the dead
   child is stale and none of the new child's is.
@@ -43,7 +45,11 @@ from ._link import ChildLink, Flush
 from ._process import STOP_TIMEOUT_S, ChildProcess
 from ._reader import ChildExited, start_reader
 
-__all__ = ["ChildKeeper"]
+__all__ = ["SPARE_RETRIES", "ChildKeeper"]
+
+#: How many times one restart hands the device to a reserve that fails to take it before a fresh
+#: process does (a reserve that cannot start must not loop, nor count as restarts of the device).
+SPARE_RETRIES = 1
 
 logger = logging.getLogger(__name__)
 
@@ -146,18 +152,30 @@ class ChildKeeper:
         if dead.reader is not None:
             dead.reader.join(STOP_TIMEOUT_S)  # its death is marked and its askers answered
         generation = dead.next_generation
+        spare_failures = 0
         while True:
             if not self.supervisor.allow_restart(self.ordinal):
                 self.stop_for_good(f"restart intensity exceeded; the last process ended: {dead.poisoned!r}")
                 return
             self.restarts += 1
-            proc, self.spare = self.spare or ChildProcess(self.ordinal), None
-            try:
-                child = self.launch(generation, proc)
-            except Exception as exc:  # noqa: BLE001 - counted; the next attempt follows
-                logger.error("isolated device %d: a new process failed: %r", self.ordinal, exc)
-                continue
-            break
+            while True:
+                proc, self.spare = self._live_spare(), None
+                from_spare = proc is not None
+                try:
+                    child = self.launch(generation, proc if proc is not None else ChildProcess(self.ordinal))
+                except Exception as exc:  # noqa: BLE001 - a spare's failure is retried; a fresh one's counted
+                    if from_spare and spare_failures < SPARE_RETRIES:
+                        # The reserve died or failed as it was handed the device: that is no
+                        # restart of the device, which a fresh process now serves.
+                        spare_failures += 1
+                        logger.warning("isolated device %d: the spare process failed as it took over (%r); "
+                                       "a fresh process takes over", self.ordinal, exc)
+                        continue
+                    logger.error("isolated device %d: a new process failed: %r", self.ordinal, exc)
+                    child = None
+                break
+            if child is not None:
+                break
         child.timeline.update(previous_poisoned=dead.poisoned_at, previous_exit_seen=dead.timeline.get("exit_seen"))
         self.child = child
         logger.warning(
@@ -199,6 +217,20 @@ class ChildKeeper:
             device_id=self.ordinal, generation=self.child.state.generation, bytes_outstanding=0, live_blocks=0,
             restarts=self.restarts, status="stopped", driver=self.kind or "auto", stack="",
         )
+
+    def _live_spare(self) -> ChildProcess | None:
+        """The reserve, if its process still runs; a dead one is discarded (and logged as the
+        spare's death, which is not a restart of the device)."""
+        spare = self.spare
+        if spare is None:
+            return None
+        if spare.process.is_alive():
+            return spare
+        logger.warning("isolated device %d: the spare process %s had ended (exit code %s); a fresh process "
+                       "takes over", self.ordinal, spare.process.pid, spare.process.exitcode)
+        self.spare = None
+        spare.discard()
+        return None
 
     def _discard_spare(self) -> None:
         if self.spare is not None:
