@@ -153,11 +153,12 @@ def test_allocations_are_answered_in_the_lane_and_dropped_handles_freed_with_the
     device: pykka.ActorRef[Any],
 ) -> None:
     child = _child(device)
+    child.lane_spin = 30.0  # an asker waits for its claim however slowly the child wakes
     held = None
     for _ in range(100):
         held = None  # its free rides in the next request
         held = device.ask(xa.Allocate(4096, tag=xa.AllocTag("lane")))
-    assert child.lane_answers >= 90  # (a few may meet a busy device actor, or a slow wake, and take the pipe)
+    assert child.lane_answers >= 90  # (a few may meet a busy proxy and take the pipe)
     assert isinstance(held, xa.GpuRef) and held.generation == 0 and held.tag == "lane"
     held.access()
     stats = device.ask(xa.GetStats())
@@ -176,8 +177,15 @@ def test_an_error_comes_typed_on_the_pipe_and_changes_nothing(device: pykka.Acto
         device.ask(xa.Allocate(64, stream=xa.StreamId(999)))
     answered = child.lane_answers  # neither error was answered in the lane
     assert device.ask(xa.GetStats()).bytes_outstanding == 4096
-    again = [device.ask(xa.Allocate(4096)) for _ in range(5)]
-    assert child.lane_answers > answered and kept.block.ptr not in {ref.block.ptr for ref in again}
+    # The lane still serves: an asker now waits for its claim as long as the child takes (no slow
+    # wake-up can send it to the pipe), and the proxy is idle between asks, so the first of these
+    # allocations goes through the lane by construction; the loop only bounds a broken lane.
+    child.lane_spin = 30.0
+    again = []
+    while child.lane_answers == answered and len(again) < 50:
+        again.append(device.ask(xa.Allocate(4096)))
+    assert child.lane_answers > answered, f"{len(again)} allocations, none answered in the lane"
+    assert kept.block.ptr not in {ref.block.ptr for ref in again}
 
 
 def test_askers_that_stop_waiting_at_once_are_still_answered_and_nothing_leaks(
