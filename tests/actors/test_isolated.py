@@ -345,3 +345,33 @@ def test_an_allocation_sent_straight_to_the_child_never_overtakes_a_queued_messa
         assert device.ask(xa.GetStats()).bytes_outstanding == 0
     finally:
         device.stop()
+
+
+@pytest.mark.parametrize("hot", [True, False])
+def test_a_hot_spare_has_the_device_before_it_is_needed(hot: bool) -> None:
+    """With ``hot_spare`` (the default) the reserve is handed the device as soon as it boots, so the
+    process that takes over was configured before the death it replaces was seen; without it,
+    after."""
+    device = xa.DeviceActor.start(0, "host", isolate=True, hot_spare=hot)
+    listener = Listener.start()
+    device.ask(xa.Subscribe(listener))
+    events = listener.proxy().events.get()
+    spare = None
+    deadline = time.monotonic() + 30
+    while spare is None:
+        assert time.monotonic() < deadline, "no spare process"
+        spare = device.ask(ChildTimeline())["spare_pid"]
+        time.sleep(0.05)
+    os.kill(pid(device), signal.SIGKILL)
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 1, "running")
+    timeline = device.ask(ChildTimeline())
+    assert timeline["pid"] == spare
+    assert (timeline["configured"] < timeline["previous_exit_seen"]) is hot, timeline
+    assert device.ask(xa.Allocate(64)).generation == 1
+
+
+def test_hot_spare_is_a_bool_of_an_isolated_device() -> None:
+    with pytest.raises(xa.InvalidRequest, match="hot_spare must be a bool"):
+        xa.DeviceActor.start(0, "host", isolate=True, hot_spare="yes")
+    with pytest.raises(xa.InvalidRequest, match="hot_spare is an option of isolate=True"):
+        xa.DeviceActor.start(0, "host", hot_spare=True)

@@ -182,7 +182,8 @@ class DeviceActor(ResilientActor):
         proxy actor in this process whose ``ActorRef`` is returned and stays valid across
         restarts of the child (``xlog_actors.actors.isolated``); ``driver`` is then a kind
         (``"auto"``, ``"cuda"``, ``"host"``) or None (the child follows ``XLOG_ACTORS_DRIVER``),
-        and ``ipc_pool=True`` gives a CUDA child an IPC-capable pool (``start_isolated``).
+        ``ipc_pool=True`` gives a CUDA child an IPC-capable pool, and ``hot_spare`` (default True)
+        has the reserve process open its driver and device ahead of need (``start_isolated``).
 
         Raises:
             InvalidRequest, DeviceUnavailable: as :meth:`__init__` (or, isolated, as
@@ -195,6 +196,8 @@ class DeviceActor(ResilientActor):
             raise InvalidRequest(
                 "ipc_pool is an option of isolate=True; an in-process device takes a CudaDriver(ipc_pool=True)"
             )
+        if not isolate and "hot_spare" in kwargs:
+            raise InvalidRequest("hot_spare is an option of isolate=True (the reserve process of an isolated device)")
         if isolate:
             from .isolated._proxy import start_isolated  # here: the isolated child imports this module
 

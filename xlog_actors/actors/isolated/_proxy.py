@@ -117,6 +117,7 @@ class IsolatedDevice(ResilientActor):
         resource: str | Callable[..., Any] | None,
         supervisor: Supervisor,
         ipc_pool: bool = False,
+        hot_spare: bool = True,
     ) -> None:
         """Start the first child and wait until it serves.
 
@@ -127,6 +128,8 @@ class IsolatedDevice(ResilientActor):
             supervisor: the restart intensity (its ``max_restarts``/``within_s`` also bound the
                 child's in-process rebuilds).
             ipc_pool: a CUDA child opens ``CudaDriver(ipc_pool=True)`` (see ``start_isolated``).
+            hot_spare: the reserve process opens its driver and device ahead of need (see
+                ``start_isolated``).
         Raises:
             InvalidRequest, DeviceUnavailable: as the child met them (a bad ordinal, no driver);
                 nothing is left running.
@@ -146,7 +149,8 @@ class IsolatedDevice(ResilientActor):
             _registry[self._key] = self.actor_urn
         try:
             self._keeper = ChildKeeper(
-                ordinal, kind, resource, supervisor, ipc_pool, self.actor_ref, _want_lane, self._notify
+                ordinal, kind, resource, supervisor, ipc_pool, self.actor_ref, _want_lane, self._notify,
+                hot_spare=hot_spare,
             )
         except BaseException:
             self._unregister()
@@ -341,6 +345,7 @@ def start_isolated(
     supervisor: object = None,
     *,
     ipc_pool: object = False,
+    hot_spare: object = True,
 ) -> pykka.ActorRef[Any]:
     """``DeviceActor.start(..., isolate=True)``: check the configuration, start the proxy and
     its first child, and return the proxy's ``ActorRef`` once the child serves.
@@ -358,6 +363,13 @@ def start_isolated(
             other processes through ``cuMemPoolImportPointer`` (without it only the ``direct``
             stack's blocks cross, through legacy ``cuIpc*``). A host-driver child's memory is
             shared memory either way, so there it changes nothing.
+        hot_spare: True (the default): the reserve process is handed the device as soon as it
+            has booted, so it opens its driver, its context and its pool ahead of need, and a
+            restart only switches to it (a sticky error's first ``Allocate`` on the new
+            generation then waits for no driver start). It costs a second context on the device
+            while the device serves (its memory: ``docs/fault-model.md`` gives the figure) and
+            the reserve's driver on the host. False: the reserve only boots Python and its
+            imports, and opens the driver when it takes over.
     Returns:
         the proxy's ``ActorRef``.
     Raises:
@@ -370,6 +382,8 @@ def start_isolated(
         raise InvalidRequest(f"ordinal must be a non-negative int, got {ordinal!r}")
     if type(ipc_pool) is not bool:
         raise InvalidRequest(f"ipc_pool must be a bool, got {ipc_pool!r}")
+    if type(hot_spare) is not bool:
+        raise InvalidRequest(f"hot_spare must be a bool, got {hot_spare!r}")
     if driver is not None and driver not in DRIVER_KINDS:
         raise InvalidRequest(
             f"with isolate=True, driver must be a kind, one of {DRIVER_KINDS}, or None (the child opens "
@@ -397,5 +411,5 @@ def start_isolated(
             "with isolate=True a poisoned device's process always ends and is replaced: give a Supervisor "
             "without on_poisoned"
         )
-    ref: pykka.ActorRef[Any] = IsolatedDevice.start(ordinal, driver, resource, supervisor, ipc_pool)
+    ref: pykka.ActorRef[Any] = IsolatedDevice.start(ordinal, driver, resource, supervisor, ipc_pool, hot_spare)
     return ref

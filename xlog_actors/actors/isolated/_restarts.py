@@ -11,8 +11,10 @@ Invariants:
   to the subscribers, and every later ask ``DeviceUnavailable``. A launch that fails counts as a
   restart, and the next attempt follows.
 * **A booted child is kept in reserve** (``spare``, spawned when the proxy starts and after each
-  restart) so that a restart does not wait for an interpreter to start and import; an unused
-  reserve is killed when the device stops. Only a death of the serving child is a restart: a
+  restart) so that a restart does not wait for an interpreter to start and import; a *hot*
+  reserve (``hot_spare``, the default) is also handed the device at once, so it opens its driver,
+  context and pool while the device serves, and a restart only reads its ``ready`` frame. An
+  unused reserve is killed when the device stops. Only a death of the serving child is a restart: a
   reserve found dead when a restart comes, or one that fails as it is handed the device, is
   replaced by a fresh process (``SPARE_RETRIES`` times per restart) and logged as the spare's.
 * **Generations continue across children**: a new child's first generation is the one its
@@ -36,7 +38,7 @@ from typing import Any
 import pykka
 
 from ..._core.call_lane import CallLane
-from ...driver.shared_memory import SharedSegment
+from ...driver.shared_memory import SharedSegment, unlink_segments_of
 from ...errors import DeviceUnavailable
 from .. import messages as m
 from ..supervisor import Supervisor
@@ -71,6 +73,8 @@ class ChildKeeper:
         proxy: pykka.ActorRef[Any],
         want_lane: Callable[[], bool],
         notify: Callable[[m.GenerationChanged], None],
+        *,
+        hot_spare: bool = True,
     ) -> None:
         """Launch the first child and wait until it serves.
 
@@ -80,6 +84,7 @@ class ChildKeeper:
             proxy: the proxy's ``ActorRef``, told what a child's threads report.
             want_lane: whether the next child launched gets a call lane.
             notify: tells the subscribers a status change (on the proxy's thread).
+            hot_spare: configure the reserve as soon as it is spawned (see the module docstring).
         Raises:
             InvalidRequest, DeviceUnavailable: as the child met them; nothing is left running.
         """
@@ -92,12 +97,16 @@ class ChildKeeper:
         self._want_lane = want_lane
         self._notify = notify
         self.restarts = 0
+        self.hot_spare = hot_spare
         self.stopped: DeviceUnavailable | None = None
         self.spare: ChildProcess | None = None
+        #: A hot reserve's configuration, sent already: its call lane (or None) and when.
+        self._spare_config: tuple[tuple[SharedSegment, CallLane] | None, float] | None = None
         self.child: ChildLink = self.launch(0, ChildProcess(ordinal))
 
-    def launch(self, generation: int, proc: ChildProcess) -> ChildLink:
-        """Hand ``proc`` the device and wait until it serves; its link, its reader started."""
+    def _configure(self, proc: ChildProcess) -> tuple[tuple[SharedSegment, CallLane] | None, float]:
+        """Hand ``proc`` the device (it opens its driver and device on receipt): its call lane,
+        opened here when ``want_lane()`` says so, and when. The lane is closed if sending fails."""
         configured = time.monotonic()
         supervisor = self.supervisor
         lane: tuple[SharedSegment, CallLane] | None = None
@@ -108,6 +117,19 @@ class ChildKeeper:
                 ("config", self.ordinal, self.kind, self.resource, supervisor.max_restarts, supervisor.within_s,
                  self.ipc_pool, None if lane is None else lane[0].name)
             )
+        except BaseException:
+            if lane is not None:
+                lane[0].close()
+            raise
+        return lane, configured
+
+    def launch(self, generation: int, proc: ChildProcess,
+               configured: tuple[tuple[SharedSegment, CallLane] | None, float] | None = None) -> ChildLink:
+        """Hand ``proc`` the device (unless ``configured`` says it has it: a hot reserve) and
+        wait until it serves; its link, its reader started."""
+        lane: tuple[SharedSegment, CallLane] | None = None
+        try:
+            lane, at = configured if configured is not None else self._configure(proc)
             booted, frame = proc.await_ready(self.ordinal)
         except BaseException:
             proc.end(0.0)
@@ -119,7 +141,7 @@ class ChildKeeper:
             lane_spin(),
         )
         child.timeline.update(
-            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=configured,
+            pid=proc.process.pid, spawned=proc.spawned, booted=booted, configured=at,
             driver_open=frame[1], ready=frame[2],
         )
         me = self._proxy
@@ -136,8 +158,17 @@ class ChildKeeper:
         return child
 
     def boot_spare(self) -> None:
-        """Spawn the reserve child (it boots while the device serves)."""
+        """Spawn the reserve child (it boots while the device serves); a hot one is handed the
+        device at once, so it opens its driver and device while the device serves too. A hot
+        reserve that cannot be configured is kept cold (it is configured when it takes over)."""
         self.spare = ChildProcess(self.ordinal)
+        self._spare_config = None
+        if self.hot_spare:
+            try:
+                self._spare_config = self._configure(self.spare)
+            except Exception as exc:  # noqa: BLE001 - a reserve's trouble is met when it takes over
+                logger.warning("isolated device %d: the spare process could not be configured ahead: %r",
+                               self.ordinal, exc)
 
     def serving(self) -> ChildLink | None:
         """The serving child, replacing a dead one first; None once stopped for good."""
@@ -160,9 +191,13 @@ class ChildKeeper:
             self.restarts += 1
             while True:
                 proc, self.spare = self._live_spare(), None
+                configured, self._spare_config = self._spare_config, None
                 from_spare = proc is not None
                 try:
-                    child = self.launch(generation, proc if proc is not None else ChildProcess(self.ordinal))
+                    if proc is None:
+                        child = self.launch(generation, ChildProcess(self.ordinal))
+                    else:
+                        child = self.launch(generation, proc, configured)
                 except Exception as exc:  # noqa: BLE001 - a spare's failure is retried; a fresh one's counted
                     if from_spare and spare_failures < SPARE_RETRIES:
                         # The reserve died or failed as it was handed the device: that is no
@@ -183,7 +218,7 @@ class ChildKeeper:
             self.ordinal, dead.proc.process.pid, child.proc.process.pid, generation,
         )
         self._notify(m.GenerationChanged(self.ordinal, generation, "running"))
-        self.spare = ChildProcess(self.ordinal)
+        self.boot_spare()
 
     def stop_for_good(self, reason: str) -> None:
         """Stop the device for good (idempotent): end the child and the reserve, tell the
@@ -228,11 +263,15 @@ class ChildKeeper:
             return spare
         logger.warning("isolated device %d: the spare process %s had ended (exit code %s); a fresh process "
                        "takes over", self.ordinal, spare.process.pid, spare.process.exitcode)
-        self.spare = None
-        spare.discard()
+        self._discard_spare()
         return None
 
     def _discard_spare(self) -> None:
-        if self.spare is not None:
-            self.spare.discard()
-            self.spare = None
+        spare, self.spare = self.spare, None
+        configured, self._spare_config = self._spare_config, None
+        if configured is not None and configured[0] is not None:
+            configured[0][0].close()  # the hot reserve's call lane
+        if spare is not None:
+            spare.discard()
+            if spare.process.pid is not None:
+                unlink_segments_of(spare.process.pid)  # what a configured reserve may have made
