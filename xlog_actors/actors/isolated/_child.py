@@ -56,7 +56,7 @@ from ...driver.host import HostDriver
 from ...driver.open import open_driver
 from ...driver.protocol import Driver
 from ...driver.shared_memory import SharedSegment
-from ...errors import GpuRefStale, InvalidRequest
+from ...errors import GpuRefStale, InvalidRequest, XlogError
 from ...kernels import Kernel
 from ...memory.block import AllocTag, StreamId
 from ..caller_inbox import CallerServedInbox
@@ -86,6 +86,10 @@ from ._protocol import (
 )
 
 __all__ = ["serve"]
+
+
+#: What the child allocates and gives back before it serves (see ``serve``).
+_WARM_BYTES = 256  # the pool grows by its own granule whatever the size; a budget is no obstacle
 
 logger = logging.getLogger(__name__)
 
@@ -460,6 +464,15 @@ def serve(conn: Connection) -> None:
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
         device = DeviceActor.start(ordinal, driver, resource, supervisor)
+        # One allocation given back before the child says it serves: its stack is built and its
+        # pool has grown once, so the first allocation asked of it (after a restart, the first of
+        # the new generation) meets neither. A hot spare pays this before it is needed.
+        try:
+            warm: GpuRef = device.ask(Allocate(_WARM_BYTES, tag=AllocTag("warm-up")), block=True)
+            device.ask(Free(warm), block=True)
+            del warm
+        except XlogError:
+            pass  # a stack that refuses it (a tiny budget, say) serves all the same, if slower at first
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
         channel.send(("failed", encode_error(exc)))
         if driver is not None:

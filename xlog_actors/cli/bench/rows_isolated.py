@@ -1,4 +1,4 @@
-"""The isolated device rows (#18): ``Allocate`` asked of a device in its own process, beside a
+"""The isolated device rows: ``Allocate`` asked of a device in its own process, beside a
 bare pykka ask; and the time from a sticky error in the child to the first ``Allocate`` served
 by its replacement, with where that time goes."""
 
@@ -88,8 +88,10 @@ def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
             f.device.ask(fault)
         f.device.ask(Allocate(SIZE))
         t1 = time.monotonic()
-        ours.append((t1 - t0) * 1e9)
         line: dict[str, Any] = f.device.ask(ChildTimeline())  # type: ignore[assignment]
+        # From the parent seeing the sticky error (the dying child's report) to the first
+        # allocation served by its replacement; the detection before it is the breakdown's.
+        ours.append((t1 - line["previous_poisoned"]) * 1e9)
         start = max(line["configured"], line["spawned"])
         phases["detect"].append(line["previous_poisoned"] - t0)
         phases["exit seen"].append(line["previous_exit_seen"] - line["previous_poisoned"])
@@ -106,8 +108,9 @@ def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
 
 def _breakdown(f: _Isolated, plan: Plan) -> str:
     parts = ", ".join(f"{name} {statistics.median(v) * 1e3:.1f} ms" for name, v in f.phases.items() if v)
-    return (f"median of {f.restarts} runs; a booted reserve child takes over (spawn+import paid before the "
-            f"fault, 0 here when it was ready). Breakdown: {parts}")
+    return (f"median of {f.restarts} runs; the hot spare takes over (its spawn, import and driver open paid "
+            f"before the fault, 0 here when it was ready; the figure starts when the parent sees the error, "
+            f"after 'detect'). Breakdown: {parts}")
 
 
 ISOLATED = Group("isolated device", (
@@ -116,8 +119,9 @@ ISOLATED = Group("isolated device", (
         _allocate, _bare_ask, lambda p: p.ask, reference="bare pykka ask round trip to a trivial actor",
         target=Target("ratio", "<=", 1.5)),
     Row("sticky error to first Allocate", "a sticky error in the child (an illegal-address kernel on CUDA, the "
-        "emulated one on the host), to the first Allocate served by its replacement (generation + 1)", given, None,
+        "emulated one on the host), from the parent seeing it to the first Allocate served by the replacement "
+        "(generation + 1; the hot spare takes over)", given, None,
         None, lambda p: (1, 1), measure=_restarts,
-        reference="in-process Rebuild round trip (context only)", target=Target("median", "<=", 2e6),
+        reference="in-process Rebuild round trip (context only)", target=Target("median", "<=", 1e5),
         note=_breakdown),
 ), base=_isolated)
