@@ -3,10 +3,12 @@
 The extensions need a C compiler (and a C++ one for ``alloc_bridge``) and the Python headers,
 nothing of CUDA: the core declares the few driver entry points it calls and gets their addresses
 at run time. A build that cannot compile stops with a message naming what is missing; there is no pure-Python fallback.
+The modules compile in parallel, one job per core (``XLOG_ACTORS_BUILD_JOBS=N`` or ``build_ext -j N`` to change that).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -40,8 +42,32 @@ _MODULES = (
 _MACROS = {"alloc_bridge": [("CYTHON_EXTERN_C", 'extern "C"')]}
 
 
+def _jobs() -> int:
+    """Compile jobs when none is given: ``$XLOG_ACTORS_BUILD_JOBS``, else one per usable core."""
+    given = os.environ.get("XLOG_ACTORS_BUILD_JOBS", "").strip()
+    if given:
+        if not given.isdigit():
+            sys.exit(f"xlog_actors: XLOG_ACTORS_BUILD_JOBS must be a whole number of jobs, not {given!r}")
+        return max(1, int(given))
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on (containers, taskset)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class BuildCore(build_ext):
-    """``build_ext`` that turns a missing compiler or missing Python headers into one clear line."""
+    """``build_ext`` that compiles the modules in parallel and turns a missing compiler or missing
+    Python headers into one clear line.
+
+    Parallel: each extension is its own compiler run, so with no ``-j``/``--parallel`` given (pip,
+    ``python -m build``, an editable install never pass one) the modules compile on a pool of
+    :func:`_jobs` threads; ``-j 1`` compiles them one after the other.
+    """
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:  # neither `build_ext -j N` nor `build -j N`
+            self.parallel = _jobs()
 
     def run(self) -> None:
         try:

@@ -6,12 +6,16 @@ and a handle made and dropped alone.
     python scripts/client_layers.py [cuda|host] [rounds] [pairs per round]
 
 Prints the median ns per pair of each layer and its difference to the layer below it.
+
+When to use: the bench's ``DeviceClient allocate+free`` row (or ``AsyncCudaResource alloc+free``)
+moved and you need to know which layer gained or lost the time; the bench times only the whole
+pair. ``host`` runs anywhere, without the raw ``cuda.bindings`` layer.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,5 +103,9 @@ def main(kind: str, rounds: int, n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cuda", int(sys.argv[2]) if len(sys.argv) > 2 else 10,
-         int(sys.argv[3]) if len(sys.argv) > 3 else 20000)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", nargs="?", default="cuda", choices=("cuda", "host"), help="driver (default cuda)")
+    parser.add_argument("rounds", nargs="?", type=int, default=10, help="interleaved rounds (default 10)")
+    parser.add_argument("pairs", nargs="?", type=int, default=20000, help="pairs per round (default 20000)")
+    args = parser.parse_args()
+    main(args.kind, args.rounds, args.pairs)

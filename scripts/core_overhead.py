@@ -8,10 +8,15 @@ It prints ns per operation (``timeit``, best of 7, GC off) for the resource pair
 pair, the direct pair and the calls underneath; add a GPU's raw driver pair (the bench's twin)
 to read the ratio the bench would give. Stand-ins carry the attributes ``CudaDriver.fast_path``
 documents (see tests/memory/test_cuda_fast_path.py).
+
+When to use: after a change to ``xlog_actors/_core`` or ``xlog_actors/memory``, to see what it
+did to the core's own ns per call without a GPU (the bench's allocator rows need one). Needs
+``cc`` on the path.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import subprocess
 import sys
@@ -84,6 +89,7 @@ class Pool:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp, "nop.c"), Path(tmp, "libnop.so")
         src.write_text(_C)

@@ -7,12 +7,15 @@ depths. If the threads' CPU adds up to about the wall time, the run is bound by 
 
 Linux only. Prints one block per depth: GB/s, wall µs per batch, then CPU µs per batch per thread,
 over the timed part of the run only.
+
+When to use: the bench's ``demo pipeline`` row (or ``xlog-actors demo``) is slower than its raw
+twin and you need to know which thread's CPU per batch to cut; the bench reports only the total.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import threading
 import time
 
@@ -78,9 +81,12 @@ def _measure(driver: object, depth: int, mib: int, batches: int) -> None:
 
 
 def main() -> None:
-    kind = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    mib = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    batches = int(sys.argv[3]) if len(sys.argv) > 3 else 256
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", nargs="?", default="cuda", choices=("cuda", "host"), help="driver (default cuda)")
+    parser.add_argument("mib", nargs="?", type=int, default=16, help="MiB per batch (default 16)")
+    parser.add_argument("batches", nargs="?", type=int, default=256, help="batches per run (default 256)")
+    args = parser.parse_args()
+    kind, mib, batches = args.kind, args.mib, args.batches
     driver = open_driver(kind)
     run_pipeline(driver, PipelineConfig(batches=4, batch_bytes=mib << 20))  # warm-up
     for depth in (4, 8):

@@ -34,6 +34,12 @@ forces it): the header says which. Run from the repository root::
 
 Depends on the standard library and cuda.bindings only. A failed CUDA call ends the run with one
 line naming the call and its error, and exit status 1 (2 when cuda.bindings does not import).
+
+When to use: on a new CUDA driver, cuda-bindings or free-threaded CPython, to see whether the
+driver's allocator now scales with threads once the GIL is gone (what would lift the ceiling of
+the bench's concurrency rows). Run it four ways: GIL off and ``PYTHON_GIL=1``, each with the
+default variants and with ``--variant control --repeats 3``; the control shows how far the
+interpreter and the bindings scale without the allocator.
 """
 
 from __future__ import annotations
@@ -325,7 +331,7 @@ def _header(gil_before: bool | None, gil_after: bool | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=200_000, help="allocate+free pairs per thread per sample")
     parser.add_argument("--repeats", type=int, default=5, help="samples of each thread count")
     parser.add_argument(

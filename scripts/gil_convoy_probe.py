@@ -11,10 +11,16 @@ stands on, and the measurement behind the compiled core's rule of calling the dr
 points without giving up the GIL (see docs/performance.md).
 
 Usage, on a GPU machine:  python3 scripts/gil_convoy_probe.py
+
+When to use: after an upgrade of cuda-bindings (or of CPython), to see whether a raw driver call
+still pays for winning the GIL back when other threads run; that floor decides whether the
+compiled core's own driver calls must keep holding the GIL. The bench never measures raw calls
+under contention.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import sys
 import threading
@@ -102,4 +108,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

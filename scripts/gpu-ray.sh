@@ -2,6 +2,13 @@
 # Second Ray call (after scripts/gpu-ray-stash.sh on the same machine): join and install the Ray
 # wheel and its dependencies, then run the Ray tests: the GPU ones (tests/ray_actors/, marker gpu)
 # and the host-driver suite, on a simulated three-node cluster on this machine.
+#
+# Usage (repository root, same warm GPU machine, .whl/ and .raywhl-b/ carried):  scripts/gpu-ray.sh
+# Environment: OUT (logs, default /tmp/xlog-ray), RAY_GPU_TIMEOUT (seconds for the GPU tests,
+#   default 250), RAY_HOST_SUITE=0 skips the host-driver suite.
+# When to use: the second call, right after scripts/gpu-ray-stash.sh (see there).
+# Options: -h, --help prints this text.
+case "${1:-}" in -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -u
 OUT=${OUT:-/tmp/xlog-ray}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -14,6 +14,10 @@ A count of instructions, which the machine's load does not move (the GPU-indepen
 The difference of the two totals (``callgrind_annotate FILE | head``, "PROGRAM TOTALS"), divided by
 20,000, is the instructions of one pair of events (the first run makes the same loop calling
 functions that do nothing).
+
+When to use: after a change to the memory history (``xlog_actors.memory`` history recording, its
+compiled ring), to see its cost per event without a GPU; the callgrind count is the figure to
+compare on a loaded machine. The bench's ``history on`` row needs a GPU and is noisier.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def _pairs(n: int, empty: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, help="make this many pairs of events, untimed (for callgrind)")
     parser.add_argument("--pairs-empty", type=int, help="the same loop calling functions that do nothing")
     args = parser.parse_args()

@@ -7,12 +7,16 @@ the same round.
 
 Prints the median µs per ask of each variant, its ratio to the bare ask, and how many asks the
 lane answered.
+
+When to use: the bench's ``isolated Allocate`` row moved, or you change the call lane, the pipe
+or ``_proxy.CALL_LANE``'s default: this shows lane against pipe against a bare ask in one run,
+which the bench (the product's choice only) does not.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -75,5 +79,9 @@ def main(kind: str, rounds: int, n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cuda", int(sys.argv[2]) if len(sys.argv) > 2 else 10,
-         int(sys.argv[3]) if len(sys.argv) > 3 else 2000)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", nargs="?", default="cuda", choices=("cuda", "host"), help="driver (default cuda)")
+    parser.add_argument("rounds", nargs="?", type=int, default=10, help="interleaved rounds (default 10)")
+    parser.add_argument("asks", nargs="?", type=int, default=2000, help="asks per round (default 2000)")
+    args = parser.parse_args()
+    main(args.kind, args.rounds, args.asks)

@@ -13,6 +13,10 @@ side (Linux: read from ``/proc``). The bench's
 shares are the first length of each list.
 
     python3 scripts/scaling_probe.py [cuda|host] [--rounds N] [--switch-ms MS]
+
+When to use: the bench's ``threads /`` or ``workers /`` ratio moved, to tell a real change from
+the GIL hand-offs of short samples (``--switch-ms`` shows how much is the interpreter's forced
+switches); the bench runs one sample length only.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def _rate(run: Callable[[int], None], share: int, ops: int, sleeps: list[float] 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("driver", choices=("cuda", "host"), nargs="?", default="cuda")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--switch-ms", type=float, default=None,

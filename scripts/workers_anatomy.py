@@ -43,6 +43,10 @@ and their idle time reads low.
 Usage:  python3 scripts/workers_anatomy.py [host|cuda] [--rounds N] [--variants V,...]
         [--force-spin] [--detail]
 (Linux only: it reads /proc.)
+
+When to use: the bench's ``Allocate 16 workers / 1 worker`` row moved, or before changing how the
+device wakes its askers (``DEFER_WAKES``, ``LatchFuture``, the hot waits): it compares every way
+of waking side by side with each thread's CPU and sleeps; the bench measures the product only.
 """
 
 from __future__ import annotations
@@ -398,7 +402,7 @@ def _summary(variants: list[Variant], tallies: dict[tuple[str, int], _Tally]) ->
 
 def main(argv: list[str] | None = None) -> None:
     """Run the probe (see the module docstring); ``argv`` as ``sys.argv[1:]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("driver", nargs="?", default="host", choices=["host", "cuda"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated; see the docstring")

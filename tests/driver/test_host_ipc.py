@@ -1,5 +1,5 @@
 """The host driver across processes: shared device memory, exports, emulated interprocess events,
-and the shared segments under them (issue #18 step 2). Opening an export in this process maps
+and the shared segments under them. Opening an export in this process maps
 the segment a second time, as another process would; tests/actors/test_shared_ref.py runs the
 cross-process cases through a spawned peer."""
 

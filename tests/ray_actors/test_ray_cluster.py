@@ -1,4 +1,4 @@
-"""Issue #20's cases on the session's three-node cluster (conftest.py; host driver): a handle made
+"""A device on Ray, on the test session's three-node cluster (conftest.py; host driver): a handle made
 on node A and used on node B reads the right bytes behind a slow kernel on A (a cross-node fetch);
 a restart on A stales old handles on A and on B; a budget on A holds whatever B asks; a dead node
 fails its handles with typed errors, never a hang; a poisoned device stops its descriptors

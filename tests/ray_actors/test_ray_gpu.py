@@ -1,4 +1,4 @@
-"""The Ray path on a GPU (issue #20), on the session's three-node cluster of one GPU host: node A
+"""The Ray path on a GPU, on the test session's three-node cluster of one GPU host: node A
 declares the GPU. A ``RayDevice`` on the CUDA driver serves node B the bytes a slow kernel wrote
 (read through Ray's object store, ordered after the kernel), and a kill of its Ray actor stales
 its old handles on A and B; an isolated CUDA device (``isolate="cuda"``: its IPC-capable pool in a

@@ -1,4 +1,4 @@
-"""Issue #20 with the process mode (#18) under Ray, on the session's three-node cluster (host
+"""A Ray device in process mode, on the test session's three-node cluster (host
 driver): a ``RayDevice`` started with ``isolate=`` keeps its device in a child process of its
 worker; a sticky error or a crash there restarts only that child, the Ray actor lives on, the
 cluster generation goes up by one and old descriptors fail on every node; a handle opens in place

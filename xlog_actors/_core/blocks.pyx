@@ -5,8 +5,8 @@ a resource hands out and the live-block entry a resource lists.
 Compiled because the allocation hot path builds one :class:`DeviceBlock` and one
 :class:`Generation` per call: as a Cython class the block costs about a tenth of the frozen
 dataclass's constructor. The public face is :mod:`xlog_actors.memory.block`, which re-exports
-these names; behaviour is that of the frozen, slotted dataclasses the SPEC names
-(``dataclasses.fields``/``replace``, equality, hashing, ``FrozenInstanceError``).
+these names; each behaves as a frozen, slotted dataclass would (``dataclasses.fields``/``replace``,
+equality, hashing, ``FrozenInstanceError``), as docs/api.md ("Value types") documents them.
 
 All of them are immutable and safe to share between threads.
 """

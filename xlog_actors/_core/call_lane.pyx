@@ -1,6 +1,6 @@
 # cython: language_level=3
 """``CallLane``: fixed binary call slots in memory that two processes share, for an isolated
-device's allocations (issue #18).
+device's allocations.
 
 Why: an ``Allocate`` asked of a device that lives in its own process crossed a pipe twice (a
 pickle, a ``write``, a ``poll`` that sees it and a ``read`` each way) and woke the parent's

@@ -129,7 +129,7 @@ def cuda_array_interface(ref: ExportedRef) -> dict[str, Any]:
         "version": 3,
         "strides": None,
         # CAI v3: the stream the data was last written on; None means "already
-        # synchronized". A non-blocking stream has a handle above 2, as the spec asks.
+        # synchronized". A non-blocking stream has a handle above 2, as the interface asks.
         "stream": handle,
     }
 

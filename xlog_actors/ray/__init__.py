@@ -1,5 +1,4 @@
-"""Layer above ``actors``: a device as a Ray actor, its generation held cluster-wide (issue #20;
-see docs/ray.md).
+"""Layer above ``actors``: a device as a Ray actor, its generation held cluster-wide (see docs/ray.md).
 
 :func:`start_ray_device` runs a :class:`RayDevice` (a Ray actor hosting a local ``DeviceActor``)
 on a node; its allocations travel as :class:`RemoteGpuRef` descriptors, validated against the

@@ -1,7 +1,8 @@
 """``RayDevice``: a device as a Ray actor, its generation held cluster-wide.
 
 The Ray actor hosts a local ``DeviceActor`` (pykka), a ``CopyActor`` and a ``KernelActor`` in its
-worker process and answers the SPEC's messages through one method, ``ask(message)``:
+worker process and answers the device messages (docs/api.md, "Messages and replies") through one
+method, ``ask(message)``:
 ``Allocate``/``AllocateMany`` reply with :class:`~xlog_actors.ray.remote_ref.RemoteGpuRef`
 descriptors (a ``GpuRef`` is process-local and stays in the worker), ``Free`` takes a descriptor,
 ``GetStats`` and ``Rebuild`` pass through, and the library messages (``CopyToDevice``,
@@ -332,7 +333,7 @@ class RayDevice:
         return self._copy.ask(dataclasses.replace(message, ref=self._local(name, message.ref)))
 
     def ask(self, message: Any) -> Any:
-        """Answer one of the SPEC's messages.
+        """Answer one of the device messages (docs/api.md, "Messages and replies").
 
         Args:
             message: ``Allocate``, ``AllocateMany``, ``Free`` (its ``ref`` a

@@ -32,6 +32,9 @@ Invariants:
 Thread rules: handlers run on the proxy's thread; ``_send_direct`` on an asker's thread while the
 proxy is idle; each child's reader thread resolves futures, marks the child's state and tells the
 proxy what happened.
+
+A little past 400 lines: ``start_isolated``'s checks of every argument sit beside the actor they
+configure, so that what a caller may pass and what the proxy takes are read together.
 """
 
 from __future__ import annotations

@@ -298,6 +298,9 @@ def _check_peer(f: _Peer) -> None:
         raise RuntimeError("CopyActor peer: the destination on device 0 does not hold device 1's bytes")
 
 
+#: The note of the two "pageable wait" rows.
+_PAGEABLE_NOTE = "informational: the row's earlier wait (a pageable copy back), and what the wait's kind costs"
+
 COPIES = Group("copies", (
     Row("CopyActor H2D pinned", lambda f, p: f"copy.ask(CopyToDevice(ref, {size_text(p.h2d_bytes)} pinned)) + "
         "ask(CopyToHost(ref, nbytes=1, out=pinned)).wait() to wait for it", _h2d, _copy_actor_h2d, lambda f: f.raw,
@@ -307,7 +310,7 @@ COPIES = Group("copies", (
         "ask(CopyToHost(ref, nbytes=1)) (a pageable copy back) instead", _h2d,
         lambda f: _copy_actor_h2d(f, pinned_wait=False), lambda f: f.raw, lambda p: (p.h2d_samples, 1),
         kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
-        note="informational: the row's figure until session 6, and what the wait's kind costs"),
+        note=_PAGEABLE_NOTE),
     Row("driver copy_to_device H2D pinned", lambda f, p: f"driver.copy_to_device({size_text(p.h2d_bytes)} pinned) "
         "+ stream.synchronize(), no actor", _h2d, lambda f: _driver_h2d(f.base.driver, f.base.stream, f.dptr, f.arr),
         lambda f: f.raw, lambda p: (p.h2d_samples, 1), kind="rate", bytes_per_op=lambda p: p.h2d_bytes,
@@ -315,7 +318,7 @@ COPIES = Group("copies", (
     Row("CopyActor D2D, pageable wait", lambda f, p: "as CopyActor D2D, waiting with ask(CopyToHost(dst, "
         "nbytes=1)) (a pageable copy back) instead; per copy", _d2d,
         lambda f: _copy_actor_d2d(f.ask, f, pinned_wait=False), lambda f: f.raw,
-        **_d2d_rate(note="informational: the row's figure until session 6, and what the wait's kind costs")),
+        **_d2d_rate(note=_PAGEABLE_NOTE)),
     Row("CopyActor D2D", lambda f, p: f"{p.d2d_per_sync} x copy.ask(CopyDeviceToDevice({size_text(p.d2d_bytes)}))"
         " + ask(CopyToHost(dst, nbytes=1, out=pinned)).wait(); per copy", _d2d, lambda f: _copy_actor_d2d(f.ask, f),
         lambda f: f.raw,

@@ -1,4 +1,4 @@
-"""The Ray rows (issue #20), run only with ``xlog-actors bench --ray``: a simulated three-node
+"""The Ray rows, run only with ``xlog-actors bench --ray``: a simulated three-node
 cluster (head + A + B, every node on 127.0.0.2; about 10 s to start) with host-driver devices in
 its workers, whatever driver the rest of the run uses (Ray does not run on the GPU machine).
 
@@ -34,7 +34,7 @@ __all__ = ["FETCH_BYTES", "LOOPBACK", "RAY"]
 #: The address every node binds to: Ray rewrites 127.0.0.1 to the machine's routable address and
 #: keeps any other loopback address, so no traffic leaves the loopback range.
 LOOPBACK = "127.0.0.2"
-#: The bytes of one fetch (the issue's 64 MiB).
+#: The bytes of one fetch: 64 MiB, large enough that the transfer's bandwidth, not a call's fixed cost, dominates.
 FETCH_BYTES = 64 * MIB
 
 

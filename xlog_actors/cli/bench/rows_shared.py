@@ -1,4 +1,4 @@
-"""The cross-process read row (#18): a consumer process reads a block another process owns,
+"""The cross-process read row: a consumer process reads a block another process owns,
 through the handle it was sent, beside a read of a block of its own of the same size.
 
 The owner is a ``DeviceActor`` in the bench's process: on CUDA on the ``direct`` stack (its
