@@ -375,3 +375,34 @@ def test_hot_spare_is_a_bool_of_an_isolated_device() -> None:
         xa.DeviceActor.start(0, "host", isolate=True, hot_spare="yes")
     with pytest.raises(xa.InvalidRequest, match="hot_spare is an option of isolate=True"):
         xa.DeviceActor.start(0, "host", hot_spare=True)
+
+
+def test_a_spare_that_dies_as_it_takes_over_is_replaced_and_no_restart_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reserve killed a moment before the restart that hands it the device may still look alive
+    and have said it is ready: the round trip that confirms a spare serves finds it dead, and a
+    fresh process takes over the same generation. With one restart allowed, the device keeps
+    serving (announcing the dead spare would have cost a second restart: stopped for good)."""
+    from xlog_actors.actors.isolated import _restarts
+
+    real = _restarts.ChildKeeper.launch
+    killed: list[int] = []
+
+    def launch(self: Any, generation: int, proc: Any, configured: Any = None) -> Any:
+        child = real(self, generation, proc, configured)
+        if configured is not None and not killed:  # the first spare to take over dies now
+            killed.append(proc.process.pid)
+            os.kill(proc.process.pid, signal.SIGKILL)
+            proc.process.join(10)
+        return child
+
+    monkeypatch.setattr(_restarts.ChildKeeper, "launch", launch)
+    device, events = start(max_restarts=1)
+    first = pid(device)
+    os.kill(first, signal.SIGKILL)
+    assert events.get(timeout=30) == xa.GenerationChanged(0, 1, "running")
+    assert killed and pid(device) not in (first, *killed)
+    stats = device.ask(xa.GetStats())
+    assert (stats.status, stats.generation, stats.restarts) == ("running", 1, 1)
+    assert device.ask(xa.Allocate(64)).generation == 1

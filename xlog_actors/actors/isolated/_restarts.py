@@ -15,8 +15,10 @@ Invariants:
   reserve (``hot_spare``, the default) is also handed the device at once, so it opens its driver,
   context and pool while the device serves, and a restart only reads its ``ready`` frame. An
   unused reserve is killed when the device stops. Only a death of the serving child is a restart: a
-  reserve found dead when a restart comes, or one that fails as it is handed the device, is
-  replaced by a fresh process (``SPARE_RETRIES`` times per restart) and logged as the spare's.
+  reserve found dead when a restart comes, or one that fails as it is handed the device (one
+  round trip confirms it serves before it is announced: a reserve killed a moment before may
+  still look alive), is replaced by a fresh process (``SPARE_RETRIES`` times per restart) and
+  logged as the spare's.
 * **Generations continue across children**: a new child's first generation is the one its
   predecessor's death left next (bumped, or past a poisoned one), so every handle of the dead
   child is stale and none of the new child's is.
@@ -52,6 +54,9 @@ __all__ = ["SPARE_RETRIES", "ChildKeeper"]
 #: How many times one restart hands the device to a reserve that fails to take it before a fresh
 #: process does (a reserve that cannot start must not loop, nor count as restarts of the device).
 SPARE_RETRIES = 1
+
+#: How long a spare that took over has to answer its first ask (see ``ChildKeeper._confirm``).
+CONFIRM_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +162,29 @@ class ChildKeeper:
         start_reader(child, lambda c: tell(ChildExited(c)), tell)
         return child
 
+    def _confirm(self, child: ChildLink) -> None:
+        """One round trip to a spare that just took over: a reserve killed a moment before the
+        restart that handed it the device may still look alive and have said ``ready`` (a process
+        holding a CUDA context takes a while to end); such a one fails here, as a spare that
+        failed to take over, and is not announced.
+
+        Raises:
+            DeviceUnavailable: it did not answer within ``CONFIRM_TIMEOUT_S`` (it is ended).
+        """
+        future: pykka.Future[Any] = pykka.ThreadingFuture()
+        message = m.GetStats()
+        try:
+            if not child.send_ask(message, future, message):
+                raise DeviceUnavailable(f"isolated device {self.ordinal}: the spare ended as it took over")
+            future.get(timeout=CONFIRM_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - whatever the dying spare answered, it did not serve
+            child.stopping = True
+            child.proc.end(0.0)
+            if child.reader is not None:
+                child.reader.join(STOP_TIMEOUT_S)
+            raise DeviceUnavailable(f"isolated device {self.ordinal}: the spare process "
+                                    f"{child.proc.process.pid} did not serve as it took over ({exc!r})") from None
+
     def boot_spare(self) -> None:
         """Spawn the reserve child (it boots while the device serves); a hot one is handed the
         device at once, so it opens its driver and device while the device serves too. A hot
@@ -198,6 +226,7 @@ class ChildKeeper:
                         child = self.launch(generation, ChildProcess(self.ordinal))
                     else:
                         child = self.launch(generation, proc, configured)
+                        self._confirm(child)
                 except Exception as exc:  # noqa: BLE001 - a spare's failure is retried; a fresh one's counted
                     if from_spare and spare_failures < SPARE_RETRIES:
                         # The reserve died or failed as it was handed the device: that is no
