@@ -11,6 +11,7 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.cli import batches, main, pipeline
 from xlog_actors.cli.batches import BatchData
+from xlog_actors.cli.graph_pipeline import run_graph_pipeline
 from xlog_actors.cli.pipeline import PipelineConfig, run_pipeline
 from xlog_actors.cli.raw_pipeline import raw_pipeline
 from xlog_actors.kernels import checksum_u32
@@ -75,17 +76,20 @@ def test_a_checksum_collision_cannot_hide_a_wrong_first_or_last_batch(
     """Output bytes that differ from the host reference while the device checksum matches (as a
     collision would): the byte-for-byte compare of the first and the last batch catches them."""
     nbytes = 1 << 14
-    real = pipeline._landed_output
+    real = batches.landed_output
 
     def swapped(out: object, nbytes: int) -> object:
         data = bytearray(real(out, nbytes))  # type: ignore[arg-type]  # test double: any buffer
         data[0:4], data[4:8] = data[4:8], data[0:4]  # same words, same sum: a collision
         return bytes(data)
 
-    monkeypatch.setattr(pipeline, "_landed_output", swapped)
+    monkeypatch.setattr(batches, "landed_output", swapped)
     result = run_pipeline(driver, PipelineConfig(batches=5, batch_bytes=nbytes))
     assert result.mismatched == [0, 4]
     assert result.verified == 3
+    graph = run_graph_pipeline(driver, PipelineConfig(batches=5, batch_bytes=nbytes))  # the same tally
+    assert graph.mismatched == [0, 4]
+    assert graph.verified == 3
 
 
 def test_pipeline_is_correct_with_a_slow_producer(driver: xa.Driver) -> None:

@@ -8,14 +8,15 @@ device computed of its output with it, and a few batches also byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from ..driver.kernel_library import checksum_u32
 from ..driver.protocol import Buffer
 
-__all__ = ["ALPHA", "BETA", "BatchData", "expected", "make_batch", "numpy_buffer"]
+__all__ = ["ALPHA", "BETA", "BatchData", "Tally", "expected", "landed_output", "make_batch", "numpy_buffer"]
 
 ALPHA = 3.0
 """The kernel's scale: each output element is ``ALPHA * x + BETA``."""
@@ -117,3 +118,67 @@ class BatchData:
         want = expected(index % len(self.inputs), self.n)
         got = np.frombuffer(memoryview(output).cast("B"), dtype=np.float32)
         return got.shape == want.shape and bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+
+
+def landed_output(out: Any, nbytes: int) -> Buffer:
+    """The first ``nbytes`` a copy back left in ``out`` (a pinned buffer, once the copy landed):
+    the one place a run reads what it compares byte for byte.
+
+    Args:
+        out: the buffer (anything with ``array(dtype, count)``: a ``PinnedBuffer``).
+        nbytes: how many bytes.
+    Returns:
+        a uint8 view of them.
+    Thread rule: any thread.
+    """
+    view: Buffer = out.array(np.uint8, nbytes)
+    return view
+
+
+class Tally:
+    """The verification of one run's batches, the same in every mode of the demo: each batch by
+    the checksum it added to its slot's running sum as it lands, and, after the timed part, byte
+    for byte the batches whose copies back went to buffers of their own (``kept``: batch ->
+    a buffer with ``array(dtype, count)``, filled in by the run as it makes them).
+
+    The running sum is never zeroed between batches (one launch fewer per batch): a batch's
+    checksum is what it added, modulo 2**64.
+
+    Thread rule: the run's orchestrating thread.
+    """
+
+    def __init__(self, data: BatchData, kept: Mapping[int, Any]) -> None:
+        """Args:
+            data: the run's inputs and their checksums.
+            kept: batch -> the buffer its copy back went to, for the batches compared byte for
+                byte (the run's own dict: it may fill it in after).
+        """
+        self.data, self.kept = data, kept
+        self.verified = 0
+        self.mismatched: list[int] = []
+        self.to_compare: list[int] = []  # checksum right; compared byte for byte after the timed run
+        self.compared = 0
+
+    @property
+    def done(self) -> int:
+        """Batches verified (or waiting for their byte compare) or found wrong."""
+        return self.verified + len(self.to_compare) + len(self.mismatched)
+
+    def checksum(self, index: int, before: int, total: int) -> None:
+        """Judge batch ``index`` by its slot's running sum: ``before`` it ran, ``total`` after."""
+        if (total - before) % (1 << 64) != self.data.checksum(index):
+            self.mismatched.append(index)
+        elif index in self.kept:
+            self.to_compare.append(index)
+        else:
+            self.verified += 1
+
+    def compare_kept(self, nbytes: int) -> None:
+        """Compare the kept batches' first ``nbytes`` with the host reference (after the timed run)."""
+        for index in self.to_compare:
+            self.compared += 1
+            if self.data.matches(index, landed_output(self.kept[index], nbytes)):
+                self.verified += 1
+            else:
+                self.mismatched.append(index)
+        self.to_compare = []

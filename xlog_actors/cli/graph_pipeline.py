@@ -39,7 +39,7 @@ from ..driver.kernel_library import SCALE_ADD_CHECKSUM_F32, checksum_tail, launc
 from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.pinned import PinnedBuffer
-from .batches import ALPHA, BETA, BatchData
+from .batches import ALPHA, BETA, BatchData, Tally
 from .pipeline import _INPUT, _OUTPUT, _POISON, _POISONED_SUM, PipelineConfig, PipelineResult, _host_buffer
 
 __all__ = ["run_graph_pipeline"]
@@ -73,10 +73,7 @@ class _GraphRun:
         self.sums = {id(h): h.array(np.uint64)[self.tail // 8:] for h in [*self.hosts, *self.kept.values()]}
         self.slots: list[_GraphSlot] = [self._new_slot(s) for s in range(cfg.depth)]
         self.todo: deque[int] = deque(range(cfg.batches))
-        self.verified = 0
-        self.mismatched: list[int] = []
-        self.to_compare: list[int] = []
-        self.compared = 0
+        self.tally = Tally(data, self.kept)
         self.stale_retries = 0
         self.errors: list[str] = []
         self.rebuilt = False
@@ -97,7 +94,7 @@ class _GraphRun:
 
     @property
     def done(self) -> int:
-        return self.verified + len(self.to_compare) + len(self.mismatched)
+        return self.tally.done
 
     def _verify(self, slot: _GraphSlot) -> None:
         """Wait for ``slot``'s batch in flight and check what it added to the running checksum."""
@@ -108,14 +105,8 @@ class _GraphRun:
         done.wait()
         host = self.kept.get(index, slot.host)
         total = int(self.sums[id(host)][0])
-        ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
+        self.tally.checksum(index, slot.total, total)
         slot.total = total
-        if not ok:
-            self.mismatched.append(index)
-        elif index in self.kept:
-            self.to_compare.append(index)
-        else:
-            self.verified += 1
 
     def step(self) -> None:
         """Send the next batch: verify its slot's previous one, then replay the slot's graph."""
@@ -156,15 +147,6 @@ class _GraphRun:
         """Verify every batch still in flight."""
         for slot in self.slots:
             self._verify(slot)
-
-    def compare_kept(self) -> None:
-        for index in self.to_compare:
-            self.compared += 1
-            if self.data.matches(index, self.kept[index].array(np.uint8, self.cfg.batch_bytes)):
-                self.verified += 1
-            else:
-                self.mismatched.append(index)
-        self.to_compare = []
 
     def close(self) -> None:
         for slot in self.slots:
@@ -228,15 +210,15 @@ def run_graph_pipeline(
     return PipelineResult(
         batches=cfg.batches,
         batch_bytes=cfg.batch_bytes,
-        verified=0 if run is None else run.verified,
-        mismatched=[] if run is None else sorted(run.mismatched),
+        verified=0 if run is None else run.tally.verified,
+        mismatched=[] if run is None else sorted(run.tally.mismatched),
         stale_retries=0 if run is None else run.stale_retries,
         errors=errors,
         seconds=seconds,
         generation=stats.generation,
         driver=driver.kind,
         device=driver.device_name(ordinal),
-        compared=0 if run is None else run.compared,
+        compared=0 if run is None else run.tally.compared,
         extra={"cpu_seconds": cpu, "mode": "graph"},
     )
 
@@ -260,7 +242,7 @@ def _drive(run: _GraphRun, cfg: PipelineConfig, progress: Callable[[int, int], N
         run.errors.append(f"replay: {exc!r}")
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if not run.errors:
-        run.compare_kept()
+        run.tally.compare_kept(cfg.batch_bytes)
     if progress is not None:
         progress(run.done, cfg.batches)
     return seconds, cpu

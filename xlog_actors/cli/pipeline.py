@@ -45,11 +45,11 @@ from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, 
 from ..actors.messages import Allocate, AllocatePinned, GetStats, Rebuild
 from ..actors.pykka_internals import Answer, ask_posting
 from ..driver.kernel_library import SCALE_ADD_CHECKSUM_F32, checksum_tail, launch_shape
-from ..driver.protocol import Buffer, Driver
+from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.block import AllocTag
 from ..memory.pinned import PinnedBuffer
-from .batches import ALPHA, BETA, BatchData
+from .batches import ALPHA, BETA, BatchData, Tally
 
 __all__ = ["PipelineConfig", "PipelineResult", "run_pipeline"]
 
@@ -110,8 +110,8 @@ class PipelineResult:
 
 
 # The host-memory seams: host buffers come from ``_host_buffer`` (viewed through ``_host_array``)
-# and copies back go through ``_copy_back``/``_wait_landed``/``_landed_output``. They are the
-# only code that knows whether host memory is pinned; everything else holds the buffer objects
+# and copies back go through ``_copy_back``/``_wait_landed``/``batches.landed_output``. They are
+# the only code that knows whether host memory is pinned; everything else holds the buffer objects
 # they hand out.
 
 
@@ -138,11 +138,6 @@ def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: Pin
 def _wait_landed(reply: CopyDone) -> None:
     """Block until the copy back behind ``reply`` (a ``CopyDone``) has landed in its buffer."""
     reply.wait()
-
-
-def _landed_output(out: PinnedBuffer, nbytes: int) -> Buffer:
-    """The first ``nbytes`` a copy back left in ``out`` (after ``_wait_landed``)."""
-    return out.array(np.uint8, nbytes)
 
 
 @dataclass
@@ -260,18 +255,15 @@ class _Run:
         self.inflight: set[_Batch] = set()
         # The batches compared byte for byte copy their output back here, kept until the end.
         self.kept: dict[int, PinnedBuffer] = {}
-        self.to_compare: list[int] = []  # checksum verified; compared after the timed run
         self.rebuilt = False
-        self.verified = 0
-        self.mismatched: list[int] = []
-        self.compared = 0
+        self.tally = Tally(data, self.kept)
         self.stale_retries = 0
         self.errors: list[str] = []
 
     @property
     def done(self) -> int:
         """Batches verified (or waiting for their byte compare) or found wrong."""
-        return self.verified + len(self.to_compare) + len(self.mismatched)
+        return self.tally.done
 
     def slot(self, s: int) -> _Slot:
         """Slot ``s``, allocated first if it has no buffers (at the start, after a stale handle)."""
@@ -376,30 +368,13 @@ class _Run:
             self.errors.append(f"rebuild at batch {index}: {exc!r}")
 
     def _verify(self, batch: _Batch) -> None:
-        # The slot's sum is never zeroed between batches (one launch fewer per batch): this batch's
-        # checksum is what it added, modulo 2**64. The batches of one slot land in the order they
-        # ran (one copy-out stream, one landing thread), so ``slot.total`` is the previous one's.
+        # The batches of one slot land in the order they ran (one copy-out stream, watched in
+        # order), so ``slot.total`` is the previous one's sum.
         index, slot = batch.index, batch.buffers
         kept = self.kept.get(index)
         total = int(batch.host.total[0] if kept is None else kept.array(np.uint64)[self.tail // 8])
-        ok = (total - slot.total) % (1 << 64) == self.data.checksum(index)
+        self.tally.checksum(index, slot.total, total)
         slot.total = total
-        if not ok:
-            self.mismatched.append(index)
-        elif index in self.kept:
-            self.to_compare.append(index)
-        else:
-            self.verified += 1
-
-    def compare_kept(self) -> None:
-        """Compare the kept batches byte for byte with the host reference (after the timed run)."""
-        for index in self.to_compare:
-            self.compared += 1
-            if self.data.matches(index, _landed_output(self.kept[index], self.cfg.batch_bytes)):
-                self.verified += 1
-            else:
-                self.mismatched.append(index)
-        self.to_compare = []
 
     def _failed(self, batch: _Batch, exc: BaseException) -> None:
         """A stale handle (a rebuild happened) runs the batch again on new buffers; any other
@@ -558,15 +533,15 @@ def run_pipeline(
     return PipelineResult(
         batches=cfg.batches,
         batch_bytes=cfg.batch_bytes,
-        verified=run.verified,
-        mismatched=sorted(run.mismatched),
+        verified=run.tally.verified,
+        mismatched=sorted(run.tally.mismatched),
         stale_retries=run.stale_retries,
         errors=run.errors,
         seconds=seconds,
         generation=stats.generation,
         driver=driver.kind,
         device=driver.device_name(ordinal),
-        compared=run.compared,
+        compared=run.tally.compared,
         extra={"cpu_seconds": cpu, "mode": "actors"},
     )
 
@@ -589,7 +564,7 @@ def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] 
                 run.errors.append(f"timed out after {cfg.timeout_s} s")
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if not run.errors:
-            run.compare_kept()
+            run.tally.compare_kept(cfg.batch_bytes)
     finally:
         # An error stops new work; what is in flight still finishes, so no buffer is dropped in use.
         run.finish(deadline)
