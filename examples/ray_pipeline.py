@@ -1,5 +1,5 @@
 """A producer device on one Ray node, a consumer device on another, a restart of the producer
-mid-run, every batch verified (issue #20's worked example; host driver).
+mid-run, every batch verified (host driver).
 
     python examples/ray_pipeline.py [--batches N] [--mib X] [--kill-at K]
 

@@ -1,5 +1,5 @@
-"""A worker pool in three processes that survives an illegal-address kernel (issue #18's
-walk-through; docs/user-guide.md, "Surviving a sticky error").
+"""A worker pool in three processes that survives an illegal-address kernel (walked through in
+docs/user-guide.md, "Surviving a sticky error").
 
     python examples/worker_pool.py [--driver host|cuda] [--batches N] [--fault-after K]
 

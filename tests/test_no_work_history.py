@@ -3,8 +3,8 @@
 A number of an issue, of a working session or of a stop in a plan means nothing to a reader who
 does not have that tracker or that plan (and the repository does not), and goes stale as soon as
 the work moves on. This test reads every text file that git tracks, or would track (untracked and
-not ignored), under ``xlog_actors/``, ``tests/``, ``scripts/`` and ``docs/``, and ``README.md``,
-and fails listing each line that names one. Build products are ignored by git, so never read.
+not ignored), under ``xlog_actors/``, ``tests/``, ``scripts/``, ``docs/``, ``examples/`` and
+``.ci/``, and ``README.md``, and fails listing each line that names one. Build products are ignored by git, so never read.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("xlog_actors", "tests", "scripts", "docs", "README.md")
+SCANNED = ("xlog_actors", "tests", "scripts", "docs", "examples", ".ci", "README.md")
 
 #: What a reference to the work's own history looks like (case-insensitive): the word session,
 #: stop or issue followed by a number (after a space, a hash, an underscore as in a test name, or
