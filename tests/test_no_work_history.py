@@ -4,7 +4,8 @@ A number of an issue, of a working session or of a stop in a plan means nothing 
 does not have that tracker or that plan (and the repository does not), and goes stale as soon as
 the work moves on. This test reads every text file that git tracks, or would track (untracked and
 not ignored), under ``xlog_actors/``, ``tests/``, ``scripts/``, ``docs/``, ``examples/`` and
-``.ci/``, and ``README.md``, and fails listing each line that names one. Build products are ignored by git, so never read.
+``.ci/``, and ``README.md``, and fails listing each line that names one. Build products are
+ignored by git, so never read.
 """
 
 from __future__ import annotations
