@@ -47,7 +47,7 @@ import contextlib
 import ctypes
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -118,11 +118,11 @@ def _schedule(batches: int, depth: int, sources: Sequence[Any], slots: Sequence[
     return [(i >= depth, sources[i % len(sources)], *slots[i % depth]) for i in range(batches)]
 
 
-# -- the host driver ------------------------------------------------------------------------------
-
-def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> tuple[float, float]:
-    nbytes, n = data.nbytes, data.nbytes // 4
-    grid, block = launch_shape(n)
+@contextlib.contextmanager
+def _ring(driver: Driver, depth: int, nbytes: int) -> Iterator[tuple[list[Any], list[int], list[int]]]:
+    """A run's three streams and ``depth`` device buffer pairs, ``(streams, d_in, d_out)``, on
+    either driver; on the way out, whatever failed, the streams are synchronized (nothing below
+    frees what a stream still uses), the buffers freed and the streams closed."""
     streams: list[Any] = []
     buffers: list[int] = []
     try:
@@ -131,6 +131,22 @@ def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> tupl
         buffers += d_in
         d_out = [driver.alloc(0, nbytes) for _ in range(depth)]
         buffers += d_out
+        yield streams, d_in, d_out
+    finally:
+        for s in streams:
+            s.synchronize()
+        for ptr in buffers:
+            driver.free(0, ptr)
+        for s in streams:
+            s.close()
+
+
+# -- the host driver ------------------------------------------------------------------------------
+
+def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> tuple[float, float]:
+    nbytes, n = data.nbytes, data.nbytes // 4
+    grid, block = launch_shape(n)
+    with _ring(driver, depth, nbytes) as (streams, d_in, d_out):
         host_out = [np.empty(nbytes, np.uint8) for _ in range(depth)]
         slots = [
             (d_in[s], d_out[s], host_out[s], driver.create_event(0), driver.create_event(0), driver.create_event(0),
@@ -143,13 +159,6 @@ def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> tupl
         timing = _host_loop(driver, streams, _schedule(batches, depth, data.inputs, slots), grid, block)
         _verify(host_out, data, batches, depth)
         return timing
-    finally:
-        for s in streams:
-            s.synchronize()  # nothing below may free what a stream still uses
-        for ptr in buffers:
-            driver.free(0, ptr)
-        for s in streams:
-            s.close()
 
 
 def _host_loop(driver: Driver, streams: list[Any], schedule: list[Any], grid: int, block: int) -> tuple[float, float]:
@@ -232,8 +241,6 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
     grid, block = launch_shape(n)
     driver.make_current(0)  # the raw calls below run in this thread's current context
     device: Any = cast(Any, driver).fast_path(0)[1]  # CudaDriver's CudaDevice: its kernels and HeldCalls
-    streams: list[Any] = []
-    buffers: list[int] = []
     events: list[Any] = []
     pinned: list[int] = []
 
@@ -247,12 +254,7 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
         events.append(ev)
         return ev
 
-    try:
-        streams += (driver.create_stream(0) for _ in range(3))
-        d_in = [driver.alloc(0, nbytes) for _ in range(depth)]
-        buffers += d_in
-        d_out = [driver.alloc(0, nbytes) for _ in range(depth)]
-        buffers += d_out
+    with _ring(driver, depth, nbytes) as (streams, d_in, d_out), _released(streams, events, pinned, cu):
         sources = []
         for src in data.inputs:
             buf = host_buffer(nbytes)
@@ -286,17 +288,21 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
                                      _schedule(batches, depth, sources, slots))
         _verify(host_out, data, batches, depth)
         return timing
+
+
+@contextlib.contextmanager
+def _released(streams: list[Any], events: list[Any], pinned: list[int], cu: Any) -> Iterator[None]:
+    """On the way out of a CUDA run, whatever failed: its events destroyed and its pinned host
+    memory freed, once the streams that may use them ran (before ``_ring`` frees the ring)."""
+    try:
+        yield
     finally:
         for s in streams:
-            s.synchronize()  # nothing below may free or destroy what a stream still uses
+            s.synchronize()
         for ev in events:
             cu.cuEventDestroy(ev)
         for ptr in pinned:
             cu.cuMemFreeHost(ptr)
-        for ptr in buffers:
-            driver.free(0, ptr)
-        for s in streams:
-            s.close()
 
 
 def _held_loop(held: Any, cu: Any, streams: list[int], fn: int, grid: int, block: int, nbytes: int,
