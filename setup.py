@@ -33,6 +33,7 @@ _MODULES = (
     "doorbell",
     "fdwait",
     "call_lane",
+    "graph_replay",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

@@ -4,6 +4,8 @@ input refused with a typed error and nothing changed."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,9 @@ import pykka
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.actors.messages import AllocatePinned
+from xlog_actors._core.graph_replay import ReplayCore
+from xlog_actors.actors.messages import AllocatePinned, Attach
+from xlog_actors.driver.graph import Memset
 from xlog_actors.driver.kernel_library import SCALE_ADD_F32, launch_shape
 
 N = 1 << 14  # float32 elements per buffer
@@ -242,3 +246,64 @@ def test_replays_from_several_threads_are_serialized(device: pykka.ActorRef[Any]
     assert run_threads(replay_many, 4, 60.0) == []
     graph.replay().wait()
     assert _values(b["host_out"]) == {3.0}
+
+
+# -- the compiled replay's own rules -------------------------------------------------------------
+class _Token:
+    """A weakly referable stand-in for a replaced host view."""
+
+
+def _core_on(driver: xa.Driver, device: pykka.ActorRef[Any], ring: int) -> tuple[ReplayCore, Any, Any]:
+    """A ReplayCore (untracked) on a stream of the device, and a one-memset graph to replay."""
+    ctx = device.ask(Attach())
+    sid = ctx.runtime.stream_pool.acquire()
+    stream = ctx.runtime.stream_pool.resolve(sid)
+    ref = device.ask(xa.Allocate(64))
+    graph = driver.record_graph(0, [Memset(ref.block.ptr, 1, 64)])
+    core = ReplayCore(driver, 0, stream, sid, None, None, False, ring)
+    core.set_uses([])
+    return core, stream, (graph, ref)
+
+
+def test_a_retired_view_is_kept_until_the_replays_before_it_ran(driver: xa.Driver,
+                                                                  device: pykka.ActorRef[Any]) -> None:
+    """What a rebinding replaced rides on the next replay's completion: let go only once that
+    completion is seen to have fired, never while the replays before it may still run."""
+    core, stream, (graph, _ref) = _core_on(driver, device, ring=1)
+    token = _Token()
+    alive = weakref.ref(token)
+    driver.sleep(stream, 400_000)  # every replay below stays queued until this ran
+    core.replay(graph)
+    core.retire(token)
+    del token
+    core.replay(graph)  # the token rides on this replay's completion
+    core.replay(graph)  # the ring comes back to it: still pending, so the token rides on
+    gc.collect()
+    assert alive() is not None, "a retired view was let go while the replays before it were queued"
+    stream.synchronize()
+    core.replay(graph)  # its completion fired: let go
+    gc.collect()
+    assert alive() is None, "a retired view was kept after the replays before it ran"
+    core.retire(_Token())
+    kept = core.take_kept()
+    assert len(kept) == 1 and isinstance(kept[0], _Token) and core.take_kept() == []
+    graph.close()
+
+
+def test_the_replay_core_refuses_bad_arguments(driver: xa.Driver, device: pykka.ActorRef[Any]) -> None:
+    ctx = device.ask(Attach())
+    sid = ctx.runtime.stream_pool.acquire()
+    stream = ctx.runtime.stream_pool.resolve(sid)
+    with pytest.raises(ValueError, match="ring"):
+        ReplayCore(driver, 0, stream, sid, None, None, False, 0)
+    with pytest.raises(ValueError, match="together"):
+        ReplayCore(driver, 0, stream, sid, ctx.runtime.prepare_block_use, None, False, 4)
+
+
+def test_a_done_replay_reads_done_through_the_core(device: pykka.ActorRef[Any]) -> None:
+    graph, b = _job(device)
+    done = graph.replay()
+    done.wait()
+    assert done.done() and _values(b["host_out"]) == {3.0}
+    graph.close()
+    assert done.done()  # a closed graph's completions still answer

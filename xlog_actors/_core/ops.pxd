@@ -12,6 +12,8 @@ ctypedef CUresult (*EventRecord_t)(CUevent, CUstream) noexcept nogil
 ctypedef CUresult (*StreamWaitEvent_t)(CUstream, CUevent, unsigned int) noexcept nogil
 ctypedef CUresult (*MemAlloc_t)(CUdeviceptr*, size_t) noexcept nogil
 ctypedef CUresult (*MemFree_t)(CUdeviceptr) noexcept nogil
+ctypedef CUresult (*GraphLaunch_t)(void*, CUstream) noexcept nogil
+ctypedef CUresult (*EventQuery_t)(CUevent) noexcept nogil
 
 
 cdef class DriverOps:
@@ -24,6 +26,8 @@ cdef class DriverOps:
     cdef object alloc(self, object nbytes)
     cdef free(self, object ptr)
     cdef object create_event(self)
+    cdef graph_launch(self, object graph, object stream)
+    cdef bint query(self, object event) except -1
 
 
 cdef class CudaOps(DriverOps):
@@ -60,6 +64,8 @@ cdef class CudaOps(DriverOps):
     cdef StreamWaitEvent_t _stream_wait_event
     cdef MemAlloc_t _mem_alloc
     cdef MemFree_t _mem_free
+    cdef GraphLaunch_t _graph_launch
+    cdef EventQuery_t _event_query
     cdef bint _current(self)
     cdef object _thread_token(self)
     cdef bint _stream_ok(self, object s)

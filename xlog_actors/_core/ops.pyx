@@ -88,6 +88,12 @@ cdef class DriverOps:
     cdef object create_event(self):
         return self.driver.create_event(self.ordinal)
 
+    cdef graph_launch(self, object graph, object stream):
+        graph.launch(stream)
+
+    cdef bint query(self, object event) except -1:
+        return event.query()
+
 
 cdef class CudaOps(DriverOps):
     """The CUDA driver's calls through ``libcuda`` entry points, with the Python driver as the
@@ -147,6 +153,8 @@ cdef class CudaOps(DriverOps):
         self._stream_wait_event = <StreamWaitEvent_t>PyLong_AsVoidPtr(entry_points["cuStreamWaitEvent"])
         self._mem_alloc = <MemAlloc_t>PyLong_AsVoidPtr(entry_points["cuMemAlloc"])
         self._mem_free = <MemFree_t>PyLong_AsVoidPtr(entry_points["cuMemFree"])
+        self._graph_launch = <GraphLaunch_t>PyLong_AsVoidPtr(entry_points["cuGraphLaunch"])
+        self._event_query = <EventQuery_t>PyLong_AsVoidPtr(entry_points["cuEventQuery"])
 
     cdef bint _current(self):
         """True when the device is healthy and its context current in this thread, refreshing the
@@ -287,6 +295,35 @@ cdef class CudaOps(DriverOps):
         err = self._stream_wait_event(self._handle_of(stream), PyLong_AsVoidPtr(event._h), 0)
         if err != 0:
             self._dev.fail(self._cuda_result(err), f"cuStreamWaitEvent(stream {stream._id})")
+
+    cdef graph_launch(self, object graph, object stream):
+        # A ``CudaGraph`` (driver/cuda/graph.py) of this device, open, of the current epoch (its
+        # ``_live`` is the epoch token it was made under) and with no replaced host views waiting
+        # to be handed to a stream (``_retired``): then its launch is the one call. Anything else
+        # goes to ``CudaGraph.launch``, which raises the precise error or keeps the views. The
+        # caller serializes launches with the graph's updates and close (``BatchGraph``'s lock);
+        # the GIL, kept from the checks to the call, keeps a rebuild from coming between.
+        cdef CUresult err
+        if (not self._current() or not self._stream_ok(stream) or getattr(graph, "_live", None) is not self._live_token
+                or graph._closed or graph._retired or graph._dev is not self._dev):
+            DriverOps.graph_launch(self, graph, stream)
+            return
+        err = self._graph_launch(PyLong_AsVoidPtr(graph._exec_h), self._handle_of(stream))
+        if err != 0:
+            self._dev.fail(self._cuda_result(err), f"cuGraphLaunch(stream {stream._id})")
+        graph._last_stream = stream
+
+    cdef bint query(self, object event) except -1:
+        cdef CUresult err
+        if not self._current() or type(event) is not self._event_type or event._live is not self._live_token:
+            return DriverOps.query(self, event)
+        err = self._event_query(PyLong_AsVoidPtr(event._h))
+        if err == 0:
+            return True
+        if err == 600:  # CUDA_ERROR_NOT_READY
+            return False
+        self._dev.fail(self._cuda_result(err), "cuEventQuery")
+        return False
 
     cdef object alloc(self, object nbytes):
         cdef CUdeviceptr ptr = 0

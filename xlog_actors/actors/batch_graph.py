@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pykka
 
-from ..driver.graph import (
-    Graph,
-)
+from .._core.graph_replay import ReplayCore
+from ..driver.graph import Graph
 from ..driver.protocol import Event, Stream
 from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, StreamId
@@ -72,6 +71,7 @@ class GraphDone:
     """
 
     event: Event = field(repr=False)
+    _query: Callable[[Event], bool] = field(repr=False, compare=False)
 
     def done(self) -> bool:
         """Whether the replay ran; never blocks.
@@ -81,7 +81,7 @@ class GraphDone:
             ContextPoisoned: the device saw a sticky error.
         Thread rule: any thread.
         """
-        return self.event.query()
+        return self._query(self.event)
 
     def wait(self) -> None:
         """Block until the replay ran (its copies to the host have landed).
@@ -93,7 +93,7 @@ class GraphDone:
         """
         # A replay already done (the usual case for a ring's oldest) answers a query, which keeps
         # the GIL; the synchronize would let it go and take it back.
-        if not self.event.query():
+        if not self._query(self.event):
             self.event.synchronize()
 
 
@@ -130,11 +130,16 @@ class BatchGraph:
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
         self._views: Views = {}
+        runtime = ctx.runtime
+        # The replay itself is compiled (handle checks, waits, launch, uses, completion, last
+        # writes in one call). Its completions are a ring of events re-recorded in turn, so a
+        # replay creates no event; a GraphDone older than the ring waits for a later replay.
+        self._core = ReplayCore(ctx.driver, ctx.ordinal, stream, stream_id,
+                                runtime.prepare_block_use if self._tracking else None,
+                                runtime.finish_block_use if self._tracking else None,
+                                self._synchronize, _DONE_EVENTS)
         self._uses = self._merged_uses()
-        # The completions handed out: a ring of events re-recorded in turn, so a replay creates
-        # no event. A GraphDone older than the ring waits for a later replay: never less.
-        self._done_events: list[Event] = []
-        self._done_at = 0
+        self._core.set_uses(self._uses)
 
     # -- recording --------------------------------------------------------------------------------
     @classmethod
@@ -238,31 +243,16 @@ class BatchGraph:
                                   f"generation {ctx.generation}; record it again on the new handles")
             if bind:
                 self._bind(bind, graph)
-            uses = self._uses
-            for ref, _access in uses:
-                ref.access()  # stale or released: GpuRefStale, before anything is enqueued
-            sid, runtime = self._stream_id, ctx.runtime
-            tracking = self._tracking
+            core = self._core
             try:
-                if tracking:
-                    for ref, access in uses:
-                        runtime.prepare_block_use(ref.block, sid, access)
-                graph.launch(self._stream)
-                if tracking:
-                    for ref, access in uses:
-                        runtime.finish_block_use(ref.block, sid, access)
-                event = self._done_event()
-                if self._synchronize:
-                    self._stream.synchronize()
+                # Stale or released handles raise GpuRefStale before anything is enqueued.
+                event = core.replay(graph)
             except XlogError as exc:
                 if not isinstance(exc, GpuRefStale) and not ctx.is_current():
                     self._close_locked()
                     raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the replay") from exc
                 raise
-            for ref, access in uses:
-                if access.writes:
-                    ref.record_write(sid)
-            return GraphDone(event)
+            return GraphDone(event, core.query)
 
     def _bind(self, bind: Mapping[Operand, Operand], graph: Graph) -> None:
         """Check every replacement, then update the steps they change (nothing changes on a
@@ -303,11 +293,13 @@ class BatchGraph:
             raise
         if devices:
             self._uses = self._merged_uses()
+            self._core.set_uses(self._uses)
 
     def _bind_host(self, changed: list[tuple[int, Operand]], graph: Graph) -> None:
         """Bindings of host buffers only (checked): each of their copy steps gets the new
-        buffer's view (``Graph.update_host``, one node update each); all or nothing."""
-        bound, stages, views = self._bound, self._stages, self._views
+        buffer's view (``Graph.swap_host``, one node update each), and the views replaced ride
+        on the next replay's completion until the launches before them ran; all or nothing."""
+        bound, stages, views, core = self._bound, self._stages, self._views, self._core
         done: list[tuple[int, int, Operand]] = []
         try:
             for key, new in changed:
@@ -315,7 +307,9 @@ class BatchGraph:
                 for i in self._stages_of[key]:
                     stage = stages[i]
                     nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
-                    graph.update_host(i, view(buf, nbytes, views))
+                    replaced = graph.swap_host(i, view(buf, nbytes, views))
+                    if replaced is not None:
+                        core.retire(replaced)
                     done.append((key, i, bound[key]))
                 bound[key] = new
         except BaseException:
@@ -325,20 +319,10 @@ class BatchGraph:
                 old_buf = cast(PinnedBuffer, old)
                 nbytes = old_buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
                 with contextlib.suppress(XlogError):
-                    graph.update_host(i, view(old_buf, nbytes, views))
+                    replaced = graph.swap_host(i, view(old_buf, nbytes, views))
+                    if replaced is not None:
+                        core.retire(replaced)
             raise
-
-    def _done_event(self) -> Event:
-        """The next event of the ring, recorded now on the graph's stream."""
-        events, stream = self._done_events, self._stream
-        if len(events) < _DONE_EVENTS:
-            event: Event = stream.record_event()
-            events.append(event)
-            return event
-        event = events[self._done_at]
-        self._done_at = (self._done_at + 1) % _DONE_EVENTS
-        stream.record(event)
-        return event
 
     def _merged_uses(self) -> list[tuple[GpuRef, Access]]:
         """One (handle, access) per distinct block bound now; read and written is READ_WRITE."""
@@ -363,7 +347,7 @@ class BatchGraph:
     def _close_locked(self) -> None:
         graph, self._graph = self._graph, None
         if graph is not None:
-            graph.close()
+            graph.close(self._core.take_kept())
 
     def __repr__(self) -> str:
         state = " closed" if self._graph is None else ""

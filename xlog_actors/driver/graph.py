@@ -291,8 +291,26 @@ class Graph(Protocol):
         """
         ...
 
-    def close(self) -> None:
+    def swap_host(self, index: int, view: memoryview) -> object | None:
+        """As :meth:`update_host`, but the view it replaced is handed back instead of kept: the
+        caller keeps it until the launches enqueued before this call ran (the graph's owner
+        knows when, from the completions it records, and spares the graph an event of its own).
+
+        Returns:
+            the replaced host view, or None when ``view`` is the one the step has (or the
+            graph's launches keep their views themselves).
+        Raises:
+            as :meth:`update_host`.
+        Thread rule: any thread.
+        """
+        ...
+
+    def close(self, keep: Sequence[object] = ()) -> None:
         """Release the graph (launches already enqueued still run). Idempotent; never raises.
+
+        Args:
+            keep: objects (host views handed back by :meth:`swap_host`) to keep until the
+                launches already enqueued ran.
         Thread rule: any thread."""
         ...
 
@@ -387,7 +405,13 @@ class SteppedGraph:
                 raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
             self._steps[index] = step
 
-    def close(self) -> None:
-        """Forget the steps. Idempotent; never raises."""
+    def swap_host(self, index: int, view: memoryview) -> object | None:
+        """As :meth:`update_host`; None (the driver's copies keep their views themselves)."""
+        self.update_host(index, view)
+        return None
+
+    def close(self, keep: Sequence[object] = ()) -> None:
+        """Forget the steps (``keep`` is not needed: see the class docstring). Idempotent;
+        never raises."""
         with self._lock:
             self._closed = True

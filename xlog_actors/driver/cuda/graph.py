@@ -137,6 +137,9 @@ class CudaGraph:
             raise
         self._exec_h = int(self._exec)
         self._ctx_h = int(dev.ctx)
+        # The epoch's token, as a stream's ``_live``: the compiled core's launch (``CudaOps``)
+        # takes its one-call path only while it is the device's current one.
+        self._live = dev.epoch_token
 
     # -- nodes ------------------------------------------------------------------------------------
     def _copy_params(self, i: int, step: HostToDevice | DeviceToHost | DeviceToDevice) -> tuple[Any, object]:
@@ -275,7 +278,7 @@ class CudaGraph:
                 raise InvalidRequest(f"graph step {index}: {why}")
             dev.enter()
             if isinstance(step, (HostToDevice, DeviceToHost, DeviceToDevice)):
-                self._update_copy(index, node, step, dev)
+                self._retire(self._update_copy(index, node, step, dev))
             elif isinstance(step, KernelStep):
                 fn = node.params.func
                 params, keep = self._kernel_params(step, fn)
@@ -304,13 +307,35 @@ class CudaGraph:
             step = host_step([n.step for n in self._nodes], index, view)
             assert node is not None
             dev.enter()
-            self._update_copy(index, node, step, dev)
+            self._retire(self._update_copy(index, node, step, dev))
             node.step = step
 
+    def swap_host(self, index: int, view: memoryview) -> object | None:
+        """As :meth:`update_host`, but the replaced view is returned, for the caller to keep
+        until the launches before this call ran (see
+        :meth:`~xlog_actors.driver.graph.Graph.swap_host`)."""
+        with self._lock:
+            dev = self._check_open()
+            node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
+            if node is not None and node.keep is view:
+                return None
+            step = host_step([n.step for n in self._nodes], index, view)
+            assert node is not None
+            dev.enter()
+            replaced = self._update_copy(index, node, step, dev)
+            node.step = step
+            return replaced
+
+    def _retire(self, replaced: object | None) -> None:
+        """Keep a replaced view until the next launch hands it to its stream."""
+        if replaced is not None and self._last_stream is not None:
+            self._retired.append(replaced)  # launches before the update may still use it
+
     def _update_copy(self, index: int, node: _Node, step: HostToDevice | DeviceToHost | DeviceToDevice,
-                     dev: CudaDevice) -> None:
+                     dev: CudaDevice) -> object | None:
         """A copy node's update: the kept ``CUDA_MEMCPY3D`` changed in place, then set on the
-        exec by address, the GIL kept; changed back if the driver refuses it."""
+        exec by address, the GIL kept; changed back if the driver refuses it. Returns the host
+        view it replaced, which launches before it may still use (None when there is none)."""
         p = node.params
         old = node.addresses
         keep: object = None
@@ -328,7 +353,7 @@ class CudaGraph:
             new = (0, step.src, 0, step.dst)
         if new == old:
             node.keep = keep
-            return
+            return None
         p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = new
         err = dev.held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h)
         if err:
@@ -336,18 +361,20 @@ class CudaGraph:
             dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
         node.addresses = new
         replaced, node.keep = node.keep, keep
-        if replaced is not None and replaced is not keep and self._last_stream is not None:
-            self._retired.append(replaced)  # launches before this update may still use it
+        return replaced if replaced is not keep else None
 
-    def close(self) -> None:
-        """Destroy the exec and the graph (see the module docstring). Idempotent; never raises."""
+    def close(self, keep: Sequence[object] = ()) -> None:
+        """Destroy the exec and the graph (see the module docstring); ``keep``: more objects to
+        keep until the launches already enqueued ran. Idempotent; never raises."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             last = self._last_stream
-            keep = [n.keep for n in self._nodes if n.keep is not None and not isinstance(n.keep, ctypes.Array)]
-            keep.extend(self._retired)
+            kept = [n.keep for n in self._nodes if n.keep is not None and not isinstance(n.keep, ctypes.Array)]
+            kept.extend(self._retired)
+            kept.extend(keep)
+            keep = kept
             self._retired = []
             if last is not None and keep:
                 with last._gate, contextlib.suppress(XlogError):

@@ -1,0 +1,198 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled replay of a ``BatchGraph``: validate its handles, queue the waits their tracking
+asks, launch the graph, record the uses, the completion and the last writes, in one call.
+
+A replay is the same dozen steps every batch. In Python each step is a few frames (the handle's
+check, the resource's bound methods, the graph's lock and the stream's gate, the event's record)
+and together they cost more than the driver calls they make. Here the loop over the handles is
+C, the handle check reads ``HandleCore``'s C fields, and the launch, the completion's record and
+its query go through :class:`~xlog_actors._core.ops.DriverOps`: on CUDA the ``libcuda`` entry
+points with the GIL kept (one call each while the stream, the event and the graph are of the
+current epoch), on any other driver the driver's Python methods. The tracking itself stays the
+resource's (``prepare_block_use`` / ``finish_block_use``, whatever adaptors wrap it).
+
+Invariants: the uses (handle, access) are set by the owner (``set_uses``) and read by ``replay``;
+the owner serializes both, and the graph's updates and close, under its own lock (``BatchGraph``).
+Nothing is launched unless every handle validated and every wait was queued. The completion
+events are a ring of ``ring`` events re-recorded in turn, created on first use.
+
+Host views a rebinding replaced (``retire``) may still be read or written by the launches before
+it, so they are kept until those ran, without an event of their own: they ride on the next
+replay's completion event (recorded after a launch that comes after all of them on the stream).
+When the ring comes back to that event, one query says whether it fired: then they are let go,
+else they ride on the next one. ``take_kept`` hands whatever is still kept to the graph's close.
+
+Thread rule: any thread, one call at a time per core (the owner's lock).
+"""
+
+from cpython.weakref cimport PyWeakref_GetObject
+
+from .handles cimport HandleCore
+from .ops cimport DriverOps, ops_for
+
+__all__ = ["ReplayCore"]
+
+
+cdef class ReplayCore:
+    """The per-graph state of the compiled replay (see the module docstring).
+
+    Thread rule: any thread; the owner serializes every call.
+    """
+
+    cdef DriverOps _ops
+    cdef object _stream
+    cdef object _sid
+    cdef object _prepare
+    cdef object _finish
+    cdef tuple _refs
+    cdef tuple _accesses
+    cdef tuple _written
+    cdef list _events
+    cdef list _riders
+    cdef list _retired
+    cdef Py_ssize_t _done_at
+    cdef Py_ssize_t _ring
+    cdef bint _synchronize
+
+    def __init__(self, driver, ordinal, stream, stream_id, prepare, finish, bint synchronize, Py_ssize_t ring):
+        """Args:
+            driver: the device's driver.
+            ordinal: the device's ordinal.
+            stream: the driver stream every replay runs on.
+            stream_id: its ``StreamId`` (what the handles' uses and last writes record).
+            prepare, finish: the resource's ``prepare_block_use`` / ``finish_block_use``, or None
+                for both when the replay is not tracked.
+            synchronize: wait for each replay before returning (an untracked resource's rule).
+            ring: how many completion events to re-record in turn (at least 1).
+        Raises:
+            ValueError: ``ring`` < 1, or only one of ``prepare``/``finish`` given.
+        """
+        if ring < 1:
+            raise ValueError(f"ReplayCore: ring must be at least 1, got {ring}")
+        if (prepare is None) != (finish is None):
+            raise ValueError("ReplayCore: prepare and finish are given together or not at all")
+        self._ops = ops_for(driver, ordinal)
+        self._stream = stream
+        self._sid = stream_id
+        self._prepare = prepare
+        self._finish = finish
+        self._synchronize = synchronize
+        self._ring = ring
+        self._events = []
+        self._riders = []
+        self._retired = []
+        self._done_at = 0
+        self._refs = ()
+        self._accesses = ()
+        self._written = ()
+
+    def set_uses(self, uses):
+        """Set what every later replay validates and tracks.
+
+        Args:
+            uses: ``(handle, access)`` pairs, one per distinct block; ``access.writes`` says
+                whether the replay writes it (its last write is then the graph's stream).
+        """
+        refs = tuple(ref for ref, _ in uses)
+        accesses = tuple(access for _, access in uses)
+        self._written = tuple(ref for ref, access in uses if access.writes)
+        self._refs = refs
+        self._accesses = accesses
+
+    def replay(self, graph):
+        """One replay of ``graph`` on the core's stream, tracked.
+
+        Args:
+            graph: the driver's graph (``Graph``) to launch.
+        Returns:
+            the completion event, recorded right after the launch.
+        Raises:
+            GpuRefStale: a handle is stale or released; nothing was enqueued.
+            DriverError, ContextPoisoned, and the tracking's errors: the driver's and the
+                resource's, as their Python paths raise them.
+        """
+        cdef HandleCore core
+        cdef Py_ssize_t i, n
+        refs = self._refs
+        n = len(refs)
+        for i in range(n):
+            ref = refs[i]
+            if isinstance(ref, HandleCore):
+                core = <HandleCore>ref
+                if (core._cell.token is core._token and not core._released
+                        and <object>PyWeakref_GetObject(core._state) is not None):
+                    continue
+            ref.access()  # the slow path: refreshes a moved token, or raises GpuRefStale
+        sid, stream = self._sid, self._stream
+        prepare = self._prepare
+        if prepare is not None:
+            accesses = self._accesses
+            for i in range(n):
+                prepare((<HandleCore>refs[i])._block if isinstance(refs[i], HandleCore) else refs[i].block,
+                        sid, accesses[i])
+        self._ops.graph_launch(graph, stream)
+        finish = self._finish
+        if finish is not None:
+            accesses = self._accesses
+            for i in range(n):
+                finish((<HandleCore>refs[i])._block if isinstance(refs[i], HandleCore) else refs[i].block,
+                       sid, accesses[i])
+        event = self._done_event()
+        if self._synchronize:
+            stream.synchronize()
+        for ref in self._written:
+            if isinstance(ref, HandleCore):
+                (<HandleCore>ref)._last_write = sid
+            else:
+                ref.record_write(sid)
+        return event
+
+    cdef object _done_event(self):
+        """The next event of the ring, recorded now on the stream, with the views retired since
+        the last replay riding on it (see the module docstring)."""
+        cdef Py_ssize_t at
+        events = self._events
+        retired = self._retired
+        if len(events) < self._ring:
+            event = self._ops.create_event()
+            self._ops.record(event, self._stream)
+            events.append(event)
+            self._riders.append(retired)
+            self._retired = []
+            return event
+        at = self._done_at
+        event = events[at]
+        riding = self._riders[at]
+        if riding and not self._ops.query(event):
+            retired.extend(riding)  # their launches may not have run yet: on to the next event
+        self._ops.record(event, self._stream)
+        self._riders[at] = retired
+        self._retired = []
+        self._done_at = (at + 1) % self._ring
+        return event
+
+    def retire(self, view):
+        """Keep ``view`` (a host view a rebinding replaced) until the launches before now ran."""
+        self._retired.append(view)
+
+    def take_kept(self):
+        """Everything still kept (retired views, riding or not), handed over and forgotten: for
+        the graph's close, which keeps them until the launches already enqueued ran."""
+        kept = list(self._retired)
+        for riders in self._riders:
+            kept.extend(riders)
+        self._retired = []
+        self._riders = [[] for _ in self._riders]
+        return kept
+
+    def query(self, event):
+        """Whether the work before ``event``'s latest record ran; never blocks.
+
+        Args:
+            event: a completion event this core returned.
+        Returns:
+            True once it ran.
+        Raises:
+            DriverError: the context was rebuilt. ContextPoisoned: the device saw a sticky error.
+        """
+        return self._ops.query(event)
