@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from .driver_choice import KINDS, NoGpu
-from .options import EXIT_USAGE, OneLineParser, UsageError, at_least, positive_float, writable_file
+from .options import EXIT_USAGE, OneLineParser, UsageError, at_least, device_count, positive_float, writable_file
 
 __all__ = ["main"]
 
@@ -67,6 +67,16 @@ def _parser() -> OneLineParser:
         "--graph",
         action="store_true",
         help="graph mode: each ring slot's batch recorded once as a device graph (BatchGraph), one replay a batch",
+    )
+    demo.add_argument(
+        "--devices", type=device_count, default=None, metavar="all|N",
+        help="run the job on N devices at once, one pipeline each ('all': every device; the host driver "
+        "emulates N; default: one device)",
+    )
+    demo.add_argument(
+        "--placement", choices=("isolated", "in-process"), default=None,
+        help="with --devices N > 1: one worker process per device (isolated, the default) or every device in "
+        "this process",
     )
 
     bench = sub.add_parser("bench", help="the benchmark suite: each figure beside its raw driver twin")

@@ -11,6 +11,7 @@ from ..errors import XlogError
 from .batches import BatchData
 from .driver_choice import choose_driver
 from .graph_pipeline import run_graph_pipeline
+from .multi_demo import run_multi_demo
 from .options import UsageError
 from .pipeline import PipelineConfig, PipelineResult, run_pipeline
 from .raw_pipeline import RawResult, raw_pipeline
@@ -41,6 +42,9 @@ def run_demo(args: argparse.Namespace) -> int:
         NoGpu: ``cuda`` asked for where no GPU is usable.
     Thread rule: the command's main thread.
     """
+    status = run_multi_demo(args)  # --devices N > 1; None: one device, as below
+    if status is not None:
+        return status
     if args.graph and (args.no_tracking or args.slow_producer_us):
         raise UsageError("--graph: a graph orders its own stages; --no-tracking and --slow-producer-us "
                          "apply to the actor pipeline only")

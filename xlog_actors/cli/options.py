@@ -14,7 +14,9 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["EXIT_USAGE", "OneLineParser", "UsageError", "at_least", "positive_float", "writable_file"]
+__all__ = [
+    "EXIT_USAGE", "OneLineParser", "UsageError", "at_least", "device_count", "positive_float", "writable_file",
+]
 
 EXIT_USAGE = 2
 
@@ -70,6 +72,29 @@ def at_least(low: int) -> Callable[[str], int]:
 
     convert.__name__ = f"integer >= {low}"
     return convert
+
+
+def device_count(text: str) -> int | str:
+    """An argparse ``type=`` for ``--devices``: ``"all"`` or an integer ``>= 1`` (whether that many
+    are present is checked once the driver is open).
+
+    Args:
+        text: the flag's value.
+    Returns:
+        ``"all"`` or the integer.
+    Raises:
+        argparse.ArgumentTypeError: for anything else (argparse names the flag).
+    Thread rule: any thread.
+    """
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'all' or an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'all' or an integer >= 1, got {text!r}")
+    return value
 
 
 def positive_float(text: str) -> float:

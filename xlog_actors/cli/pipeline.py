@@ -473,6 +473,7 @@ def run_pipeline(
     ordinal: int = 0,
     device: pykka.ActorRef[Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    start_gate: Callable[[], None] | None = None,
 ) -> PipelineResult:
     """Run the pipeline on ``driver``'s device ``ordinal`` (or an already started ``device``)
     and verify every batch exactly.
@@ -486,6 +487,8 @@ def run_pipeline(
         ordinal: the device, when ``device`` is not given.
         device: a started ``DeviceActor`` to use (not stopped here); None starts one (stopped after).
         progress: called with ``(done, total)`` about five times a second and at the end.
+        start_gate: called once everything is made and loaded, just before the clock starts (a
+            run on several devices waits there until every device is ready).
     Returns:
         The result; a run that times out after ``cfg.timeout_s`` says so in ``errors``, and so
         does one that meets an error other than a stale handle (the run stops there).
@@ -523,6 +526,8 @@ def run_pipeline(
             run.warm_up()
         except XlogError as exc:
             run.errors.append(f"warm-up: {exc!r}")
+        if start_gate is not None:
+            start_gate()
         seconds, cpu = _drive(run, cfg, progress)
         stats = device.ask(GetStats(), block=True)
     finally:

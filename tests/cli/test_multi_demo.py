@@ -1,0 +1,96 @@
+"""The demo on several devices: one pipeline per device, every batch verified, the aggregate
+beside N times one device's raw pipeline; a device that fails leaves the others' batches whole."""
+
+from __future__ import annotations
+
+import argparse
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.cli import main
+from xlog_actors.cli.multi_demo import resolve_devices, run_multi_demo
+from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, HOST_MAX_DEVICES, run_on_devices
+from xlog_actors.cli.options import UsageError
+from xlog_actors.cli.pipeline import PipelineConfig
+
+SMALL = PipelineConfig(batches=6, batch_bytes=64 << 10, depth=2)
+
+
+def test_in_process_runs_every_device_and_times_them_from_one_start() -> None:
+    driver = xa.HostDriver(device_count=3, memory_per_device=64 << 20)
+    try:
+        result = run_on_devices("host", 3, SMALL, "in-process", driver)
+    finally:
+        driver.close()
+    assert result.ok, result
+    assert [run.ordinal for run in result.runs] == [0, 1, 2]
+    assert all(run.result is not None and run.result.verified == SMALL.batches for run in result.runs)
+    assert result.total_bytes == 3 * SMALL.batches * SMALL.batch_bytes
+    starts = [run.started for run in result.runs]
+    assert max(starts) - min(starts) < result.seconds + 1.0  # one start gate for all
+    assert result.seconds >= max(run.result.seconds for run in result.runs if run.result is not None)
+    assert result.throughput_bytes_s > 0
+
+
+def test_a_device_that_fails_leaves_the_other_devices_batches_whole() -> None:
+    """A sticky error on device 1 during the run: device 0 verifies all its batches; device 1
+    reports its failure (an in-process device is poisoned for good) and the run is not ok."""
+    driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
+    try:
+        driver.inject_fault(1, "sticky", after_calls=60)
+        result = run_on_devices("host", 2, PipelineConfig(batches=24, batch_bytes=64 << 10, depth=2), "in-process",
+                                driver)
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+    first, second = result.runs
+    assert first.ok and first.result is not None and first.result.verified == 24
+    assert not second.ok and not result.ok
+    failure = second.error or "; ".join(second.result.errors if second.result is not None else [])
+    assert "Poisoned" in failure or "poisoned" in failure, failure
+
+
+def test_demo_on_two_devices_says_its_placement_and_verifies_every_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--driver", "host", "--devices", "2", "--batches", "4", "--batch-mib", "0.0625"]) == 0
+    out, err = capsys.readouterr()
+    lines = {line[:14].strip(): line[14:] for line in out.splitlines()}
+    assert DEFAULT_PLACEMENT == "isolated"
+    assert lines["placement"].startswith("isolated: one worker process per device")
+    assert lines["devices"].startswith("2 ")
+    assert "4/4 verified" in lines["device 0"] and "4/4 verified" in lines["device 1"]
+    assert "GB/s" in lines["aggregate"]
+    assert "aggregate / that" in lines["raw x 2"]
+    assert lines["verification"].startswith("ok: 8/8 batches")
+    assert "on 2 devices at once (isolated)" in err
+
+
+def test_one_device_is_the_single_device_demo_unchanged() -> None:
+    args = argparse.Namespace(devices=None, placement=None)
+    assert run_multi_demo(args) is None
+    assert run_multi_demo(argparse.Namespace(devices=1, placement=None)) is None
+    with pytest.raises(UsageError, match="--placement"):
+        run_multi_demo(argparse.Namespace(devices=1, placement="isolated"))
+
+
+def test_resolve_devices() -> None:
+    assert resolve_devices("all", "cuda", 4) == 4
+    assert resolve_devices(2, "cuda", 4) == 2
+    with pytest.raises(UsageError, match="--devices 5: the cuda driver has 4 device"):
+        resolve_devices(5, "cuda", 4)
+    assert resolve_devices(3, "host", 1) == 3  # emulated
+    assert resolve_devices("all", "host", 1) == 1
+    with pytest.raises(UsageError, match=f"1 to {HOST_MAX_DEVICES}"):
+        resolve_devices(HOST_MAX_DEVICES + 1, "host", 1)
+
+
+def test_run_on_devices_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="count"):
+        run_on_devices("host", 0, SMALL)
+    with pytest.raises(ValueError, match="kind"):
+        run_on_devices("gpu", 2, SMALL)
+    with pytest.raises(ValueError, match="placement"):
+        run_on_devices("host", 2, SMALL, "elsewhere")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a driver of 2 devices"):
+        run_on_devices("host", 2, SMALL, "in-process", None)
