@@ -166,3 +166,28 @@ def test_update_host_replaces_a_host_side_and_refuses_the_rest(bufs: _Bufs) -> N
     bufs.stream.synchronize()
     assert set(bufs.floats(1).tolist()) == {9.0}, "a refused update changed the graph"
     graph.close()
+
+
+def test_swap_host_hands_the_replaced_view_back_and_rebinds_back_and_forth(bufs: _Bufs) -> None:
+    """swap_host returns what it replaced (None for no change, and on the host driver, whose
+    copies keep their views); a view swapped in before is swapped in again by address only, and
+    every launch copies from the view bound at its launch."""
+    d, (a, b, _c) = bufs.driver, bufs.dev
+    bufs.floats(0)[:] = 1.0
+    bufs.floats(2)[:] = 4.0
+    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), _kernel(b, a), DeviceToHost(bufs.views[1], b)])
+    keeps = d.kind == "cuda"
+    for _ in range(3):
+        for view, want in ((bufs.views[2], 9.0), (bufs.views[0], 3.0)):
+            other = bufs.views[0] if view is bufs.views[2] else bufs.views[2]
+            assert graph.swap_host(0, view) is (other if keeps else None)
+            assert graph.swap_host(0, view) is None  # no change
+            assert graph.steps[0] == HostToDevice(a, view)
+            graph.launch(bufs.stream)
+            bufs.stream.synchronize()
+            assert set(bufs.floats(1).tolist()) == {want}
+    with pytest.raises(xa.InvalidRequest, match="bytes differ"):
+        graph.swap_host(0, bufs.views[2][:8])
+    with pytest.raises(xa.InvalidRequest, match="read-only"):
+        graph.swap_host(2, memoryview(bytes(4 * N)))
+    graph.close(keep=[bufs.views[2]])

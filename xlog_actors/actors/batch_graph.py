@@ -130,6 +130,8 @@ class BatchGraph:
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
         self._views: Views = {}
+        #: (recorded operand id, buffer id) -> a pinned buffer check_operand found fit for it
+        self._checked_host: dict[tuple[int, int], Operand] = {}
         runtime = ctx.runtime
         # The replay itself is compiled (handle checks, waits, launch, uses, completion, last
         # writes in one call). Its completions are a ring of events re-recorded in turn, so a
@@ -265,7 +267,15 @@ class BatchGraph:
             if slot is None or slot.recorded is not recorded:
                 raise InvalidRequest(f"BatchGraph.replay: bind names {recorded!r}, which no stage of the graph names")
             if new is not bound[key]:
-                check_operand(new, recorded, ctx, None)
+                # A pinned buffer already found fit for this operand needs only its release
+                # checked again (its kind, device and size never change).
+                checked = self._checked_host.get((key, id(new)))
+                if checked is not new or cast(PinnedBuffer, new).released:
+                    check_operand(new, recorded, ctx, None)
+                    if isinstance(new, PinnedBuffer):
+                        if len(self._checked_host) >= 256:  # bounded: ever new buffers
+                            self._checked_host.clear()
+                        self._checked_host[(key, id(new))] = new
                 changed.append((key, new))
         if not changed:
             return

@@ -30,7 +30,7 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ...errors import DriverError, InvalidRequest, XlogError
 from ..graph import (
@@ -58,11 +58,22 @@ _HOST = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_HOST
 _DEVICE = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
 
 
+#: Where ``srcHost`` and ``dstHost`` lie in a ``CUDA_MEMCPY3D`` (cuda.h's layout, stable since
+#: CUDA 3.2: four size_t, the memory type and its padding, then the host pointer; the destination
+#: half repeats the source's eleven fields after them). Checked against the struct per node.
+_SRC_HOST_AT, _DST_HOST_AT = 40, 128
+
+
 class _Node:
     """One step's node, its parameters as the driver last took them (and, for a copy, the
-    addresses in them as ints), and what they keep alive."""
+    addresses in them as ints), and what they keep alive.
 
-    __slots__ = ("addresses", "keep", "node", "node_h", "params", "params_h", "step")
+    ``step`` is the step as recorded or last updated; a host copy's current host view is
+    ``keep`` (a rebinding changes only it, see ``CudaGraph.swap_host``). ``host`` is the
+    ``CUDA_MEMCPY3D``'s host pointer field of a host copy, as a ``c_uint64`` over the struct's
+    own memory (None where the layout check failed: the cuda.bindings setters are used then)."""
+
+    __slots__ = ("addresses", "host", "keep", "node", "node_h", "params", "params_h", "step")
 
     def __init__(self, step: GraphStep, node: Any, params: Any, keep: object) -> None:
         self.step, self.node, self.params, self.keep = step, node, params, keep
@@ -73,6 +84,22 @@ class _Node:
             (int(params.srcHost), int(params.srcDevice), int(params.dstHost), int(params.dstDevice))
             if self.params_h else (0, 0, 0, 0)
         )
+        self.host: ctypes.c_uint64 | None = None
+        if isinstance(step, (HostToDevice, DeviceToHost)):
+            src = isinstance(step, HostToDevice)
+            at, want = (_SRC_HOST_AT, self.addresses[0]) if src else (_DST_HOST_AT, self.addresses[2])
+            cell = ctypes.c_uint64.from_address(self.params_h + at)
+            if want and cell.value == want:
+                self.host = cell
+
+    def current(self) -> GraphStep:
+        """The step with its current host view."""
+        step, keep = self.step, self.keep
+        if isinstance(step, HostToDevice) and step.src is not keep:
+            return HostToDevice(step.dst, cast(memoryview, keep))
+        if isinstance(step, DeviceToHost) and step.dst is not keep:
+            return DeviceToHost(cast(memoryview, keep), step.src)
+        return step
 
 
 class CudaGraph:
@@ -110,7 +137,7 @@ class CudaGraph:
         self._retired: list[object] = []
         # Host views already found pinned, by identity (each held here, so its memory stays put
         # and pinned while it is a key): a rebound view is then checked once, not per update.
-        self._pinned_views: dict[int, memoryview] = {}
+        self._pinned_views: dict[int, tuple[memoryview, int]] = {}
         self._functions = list(functions)
         self._nodes: list[_Node] = []
         err, self._graph = cu.cuGraphCreate(0)
@@ -165,13 +192,13 @@ class CudaGraph:
     def _check_pinned(self, i: int, view: memoryview, host: int) -> None:
         """``view`` (at ``host``) lies in pinned memory; else ``InvalidRequest``."""
         known = self._pinned_views.get(id(view))
-        if known is view:
+        if known is not None and known[0] is view:
             return
         if not self._is_pinned(host, len(view)):
             raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
         if len(self._pinned_views) >= 256:  # bounded: a graph bound to ever new views
             self._pinned_views.clear()
-        self._pinned_views[id(view)] = view
+        self._pinned_views[id(view)] = (view, host)
 
     def _kernel_params(self, step: KernelStep, fn: Any) -> tuple[Any, object]:
         slots, address = self._pack(step.kernel, step.args)
@@ -221,7 +248,7 @@ class CudaGraph:
     @property
     def steps(self) -> tuple[GraphStep, ...]:
         """The steps the next launch runs. Thread rule: any thread."""
-        return tuple(n.step for n in self._nodes)
+        return tuple(n.current() for n in self._nodes)
 
     def _check_open(self) -> CudaDevice:
         dev = self._dev
@@ -319,6 +346,26 @@ class CudaGraph:
             node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
             if node is not None and node.keep is view:
                 return None
+            known = self._pinned_views.get(id(view))
+            host = node.host if node is not None else None
+            if (node is not None and host is not None and known is not None and known[0] is view
+                    and len(view) == cast(HostToDevice | DeviceToHost, node.step).nbytes
+                    and (isinstance(node.step, HostToDevice) or not view.readonly)):
+                # A view this graph already checked (a 1-D byte view of pinned memory, at
+                # ``known[1]``), of the step's length: only its address changes, written into
+                # the kept struct's own memory, then one node update.
+                dev.enter()
+                old = host.value
+                host.value = known[1]
+                err = dev.held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h)
+                if err:
+                    host.value = old
+                    dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
+                a = node.addresses
+                node.addresses = ((known[1], 0, 0, a[3]) if isinstance(node.step, HostToDevice)
+                                  else (0, a[1], known[1], 0))
+                replaced, node.keep = node.keep, view
+                return replaced
             step = host_step([n.step for n in self._nodes], index, view)
             assert node is not None
             dev.enter()
