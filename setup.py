@@ -26,6 +26,7 @@ _MODULES = (
     "history_ring",
     "resource_core",
     "async_core",
+    "cache_core",
     "direct_core",
     "handles",
     "context_core",

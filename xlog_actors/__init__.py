@@ -88,6 +88,7 @@ from .memory import (
     StreamPool,
 )
 from .memory.adaptors import (
+    BlockCacheResource,
     BudgetResource,
     GuardResource,
     LoggingResource,
@@ -111,6 +112,7 @@ __all__ = [
     "AllocatePinned",
     "AsyncCudaResource",
     "BatchGraph",
+    "BlockCacheResource",
     "BlockId",
     "BlockState",
     "BudgetExceeded",

@@ -49,6 +49,9 @@ STACK_DESCRIPTIONS = [
     "direct+guard",
     "async+stats+log:/dev/null+budget:256MiB+guard",
     "direct+guard+budget:256MiB+log:/dev/null+stats",
+    "async+cache",
+    "async+cache:1MiB",
+    "async+cache+stats+log:/dev/null+budget:256MiB+guard",
 ]
 
 ALIGN = 256

@@ -1,5 +1,6 @@
 # The compiled half of a device context; see context_core.pyx.
 from .async_core cimport AsyncCore
+from .cache_core cimport CacheCore
 from .handles cimport TokenCell
 from .ptr_table cimport PtrTable
 
@@ -8,6 +9,7 @@ cdef class ContextCore:
     cdef object _allocate
     cdef object _deallocate
     cdef AsyncCore _async  # the runtime's resource when its methods are called in C, else None
+    cdef CacheCore _cache  # the same, for a block cache on top of the stack
     cdef public object generation
     cdef public object state_ref
     cdef public object token

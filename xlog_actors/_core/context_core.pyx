@@ -32,6 +32,7 @@ from libc.stdint cimport uint64_t
 from cpython.object cimport PyObject
 
 from .async_core cimport AsyncCore
+from .cache_core cimport CacheCore
 from .blocks cimport DeviceBlock
 from .handles cimport cell_of, new_handle_with
 from .ptr_table cimport PtrTable, key_of
@@ -49,6 +50,8 @@ RECLAIM_BATCH = 32
 cdef Py_ssize_t _WAKE_BYTES = RECLAIM_WAKE_BYTES
 cdef object _ASYNC_ALLOCATE = AsyncCore.allocate
 cdef object _ASYNC_DEALLOCATE = AsyncCore.deallocate
+cdef object _CACHE_ALLOCATE = CacheCore.allocate
+cdef object _CACHE_DEALLOCATE = CacheCore.deallocate
 cdef Py_ssize_t _BATCH = RECLAIM_BATCH
 
 
@@ -119,13 +122,21 @@ cdef class ContextCore:
             self._async = <AsyncCore>owner
         else:
             self._async = None
+        # A block cache on top (``"async+cache"``), likewise.
+        if (isinstance(owner, CacheCore) and getattr(deallocate, "__self__", None) is owner
+                and getattr(allocate, "__func__", None) is _CACHE_ALLOCATE
+                and getattr(deallocate, "__func__", None) is _CACHE_DEALLOCATE):
+            self._cache = <CacheCore>owner
+        else:
+            self._cache = None
 
     @property
     def runtime_in_c(self):
-        """True when allocation and free call the stream-ordered resource's compiled bodies
-        directly (the runtime's ``allocate``/``deallocate`` are an ``AsyncCore``'s own, as read
-        at construction or by :meth:`rebind_runtime`). Thread rule: any thread."""
-        return self._async is not None
+        """True when allocation and free call the stream-ordered resource's (or a block cache's)
+        compiled bodies directly (the runtime's ``allocate``/``deallocate`` are an ``AsyncCore``'s
+        or a ``CacheCore``'s own, as read at construction or by :meth:`rebind_runtime`). Thread
+        rule: any thread."""
+        return self._async is not None or self._cache is not None
 
     def is_current(self):
         """True while this is the device's usable context: open, and the state unchanged since
@@ -152,6 +163,8 @@ cdef class ContextCore:
         try:
             if self._async is not None:
                 block = self._async._alloc_c(nbytes, stream, tag)
+            elif self._cache is not None:
+                block = self._cache._alloc_c(nbytes, stream, tag)
             else:
                 block = self._allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
@@ -259,6 +272,8 @@ cdef class ContextCore:
         try:
             if self._async is not None:
                 self._async._dealloc_c(block)
+            elif self._cache is not None:
+                self._cache._dealloc_c(block)
             else:
                 self._deallocate(block)
         except CorruptionDetected:

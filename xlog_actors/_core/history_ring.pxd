@@ -5,10 +5,13 @@ from libc.stdint cimport int32_t, int64_t, uint64_t
 from cpython.object cimport PyObject
 
 
-# Event.action
+# Event.action: an allocation, a free, an allocation a block cache served from the blocks it
+# keeps (live, as an allocation), a cached block given back to the cache's upstream (no live block)
 cdef enum:
     HISTORY_ALLOC = 0
     HISTORY_FREE = 1
+    HISTORY_CACHE_HIT = 2
+    HISTORY_TRIM = 3
 
 
 cdef struct Event:

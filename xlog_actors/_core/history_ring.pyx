@@ -116,7 +116,7 @@ cdef enum:
     # a slot_next value: the slot holds a live block
     _USED = -2
 
-cdef tuple _ACTIONS = ("alloc", "free")
+cdef tuple _ACTIONS = ("alloc", "free", "cache_hit", "trim")
 _getframe = sys._getframe
 
 
@@ -231,6 +231,26 @@ cdef class HistoryRing:
         """
         self.record(block, HISTORY_FREE)
 
+    def record_cache_hit(self, block):
+        """Record an allocation a block cache served from the blocks it keeps (live from now on,
+        as an allocation).
+
+        Args:
+            block: the block handed out.
+        Thread rule: any thread.
+        """
+        self.record(block, HISTORY_CACHE_HIT)
+
+    def record_trim(self, block):
+        """Record a cached block given back to the cache's upstream (the user freed it before:
+        no live block changes).
+
+        Args:
+            block: the cached block given back.
+        Thread rule: any thread.
+        """
+        self.record(block, HISTORY_TRIM)
+
     cdef int record(self, object block, int action) except -1:
         cdef Event ev
         cdef DeviceBlock b
@@ -305,7 +325,7 @@ cdef class HistoryRing:
         # Under the lock: the event into the ring, and the live table brought up to date.
         cdef Py_ssize_t cell = self._find_live(ev.ptr, ev.device)
         cdef int32_t slot
-        if ev.action == HISTORY_ALLOC:
+        if ev.action == HISTORY_ALLOC or ev.action == HISTORY_CACHE_HIT:
             if cell >= 0:
                 # the address was live already (its free went unrecorded): the new block takes
                 # over its slot
@@ -317,7 +337,7 @@ cdef class HistoryRing:
                 slot = self._take_slot()
                 self._slots[slot] = ev[0]
                 self._insert_live(slot)
-        elif cell >= 0:
+        elif cell >= 0 and ev.action == HISTORY_FREE:
             slot = self._live_tab[cell]
             # another thread may already have been handed the address again and recorded it
             if self._slots[slot].generation == ev.generation:

@@ -354,7 +354,8 @@ class DeviceContext(ContextCore):
 
     def close(self, free_blocks: bool) -> list[BaseException]:
         """End this generation. With ``free_blocks`` (an orderly stop), give every live block
-        back and reap; otherwise (a rebuild) the driver already dropped the memory. Returns the
+        back, trim a block cache in the stack and reap; otherwise (a rebuild) the driver already
+        dropped the memory, and a block cache forgets what it keeps. Returns the
         errors met on the way, for the caller to report. Idempotent.
 
         Args:
@@ -374,9 +375,15 @@ class DeviceContext(ContextCore):
                     except Exception as exc:  # noqa: BLE001 - collected and reported by the caller
                         errors.append(exc)
                 try:
+                    self.runtime.trim_caches()  # what a block cache keeps goes back too
+                except Exception as exc:  # noqa: BLE001 - collected and reported by the caller
+                    errors.append(exc)
+                try:
                     self.runtime.reap_pending()
                 except Exception as exc:  # noqa: BLE001 - collected and reported by the caller
                     errors.append(exc)
+            else:
+                self.runtime.drop_caches()  # kept blocks went with the context too
             self.open = False
             self.blocks.clear()
             self.reclaims.clear()  # freed above, or gone with the context

@@ -8,7 +8,7 @@ from .async_resource import AsyncCudaResource
 from .block import Access, AllocTag, BlockId, BlockState, DeviceBlock, Generation, LiveBlock, StreamId
 from .device_bound import DeviceBound
 from .direct import DirectCudaResource
-from .figures import AllocationFigures, AllocationStatistics
+from .figures import AllocationFigures, AllocationStatistics, BlockCacheFigures
 from .history import MemoryHistory
 from .pinned import PinnedAllocator, PinnedBuffer, PinnedUsage
 from .resource import DeviceMemoryResource
@@ -21,6 +21,7 @@ __all__ = [
     "AllocationFigures",
     "AllocationStatistics",
     "AsyncCudaResource",
+    "BlockCacheFigures",
     "BlockId",
     "BlockState",
     "DeviceBlock",

@@ -13,7 +13,8 @@ adaptor stack, and a ``DeviceActor`` switches it on with the ``RecordMemoryHisto
 
 What one event keeps (C structs in the ring; tuples, then dicts, only when read): the wall-clock
 time in nanoseconds (``CLOCK_REALTIME``, as ``time.time_ns``), the action (``alloc`` or
-``free``), the device ordinal, the stream (the ``StreamId`` the block was allocated on, as an
+``free``; with a block cache in the stack, which records instead of the base resource, also
+``cache_hit`` and ``trim``), the device ordinal, the stream (the ``StreamId`` the block was allocated on, as an
 int), the tag, the size in bytes, the address, and the stack: at most ``max_frames`` (code object,
 instruction offset) pairs, innermost first (no ``traceback``/``inspect`` objects, no source read;
 the line numbers are worked out from the offsets only when a snapshot is taken), skipping the
@@ -247,8 +248,10 @@ class MemoryHistory(HistoryRing):
     # -- reading ----------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:
         """The events in the ring, oldest first, as plain dicts: ``time_ns``, ``action``
-        (``"alloc"``/``"free"``), ``device``, ``stream``, ``tag``, ``size``, ``addr``, ``frames``
-        (``[{"filename", "line", "name"}]``, innermost first) and ``note``.
+        (``"alloc"``/``"free"``, and under a block cache ``"cache_hit"`` (an allocation served from
+        a kept block) and ``"trim"`` (a kept block given back)), ``device``, ``stream``, ``tag``,
+        ``size``, ``addr``, ``frames`` (``[{"filename", "line", "name"}]``, innermost first) and
+        ``note``.
 
         Thread rule: any thread.
         """
@@ -269,9 +272,11 @@ class MemoryHistory(HistoryRing):
           ``stream``, ``segment_type``, ``segment_pool_id``, ``is_expandable``, ``frames``,
           ``blocks`` (``size``, ``requested_size``, ``address``, ``state``, ``frames``).
         * ``"device_traces"``: one list per device ordinal (up to the highest one seen), oldest
-          first; an allocation is one ``"alloc"`` entry, a free a ``"free_requested"`` and a
+          first; an allocation is one ``"alloc"`` entry (with ``"cache_hit": True`` where a block
+          cache served it from a kept block), a free a ``"free_requested"`` and a
           ``"free_completed"`` entry at the time it was asked (a stream-ordered free completes
-          later on its stream; the history does not wait for it). Keys: ``action``, ``addr``,
+          later on its stream; the history does not wait for it), and a kept block a block cache
+          gives back to its upstream a ``"segment_free"`` entry. Keys: ``action``, ``addr``,
           ``size``, ``stream``, ``time_us`` (microseconds since the epoch), ``frames``
           (``{"filename", "line", "name"}``, innermost first), ``compile_context`` and
           ``user_metadata`` (empty).
@@ -298,6 +303,10 @@ class MemoryHistory(HistoryRing):
                 base["note"] = note
             if action == "alloc":
                 traces[device].append({"action": "alloc", **base})
+            elif action == "cache_hit":
+                traces[device].append({"action": "alloc", "cache_hit": True, **base})
+            elif action == "trim":
+                traces[device].append({"action": "segment_free", **base})
             else:
                 traces[device].append({"action": "free_requested", **base})
                 traces[device].append({"action": "free_completed", **base})

@@ -1,8 +1,9 @@
 """Memory reports: what a resource stack holds now, and out-of-memory messages that say why.
 
 :func:`memory_report` takes a snapshot of any stack: its description, what it has outstanding,
-what the driver says is free, the statistics of a ``StatisticsResource`` in it, the budget of a
-``BudgetResource`` in it, and its live blocks grouped by tag and by stream with their ages.
+what the driver says is free, the statistics of a ``StatisticsResource`` in it, the figures of a
+``BlockCacheResource`` in it, the budget of a ``BudgetResource`` in it, and its live blocks
+grouped by tag and by stream with their ages.
 :func:`enrich_out_of_memory` rewrites an ``OutOfMemory`` message in place so it says what was
 asked, what is free and which tags hold the most.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..errors import OutOfMemory, XlogError
 from .block import AllocTag, DeviceBlock, LiveBlock, StreamId
-from .figures import AllocationStatistics
+from .figures import AllocationStatistics, BlockCacheFigures
 from .pinned import PinnedUsage
 from .resource import DeviceMemoryResource
 from .sizes import human_bytes
@@ -64,6 +65,8 @@ class MemoryReport:
     caches above the device hold idle (the allocator bridge's, for PyTorch): counted in
     ``by_tag`` too, so a tag's bytes in use are its ``by_tag`` bytes less its cached bytes (empty
     where the report was taken without caches; the device actor's reports include them).
+    ``block_cache`` is the figures of a block cache (``cache``) in the stack, None where it has
+    none: what it keeps is not in ``bytes_outstanding`` nor in the live blocks.
 
     Immutable; any thread.
     """
@@ -84,6 +87,7 @@ class MemoryReport:
     pinned_bytes: int = 0
     pinned_by_tag: Mapping[AllocTag, GroupSummary] = field(default_factory=lambda: MappingProxyType({}))
     cached_by_tag: Mapping[AllocTag, GroupSummary] = field(default_factory=lambda: MappingProxyType({}))
+    block_cache: BlockCacheFigures | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable data (for ``GetStats`` replies and ``--json`` output).
@@ -130,6 +134,7 @@ class MemoryReport:
                 "nbytes": sum(g.nbytes for g in self.cached_by_tag.values()),
                 "by_tag": {str(t): _group(g) for t, g in self.cached_by_tag.items()},
             },
+            "block_cache": None if self.block_cache is None else self.block_cache.as_dict(),
         }
 
     def format(self) -> str:
@@ -165,6 +170,8 @@ class MemoryReport:
                 f"peak {s.peak_count} / {human_bytes(s.peak_bytes)}, "
                 f"total {s.total_count} / {human_bytes(s.total_bytes)}"
             )
+        if self.block_cache is not None:
+            lines.append(_cache_line(self.block_cache))
         if self.blocks is None:
             lines.append("  live blocks: not listed by this stack")
             return "\n".join(lines)
@@ -181,6 +188,15 @@ class MemoryReport:
                 share = "" if cached is None else f" ({human_bytes(cached.nbytes)} in {cached.count} idle in a cache)"
                 lines.append(f"    {name}: {g.count} blocks, {human_bytes(g.nbytes)}{share}{age}")
         return "\n".join(lines)
+
+
+def _cache_line(c: BlockCacheFigures) -> str:
+    rate = "no allocations yet" if c.hit_rate is None else f"hit rate {100 * c.hit_rate:.1f}%"
+    limit = "" if c.limit is None else f" (limit {human_bytes(c.limit)})"
+    off = "" if c.enabled else ", released"
+    return (f"  block cache: {c.cached_blocks} blocks, {human_bytes(c.cached_bytes)} kept{limit}{off}; {rate} "
+            f"({c.hits} hits, {c.cross_stream_hits} across streams, {c.misses} misses); {c.trims} trims gave back "
+            f"{human_bytes(c.trimmed_bytes)}")
 
 
 def _group(g: GroupSummary) -> dict[str, Any]:
@@ -251,6 +267,7 @@ def memory_report(
     """
     kind, free, total, error = _mem_info(resource)
     stats_of = getattr(resource, "statistics", None)
+    cache_of = getattr(resource, "cache_statistics", None)
     blocks = _live_blocks(resource)
     return MemoryReport(
         description=resource.describe(),
@@ -273,6 +290,7 @@ def memory_report(
         cached_by_tag=MappingProxyType(
             {} if cached is None else {t: GroupSummary(c, n, None) for t, (c, n) in cached.items()}
         ),
+        block_cache=None if cache_of is None else BlockCacheFigures(**cache_of()),
     )
 
 

@@ -16,6 +16,7 @@ from ..errors import InvalidRequest
 from .adaptors import (
     DEFAULT_GUARD_BYTES,
     LOG_ENV,
+    BlockCacheResource,
     BudgetResource,
     GuardResource,
     LoggingResource,
@@ -60,13 +61,15 @@ class AdaptorSpec:
     ``parse(argument)`` checks the text after ``:`` (None where there is none) without building
     anything and returns what ``build`` takes, or raises ``InvalidRequest`` naming what it
     expects; ``build(upstream, parsed)`` wraps ``upstream``. Splitting the two lets a whole
-    description be checked before a device is touched (``check_description``).
+    description be checked before a device is touched (``check_description``). ``right_on``,
+    where set, is the one base the adaptor must come right after (the block cache: ``async``).
 
     Thread rule: immutable; any thread.
     """
 
     parse: Callable[[str | None], Any]
     build: Callable[[DeviceMemoryResource, Any], DeviceMemoryResource]
+    right_on: str | None = None
 
 
 def _no_argument(arg: str | None) -> None:
@@ -92,12 +95,17 @@ def _guard_size(arg: str | None) -> int:
     return check_guard_bytes(DEFAULT_GUARD_BYTES if arg is None else parse_size(arg))
 
 
+def _cache_limit(arg: str | None) -> int | None:
+    return None if arg is None else parse_size(arg)
+
+
 #: The one table of adaptors the grammar knows, by name.
 ADAPTORS: dict[str, AdaptorSpec] = {
     "stats": AdaptorSpec(_no_argument, lambda upstream, _none: StatisticsResource(upstream)),
     "log": AdaptorSpec(_log_target, LoggingResource),
     "budget": AdaptorSpec(_budget_size, BudgetResource),
     "guard": AdaptorSpec(_guard_size, GuardResource),
+    "cache": AdaptorSpec(_cache_limit, BlockCacheResource, right_on="async"),
 }
 
 
@@ -146,6 +154,11 @@ def check_description(description: object) -> StackPlan:
             parsed = spec.parse(raw_arg.strip() or None)
         except InvalidRequest as exc:
             raise InvalidRequest(f"resource description {description!r}: adaptor {name!r}: {exc}") from None
+        if spec.right_on is not None and (adaptors or parts[0].strip().lower() != spec.right_on):
+            raise InvalidRequest(
+                f"resource description {description!r}: adaptor {name!r} must come right after the "
+                f"{spec.right_on!r} base (for example {spec.right_on + '+' + name + '+stats'!r})"
+            )
         adaptors.append((spec, parsed))
     return StackPlan(base, tuple(adaptors))
 

@@ -11,6 +11,7 @@ from ..driver.checks import check_ordinal
 from ..driver.open import default_driver
 from ..driver.protocol import Driver
 from ..errors import InvalidRequest
+from ..memory.adaptors.block_cache import BlockCacheResource
 from ..memory.adaptors.upstream import ResourceAdaptor
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
 from ..memory.device_bound import DeviceBound
@@ -232,10 +233,27 @@ class XlogDeviceRuntime(DeviceBound):
             base = base.upstream
         return base
 
+    def block_cache(self) -> BlockCacheResource | None:
+        """The block cache in the stack (``cache``), or None. Thread rule: any thread."""
+        layer = self._resource
+        while isinstance(layer, ResourceAdaptor):
+            if isinstance(layer, BlockCacheResource):
+                return layer
+            layer = layer.upstream
+        return None
+
+    def _history_layer(self) -> DeviceMemoryResource:
+        """Where the history is recorded: the block cache where the stack has one (it sees every
+        block the user holds, its hits and its trims), else the base resource."""
+        cache = self.block_cache()
+        return self.base_resource() if cache is None else cache
+
     def set_history(self, history: MemoryHistory | None) -> None:
         """Record every allocation and free of the stack's base resource into ``history`` from
         now on (None: stop). The base resource sees the blocks it hands out: under a ``guard``
-        adaptor those include the canaries.
+        adaptor those include the canaries. Where the stack has a block cache, the cache records
+        instead: each allocation (``cache_hit`` where it served a kept block), each free and each
+        kept block it gives back (``trim``).
 
         Args:
             history: a ``MemoryHistory``, or None.
@@ -246,7 +264,7 @@ class XlogDeviceRuntime(DeviceBound):
         """
         if history is not None and not isinstance(history, MemoryHistory):
             raise InvalidRequest(f"set_history takes a MemoryHistory or None, got {type(history).__name__}")
-        base = self.base_resource()
+        base = self._history_layer()
         setter = getattr(base, "set_history", None)
         if not callable(setter):
             raise InvalidRequest(
@@ -257,9 +275,34 @@ class XlogDeviceRuntime(DeviceBound):
 
     @property
     def history(self) -> MemoryHistory | None:
-        """The history the base resource records into, or None. Thread rule: any thread."""
-        history = getattr(self.base_resource(), "history", None)
+        """The history the base resource (or the block cache) records into, or None. Thread
+        rule: any thread."""
+        history = getattr(self._history_layer(), "history", None)
         return history if isinstance(history, MemoryHistory) else None
+
+    def trim_caches(self) -> int:
+        """Give the blocks a block cache in the stack keeps back to its upstream (an orderly close
+        does it before its last reap).
+
+        Returns:
+            The bytes given back (0 without a cache).
+        Raises:
+            DriverError: a free failed (see ``BlockCacheResource.trim``).
+        Thread rule: any thread.
+        """
+        cache = self.block_cache()
+        return 0 if cache is None else cache.trim()
+
+    def drop_caches(self) -> int:
+        """Forget the blocks a block cache in the stack keeps, without freeing them: for a context
+        that was rebuilt, whose memory went with it.
+
+        Returns:
+            The bytes forgotten (0 without a cache).
+        Thread rule: any thread.
+        """
+        cache = self.block_cache()
+        return 0 if cache is None else cache.drop()
 
     def describe(self) -> str:
         """The stack's description, such as ``"async+stats"``. Thread rule: any thread."""

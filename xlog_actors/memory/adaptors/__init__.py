@@ -10,13 +10,16 @@ guarantees of its base resource.
     budget:SIZE         BudgetResource; SIZE as memory.sizes.parse_size reads it ("8GiB",
                         "512MiB", "1000000")
     guard[:SIZE]        GuardResource; SIZE of each canary, a multiple of 256 (default 256)
+    cache[:SIZE]        BlockCacheResource, right after ``async``; SIZE: the most bytes kept idle
+                        (default: no limit)
 
-for example ``"async+stats+log:/tmp/alloc.csv+budget:8GiB+guard"`` (base first, then each
+for example ``"async+cache+stats+log:/tmp/alloc.csv+budget:8GiB+guard"`` (base first, then each
 adaptor around the previous one).
 """
 
 from __future__ import annotations
 
+from .block_cache import MAX_CACHED, BlockCacheResource, size_class
 from .budget import BudgetResource
 from .guard import CANARY_PATTERN, DEFAULT_GUARD_BYTES, GuardResource, check_guard_bytes
 from .log_resource import LOG_ENV, LOG_HEADER, LoggingResource
@@ -28,11 +31,14 @@ __all__ = [
     "DEFAULT_GUARD_BYTES",
     "LOG_ENV",
     "LOG_HEADER",
+    "MAX_CACHED",
+    "BlockCacheResource",
     "BudgetResource",
     "GuardResource",
     "LoggingResource",
     "ResourceAdaptor",
     "StatisticsResource",
     "check_guard_bytes",
+    "size_class",
 ]
 

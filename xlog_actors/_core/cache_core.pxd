@@ -1,0 +1,62 @@
+# The compiled body of the block cache adaptor; see cache_core.pyx. Declared here so that the
+# device context (context_core.pyx) calls its allocation and free in C.
+
+from libc.stdint cimport uint64_t
+
+from .async_core cimport AsyncCore, _Entry
+from .ptr_table cimport PtrTable
+from .resource_core cimport ResourceCore
+
+
+cdef class _Slot:
+    cdef object ptr
+    cdef uint64_t key
+    cdef _Entry entry
+    cdef size_t cls
+    cdef long long seq  # the home stream's put count when the block was kept
+    cdef _Slot newer
+    cdef _Slot older
+
+
+cdef class _Bin:
+    cdef _Slot newest
+    cdef _Slot oldest
+
+
+cdef class _StreamBins:
+    cdef object sid
+    cdef list bins  # class index -> _Bin or None
+    cdef long long seq  # blocks kept on this stream, ever
+    cdef object fence  # an event recorded on the stream, or None
+    cdef long long fence_seq  # ``seq`` when ``fence`` was recorded
+    cdef bint fence_done  # ``fence`` was seen complete
+
+
+cdef class CacheCore(ResourceCore):
+    cdef readonly object _upstream
+    cdef AsyncCore _up
+    cdef int* _lk  # the upstream's lock: the cache's state and the upstream's entries move together
+    cdef PtrTable _held  # address -> the user's block, for every block handed out
+    cdef dict _by_stream  # stream id -> _StreamBins
+    cdef bint _enabled
+    cdef long long _limit  # most bytes kept idle; -1: no limit
+    cdef long long _cached_bytes
+    cdef long long _cached_blocks
+    cdef long long _slack  # sum of (class size - size asked) of the blocks handed out
+    cdef long long _hits
+    cdef long long _cross_hits
+    cdef long long _misses
+    cdef long long _fences
+    cdef long long _trims
+    cdef long long _trimmed_blocks
+    cdef long long _trimmed_bytes
+    cdef long long _dropped_bytes
+    cdef object _alloc_c(self, object nbytes, object stream, object tag)
+    cdef object _dealloc_c(self, object block)
+    cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag)
+    cdef _Slot _take_across(self, object stream, Py_ssize_t idx)
+    cdef void _push(self, _StreamBins sb, Py_ssize_t idx, _Slot slot)
+    cdef list _detach_all(self)
+    cdef long long _trim_all(self, bint quiet) except -1
+    cdef void _keep_again(self, _Slot s)
+    cdef list _kept(self)

@@ -1,0 +1,711 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled body of ``BlockCacheResource``: freed blocks kept per (stream, size class) and
+handed out again with no driver call.
+
+The cache sits right on the stream-ordered resource (``AsyncCore``), under its lock: a kept block
+stays an entry of the upstream's live table (the upstream still holds it from the driver), and
+handing it out again rewrites that entry (a new generation, the new tag and, across streams, the
+new stream), so the upstream's tracking hooks, its ABA guard and the device context see one block
+whatever layer they ask.
+
+* **Sizes.** A request is rounded up to its class (512-byte steps up to 4 KiB, then four classes
+  per power of two, at most 25% more: the allocator bridge's rule), and a miss asks the upstream
+  for the class's size. A request above ``MAX_CACHED`` bytes is neither rounded nor kept.
+* **Free** (``deallocate``): the block's stream is made to wait for every use the upstream
+  tracked on another stream (as the upstream's own free does), those uses are forgotten (their
+  events go back to the pool), and the block is kept in its stream's list of its class with a new
+  generation, so a second free or a use of the old handle is refused as a use after free.
+* **Same stream**: an allocation takes the newest block kept on its stream, at once: the stream's
+  own order puts the new user's work after every use of the old one.
+* **Another stream**: an allocation that finds nothing on its stream takes the oldest block of its
+  class kept on another stream only once that stream's *fence* (an event recorded there after the
+  block was kept) has been seen complete, by a query (never a wait). The fence is recorded lazily,
+  when such an allocation first looks (one event per stream covers every block kept there before
+  it), and is not moved while it is pending; until it completes the allocation goes upstream.
+* **Trim**: every kept block given back to the upstream (a stream-ordered free on its stream). On
+  an allocation the upstream refuses (``OutOfMemory``) the cache is trimmed, the upstream's queued
+  frees reaped, and the allocation tried once more. ``trim()`` does it on demand, ``release()``
+  also stops keeping blocks, and ``drop()`` forgets them without freeing (their context was
+  rebuilt: the memory went with it).
+* **Counts.** ``bytes_outstanding()`` is what the user holds (at the sizes asked) plus the
+  upstream's queued frees: kept blocks do not count, so a budget above the cache counts what its
+  user holds. ``statistics()`` gives the kept bytes and blocks, hits (across streams too), misses,
+  fences and trims.
+
+The module is past 400 lines because the hit, the miss, the free, the trims and the figures all
+move the same kept blocks and upstream entries under one lock, by one rule: apart, each part would
+have to export the cache's internals to the others.
+
+Thread rule: every method may be called from any thread at any time. One lock, the upstream's,
+guards the cache's lists and counters and the upstream's entries together; the upstream's own
+allocate, free and reap run outside it, and so does recording into a history.
+"""
+
+cimport cython
+from cpython.dict cimport PyDict_GetItem
+from cpython.list cimport PyList_GET_ITEM
+from cpython.object cimport PyObject
+from libc.stdint cimport uint64_t
+from posix.time cimport clock_gettime, timespec
+
+from .async_core cimport AsyncCore, _Entry
+from .blocks cimport DeviceBlock, new_block, next_generation
+from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
+from .lock cimport lock_acquire, lock_release
+from .ptr_table cimport PtrTable, key_of
+from .resource_core cimport ResourceCore
+
+from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
+from ..driver.limits import ALIGNMENT
+from ..errors import InvalidRequest, OutOfMemory
+from .blocks import AllocTag, BlockState, LiveBlock, StreamId
+
+__all__ = ["MAX_CACHED", "CacheCore", "size_class"]
+
+#: The largest request the cache rounds and keeps (256 TiB); larger ones pass through.
+MAX_CACHED = 1 << 48
+
+cdef size_t _MAX_CACHED = MAX_CACHED
+cdef Py_ssize_t _CLASSES = 152  # class indices of sizes up to MAX_CACHED
+cdef object _LIVE = BlockState.LIVE
+cdef object _ALIGNMENT = ALIGNMENT
+cdef object _DEFAULT_STREAM = StreamId.DEFAULT
+cdef object _UNTAGGED = AllocTag.UNTAGGED
+
+
+cdef extern from "<time.h>":
+    int CLOCK_MONOTONIC_COARSE
+
+
+cdef inline double _now() noexcept:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long) nogil
+
+
+cdef inline int _room(PtrTable t) except -1:
+    # Grow ``t`` now if one more entry would make it grow, so the insert after cannot fail.
+    if (t._used + 1) * 2 > t._mask + 1:
+        t._grow()
+    return 0
+
+
+cdef inline size_t _class_of(size_t n) noexcept:
+    cdef size_t top = (<size_t>1) << (63 - __builtin_clzll(<unsigned long long>n))
+    cdef size_t step = 512 if top // 4 < 512 else top // 4
+    return (n + step - 1) // step * step
+
+
+cdef inline Py_ssize_t _index_of(size_t cls) noexcept:
+    # 512 .. 4096: 0 .. 7; above, cls = q * 2**(k - 2) with q in 5..8 and 2**k < cls <= 2**(k + 1)
+    cdef int k
+    if cls <= 4096:
+        return <Py_ssize_t>(cls // 512) - 1
+    k = 63 - __builtin_clzll(<unsigned long long>(cls - 1))
+    return 8 + (k - 12) * 4 + <Py_ssize_t>(cls >> (k - 2)) - 5
+
+
+def size_class(nbytes):
+    """The size a cache asks its upstream for when ``nbytes`` are asked (the allocator bridge's
+    rule): rounded up to 512 bytes up to 4 KiB, then to a quarter of the largest power of two not
+    above it; above ``MAX_CACHED``, ``nbytes`` itself.
+
+    Raises:
+        InvalidRequest: ``nbytes`` is not a positive int.
+    Thread rule: any thread.
+    """
+    nbytes = check_nbytes(nbytes)
+    if nbytes > MAX_CACHED:
+        return nbytes
+    return _class_of(<size_t>nbytes)
+
+
+@cython.freelist(64)
+@cython.final
+cdef class _Slot:
+    """A kept block: its upstream entry, its class, and its place in its (stream, class) list."""
+
+
+@cython.final
+cdef class _Bin:
+    """The kept blocks of one (stream, class), newest to oldest."""
+
+
+@cython.final
+cdef class _StreamBins:
+    """The kept blocks of one stream, by class, and the stream's fence."""
+
+    def __init__(self, sid):
+        self.sid = sid
+        self.bins = [None] * _CLASSES
+
+
+cdef inline void _unlink(_Bin b, _Slot s) noexcept:
+    if s.newer is None:
+        b.newest = s.older
+    else:
+        s.newer.older = s.older
+    if s.older is None:
+        b.oldest = s.newer
+    else:
+        s.older.newer = s.newer
+    s.newer = None
+    s.older = None
+
+
+cdef class CacheCore(ResourceCore):
+    """The state and hot paths of ``BlockCacheResource`` (see the module docstring).
+
+    Thread rule: every method may be called from any thread at any time.
+    """
+
+    def __init__(self, upstream, limit=None):
+        """Keep freed blocks of ``upstream`` (a stream-ordered resource) for reuse.
+
+        Args:
+            upstream: an ``AsyncCudaResource``.
+            limit: the most bytes kept idle (a free past it goes upstream), or None for no limit.
+        Raises:
+            InvalidRequest: ``upstream`` is no stream-ordered resource, or ``limit`` is neither
+                None nor a positive int.
+        Thread rule: any thread.
+        """
+        if not isinstance(upstream, AsyncCore):
+            raise InvalidRequest(
+                "a block cache sits right on the stream-ordered resource ('async+cache'); "
+                f"got {type(upstream).__name__}"
+            )
+        if limit is not None and (type(limit) is not int or limit <= 0):
+            raise InvalidRequest(f"a block cache's limit is None or a positive int, got {limit!r}")
+        ResourceCore.__init__(self, upstream.driver, upstream.device_ordinal)
+        self._upstream = upstream
+        self._up = <AsyncCore>upstream
+        self._lk = &self._up._lock
+        self._held = PtrTable()
+        self._by_stream = {}
+        self._enabled = True
+        self._limit = -1 if limit is None else min(limit, MAX_CACHED)
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
+        """Allocate ``nbytes`` ordered on ``stream``: a kept block of the size's class when there
+        is one (see the module docstring), else the upstream's.
+
+        Args:
+            nbytes: a positive ``int``.
+            stream: a stream of the upstream's pool.
+            tag: what the allocation is for.
+        Returns:
+            A live block of ``nbytes`` with a new generation.
+        Raises:
+            InvalidRequest: ``nbytes`` is not a positive ``int``.
+            StreamMisuse: ``stream`` is not a stream of the pool.
+            OutOfMemory: the upstream refused, also after the cache was trimmed (``requested`` is
+                ``nbytes``).
+            DriverError: the upstream or a fence's record or query failed; nothing changed.
+        Thread rule: any thread.
+        """
+        return self._alloc_c(nbytes, stream, tag)
+
+    cdef object _alloc_c(self, object nbytes, object stream, object tag):
+        cdef _StreamBins sb = None
+        cdef _Bin b
+        cdef _Slot s = None
+        cdef _Entry entry
+        cdef PyObject* found
+        cdef size_t n, cls
+        cdef Py_ssize_t idx
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+        if nbytes > MAX_CACHED or not self._enabled:
+            return self._miss(nbytes, -1, 0, stream, tag)
+        n = <size_t>nbytes
+        cls = _class_of(n)
+        idx = _index_of(cls)
+        if self._up._stream_of(stream) is None:
+            raise unknown_stream("BlockCacheResource.allocate", self._ordinal, stream)
+        generation = next_generation()  # made outside the lock, as the block below
+        lock_acquire(self._lk)
+        found = PyDict_GetItem(self._by_stream, stream)
+        if found != NULL:
+            sb = <_StreamBins>found
+            found = PyList_GET_ITEM(sb.bins, idx)
+            if <object>found is not None:
+                b = <_Bin>found
+                s = b.newest
+                if s is not None:
+                    _unlink(b, s)
+        if s is None:
+            lock_release(self._lk)
+            return self._miss(nbytes, idx, cls, stream, tag)
+        try:
+            _room(self._held)  # the one step that can fail, before the first change
+        except BaseException:
+            self._push(sb, idx, s)
+            lock_release(self._lk)
+            raise
+        entry = s.entry
+        entry.generation = generation
+        entry.tag = tag
+        entry.created = _now()
+        self._held.insert(s.key, nbytes)
+        self._cached_bytes -= cls
+        self._cached_blocks -= 1
+        self._slack += cls - n
+        self._hits += 1
+        lock_release(self._lk)
+        block = new_block(s.ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+        if self._history is not None:
+            _note(self, block, HISTORY_CACHE_HIT)
+        return block
+
+    cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag):
+        # Nothing kept on this stream: a block kept on another one whose fence is complete, else
+        # the upstream (trimmed and tried once more if it refuses). ``idx`` -1: not cached at all.
+        cdef _Slot s = None
+        cdef _Entry entry
+        cdef uint64_t key
+        if idx >= 0:
+            generation = next_generation()
+            lock_acquire(self._lk)
+            try:
+                s = self._take_across(stream, idx)
+                if s is None:
+                    self._misses += 1
+                else:
+                    try:
+                        _room(self._held)
+                    except BaseException:
+                        self._push(<_StreamBins>self._by_stream[s.entry.stream], idx, s)
+                        raise
+                    entry = s.entry
+                    entry.generation = generation
+                    entry.tag = tag
+                    entry.stream = stream  # its free, and the lazy fence of its uses, go there now
+                    entry.created = _now()
+                    self._held.insert(s.key, nbytes)
+                    self._cached_bytes -= cls
+                    self._cached_blocks -= 1
+                    self._slack += cls - <size_t>nbytes
+                    self._hits += 1
+                    self._cross_hits += 1
+            finally:
+                lock_release(self._lk)
+            if s is not None:
+                block = new_block(s.ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+                if self._history is not None:
+                    _note(self, block, HISTORY_CACHE_HIT)
+                return block
+            size = cls
+        else:
+            size = nbytes
+        try:
+            up = self._up._alloc_c(size, stream, tag)
+        except OutOfMemory as exc:
+            if self._trim_all(True) == 0:
+                exc.requested = nbytes
+                raise
+            self._up.reap_pending()
+            try:
+                up = self._up._alloc_c(size, stream, tag)
+            except OutOfMemory as again:
+                again.requested = nbytes
+                raise
+        ptr = (<DeviceBlock>up).ptr
+        block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, (<DeviceBlock>up).generation, _LIVE)
+        key_of(ptr, &key)  # the upstream's live table took it as a key
+        lock_acquire(self._lk)
+        try:
+            self._held.insert(key, nbytes)
+        except BaseException:
+            lock_release(self._lk)
+            self._up._dealloc_c(up)
+            raise
+        if idx >= 0:
+            self._slack += cls - <size_t>nbytes
+        lock_release(self._lk)
+        if self._history is not None:
+            _note(self, block, HISTORY_ALLOC)
+        return block
+
+    cdef _Slot _take_across(self, object stream, Py_ssize_t idx):
+        # Under the lock: the oldest block of class ``idx`` kept on another stream whose fence
+        # covers it and was seen complete; fences recorded where none covers a candidate.
+        cdef _StreamBins sb
+        cdef _Bin b
+        cdef _Slot s
+        for sb in list(self._by_stream.values()):
+            if sb.sid == stream:
+                continue
+            b = <_Bin>sb.bins[idx] if sb.bins[idx] is not None else None
+            if b is None or b.oldest is None:
+                continue
+            s = b.oldest
+            if sb.fence is not None and sb.fence_seq >= s.seq:
+                if not sb.fence_done:
+                    sb.fence_done = sb.fence.query()
+                if sb.fence_done:
+                    _unlink(b, s)
+                    return s
+                continue  # pending: never pushed further out
+            if sb.fence is None or sb.fence_done or sb.fence.query():
+                home = self._up._stream_of(sb.sid)
+                if home is None:
+                    continue  # the stream was closed; its blocks go back at the next trim
+                if sb.fence is None:
+                    sb.fence = self._up._events.take()
+                self._up._ops.record(sb.fence, home)
+                sb.fence_seq = sb.seq
+                sb.fence_done = False
+                self._fences += 1
+        return None
+
+    cdef void _push(self, _StreamBins sb, Py_ssize_t idx, _Slot s):
+        # Under the lock: ``s`` becomes the newest kept block of its (stream, class).
+        cdef _Bin b
+        if sb.bins[idx] is None:
+            sb.bins[idx] = _Bin.__new__(_Bin)
+        b = <_Bin>sb.bins[idx]
+        s.older = b.newest
+        s.newer = None
+        if b.newest is None:
+            b.oldest = s
+        else:
+            b.newest.newer = s
+        b.newest = s
+
+    # -- free -------------------------------------------------------------------------------
+    def deallocate(self, block):
+        """Keep ``block`` for reuse on its stream (after the stream was made to wait for its
+        uses on other streams); past the limit, after ``release()`` or above ``MAX_CACHED``, free
+        it upstream.
+
+        Args:
+            block: a live block of this cache.
+        Raises:
+            InvalidRequest: ``block`` is of another device.
+            UseAfterFree: no block with this ``(ptr, generation)`` is live (freed already, kept,
+                or never allocated here).
+            StreamMisuse: the block's stream was closed.
+            DriverError: a wait could not be queued (or the upstream's free failed); the block
+                stays live and nothing is counted.
+        Thread rule: any thread.
+        """
+        self._dealloc_c(block)
+
+    cdef object _dealloc_c(self, object block):
+        cdef _Entry entry
+        cdef _StreamBins sb
+        cdef _Slot s = _Slot.__new__(_Slot)  # made outside the lock
+        cdef bint kept = False
+        cdef PyObject* found
+        cdef uint64_t key
+        cdef long long slack = 0
+        if type(block) is DeviceBlock:
+            ptr = (<DeviceBlock>block).ptr
+            if (<DeviceBlock>block).device_ordinal != self._ordinal:
+                check_device("BlockCacheResource.deallocate", self._ordinal, block)
+        else:
+            check_device("BlockCacheResource.deallocate", self._ordinal, block)
+            ptr = block.ptr
+        lock_acquire(self._lk)
+        try:
+            entry = self._up._checked_entry("BlockCacheResource.deallocate", block, ptr, &key)
+            found = self._held.find(key)
+            if found == NULL:  # the upstream's, but not handed out by the cache: kept already
+                raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
+            asked = <object>found
+            slack = entry.nbytes - <long long>asked
+            if self._enabled and entry.nbytes <= MAX_CACHED and (
+                    self._limit < 0 or self._cached_bytes + entry.nbytes <= self._limit):
+                sid = entry.stream
+                home = self._up._stream_of(sid)
+                if home is None:
+                    raise unknown_stream("BlockCacheResource.deallocate", self._ordinal, sid)
+                # Order the stream after every use elsewhere, as the upstream's free would. A
+                # failed wait leaves everything as it was (waits queued are harmless).
+                if entry.lw_event is not None and entry.lw_stream != sid:
+                    self._up._ops.wait(home, entry.lw_event)
+                if entry.reads:
+                    for rsid, event in entry.reads.items():
+                        if rsid != sid:
+                            self._up._ops.wait(home, event)
+                found = PyDict_GetItem(self._by_stream, sid)
+                if found == NULL:
+                    sb = _StreamBins(sid)
+                    self._by_stream[sid] = sb
+                else:
+                    sb = <_StreamBins>found
+                if entry.lw_event is not None:
+                    self._up._events._free.append(entry.lw_event)
+                if entry.reads:
+                    self._up._events._free.extend(entry.reads.values())
+                entry.lw_event = None
+                entry.lw_stream = None
+                entry.reads = None
+                entry.generation = next_generation()  # the old handle is stale from here on
+                s.ptr = ptr
+                s.key = key
+                s.entry = entry
+                s.cls = <size_t>entry.nbytes
+                sb.seq += 1
+                s.seq = sb.seq
+                self._push(sb, _index_of(s.cls), s)
+                self._cached_bytes += entry.nbytes
+                self._cached_blocks += 1
+                kept = True
+            # kept, or on its way upstream: no longer the user's (put back if the upstream refuses)
+            self._held.remove_if(key, asked)
+            self._slack -= slack
+        finally:
+            lock_release(self._lk)
+        if not kept:
+            try:
+                self._up._dealloc_c(block)
+            except BaseException:
+                lock_acquire(self._lk)
+                self._held.insert(key, asked)  # its slot was just freed: no growth
+                self._slack += slack
+                lock_release(self._lk)
+                raise
+        if self._history is not None:
+            _note(self, block, HISTORY_FREE)
+
+    # -- trimming ---------------------------------------------------------------------------
+    cdef list _detach_all(self):
+        # Under the lock: every kept slot, out of the cache; the fences back to the pool.
+        cdef _StreamBins sb
+        cdef _Bin b
+        cdef _Slot s
+        out = []
+        for sb in self._by_stream.values():
+            for i in range(_CLASSES):
+                if sb.bins[i] is None:
+                    continue
+                b = <_Bin>sb.bins[i]
+                s = b.oldest
+                while s is not None:
+                    out.append(s)
+                    s = s.newer
+                sb.bins[i] = None
+            if sb.fence is not None:
+                self._up._events._free.append(sb.fence)
+                sb.fence = None
+                sb.fence_done = False
+        self._cached_bytes = 0
+        self._cached_blocks = 0
+        return out
+
+    cdef long long _trim_all(self, bint quiet) except -1:
+        cdef _Slot s
+        cdef _Entry entry
+        cdef long long freed = 0, count = 0
+        lock_acquire(self._lk)
+        slots = self._detach_all()
+        for s in slots:  # a block whose stream was closed is idle: its free goes on the default one
+            if self._up._stream_of(s.entry.stream) is None:
+                s.entry.stream = _DEFAULT_STREAM
+        lock_release(self._lk)
+        error = None
+        for s in slots:
+            entry = s.entry
+            block = new_block(s.ptr, self._ordinal, entry.stream, entry.nbytes, _ALIGNMENT, entry.tag,
+                              entry.generation, _LIVE)
+            try:
+                self._up._dealloc_c(block)
+            except BaseException as exc:  # kept again; the first error is raised after the rest
+                lock_acquire(self._lk)
+                self._keep_again(s)
+                lock_release(self._lk)
+                if error is None:
+                    error = exc
+                continue
+            freed += entry.nbytes
+            count += 1
+            if self._history is not None:
+                _note(self, block, HISTORY_TRIM)
+        lock_acquire(self._lk)
+        if count:
+            self._trims += 1
+            self._trimmed_blocks += count
+            self._trimmed_bytes += freed
+        lock_release(self._lk)
+        if error is not None and not quiet:
+            raise error
+        return freed
+
+    cdef void _keep_again(self, _Slot s):
+        cdef _StreamBins sb
+        sid = s.entry.stream
+        if sid not in self._by_stream:
+            self._by_stream[sid] = _StreamBins(sid)
+        sb = <_StreamBins>self._by_stream[sid]
+        sb.seq += 1
+        s.seq = sb.seq
+        self._push(sb, _index_of(s.cls), s)
+        self._cached_bytes += s.entry.nbytes
+        self._cached_blocks += 1
+
+    def trim(self):
+        """Give every kept block back to the upstream (stream-ordered frees on their streams).
+
+        Returns:
+            The bytes given back.
+        Raises:
+            DriverError: a free failed; that block is kept again, the others were given back.
+        Thread rule: any thread.
+        """
+        return self._trim_all(False)
+
+    def release(self):
+        """Stop keeping blocks (frees go upstream from now on) and trim.
+
+        Returns:
+            The bytes given back.
+        Raises:
+            DriverError: as :meth:`trim`.
+        Thread rule: any thread.
+        """
+        self._enabled = False
+        return self._trim_all(False)
+
+    def drop(self):
+        """Forget every kept block without freeing it, for a context that was rebuilt (its
+        memory went with it): out of the cache and out of the upstream's live table.
+
+        Returns:
+            The bytes forgotten.
+        Thread rule: any thread.
+        """
+        cdef _Slot s
+        cdef long long dropped = 0
+        lock_acquire(self._lk)
+        try:
+            for s in self._detach_all():
+                if self._up._live.remove_if(s.key, s.entry):
+                    self._up._live_bytes -= s.entry.nbytes
+                    dropped += s.entry.nbytes
+            self._dropped_bytes += dropped
+        finally:
+            lock_release(self._lk)
+        return dropped
+
+    # -- figures ----------------------------------------------------------------------------
+    @property
+    def enabled(self):
+        """False once ``release()`` ran. Thread rule: any thread."""
+        return self._enabled
+
+    @property
+    def limit(self):
+        """The most bytes kept idle, or None. Thread rule: any thread."""
+        return None if self._limit < 0 else self._limit
+
+    def bytes_outstanding(self):
+        """What the user holds, at the sizes asked, plus the upstream's queued frees; kept
+        blocks are not counted.
+
+        Returns:
+            The count, taken under the lock.
+        Thread rule: any thread.
+        """
+        lock_acquire(self._lk)
+        total = self._up._live_bytes + self._up._pending_bytes - self._cached_bytes - self._slack
+        lock_release(self._lk)
+        return total
+
+    def cached_bytes(self):
+        """Bytes kept idle for reuse (at their class sizes). Thread rule: any thread."""
+        return self._cached_bytes
+
+    def cache_statistics(self):
+        """The cache's figures, of one instant.
+
+        Returns:
+            A dict: ``cached_bytes``, ``cached_blocks``, ``hits``, ``cross_stream_hits``,
+            ``misses``, ``fences``, ``trims``, ``trimmed_blocks``, ``trimmed_bytes``,
+            ``dropped_bytes``, ``limit`` (None: no limit) and ``enabled``.
+        Thread rule: any thread.
+        """
+        lock_acquire(self._lk)
+        out = {"cached_bytes": self._cached_bytes, "cached_blocks": self._cached_blocks, "hits": self._hits,
+               "cross_stream_hits": self._cross_hits, "misses": self._misses, "fences": self._fences,
+               "trims": self._trims, "trimmed_blocks": self._trimmed_blocks, "trimmed_bytes": self._trimmed_bytes,
+               "dropped_bytes": self._dropped_bytes}
+        lock_release(self._lk)
+        out["limit"] = self.limit
+        out["enabled"] = self._enabled
+        return out
+
+    def live_blocks(self):
+        """The blocks handed out and not yet freed, with their ages (the upstream's list without
+        the kept blocks, each at the size asked).
+
+        Returns:
+            One ``LiveBlock`` per block, in allocation order.
+        Thread rule: any thread.
+        """
+        cdef uint64_t key
+        cdef PyObject* found
+        listed = self._upstream.live_blocks()
+        pairs = []
+        lock_acquire(self._lk)
+        for b in listed:
+            if key_of(b.ptr, &key):
+                found = self._held.find(key)
+                if found != NULL:
+                    pairs.append((b, <object>found))
+        lock_release(self._lk)
+        return [LiveBlock(b.ptr, asked, b.tag, b.stream, b.age_s) for b, asked in pairs]
+
+    def kept_blocks(self):
+        """The kept blocks, as ``(ptr, class size, stream)`` tuples (diagnostic).
+
+        Thread rule: any thread.
+        """
+        lock_acquire(self._lk)
+        try:
+            return [(s.ptr, s.cls, s.entry.stream) for s in self._kept()]
+        finally:
+            lock_release(self._lk)
+
+    cdef list _kept(self):
+        cdef _StreamBins sb
+        cdef _Slot s
+        out = []
+        for sb in self._by_stream.values():
+            for b in sb.bins:
+                if b is not None:
+                    s = (<_Bin>b).newest
+                    while s is not None:
+                        out.append(s)
+                        s = s.older
+        return out
+
+    def held_size(self, ptr):
+        """The size asked for the block handed out at ``ptr`` and not yet freed, or None
+        (diagnostic).
+
+        Thread rule: any thread.
+        """
+        cdef uint64_t key
+        cdef PyObject* found
+        if not key_of(ptr, &key):
+            return None
+        found = self._held.find(key)
+        return None if found == NULL else <object>found
+
+
+cdef int _note(CacheCore core, object block, int action) except -1:
+    # Into the history set on the cache: a HistoryRing in C, another history through its methods.
+    if core._ring is not None:
+        core._ring.record(block, action)
+    elif action == HISTORY_ALLOC or action == HISTORY_CACHE_HIT:
+        core._history.record_alloc(block)
+    elif action == HISTORY_FREE:
+        core._history.record_free(block)
+    return 0
