@@ -70,6 +70,25 @@ def test_replay_runs_every_stage_and_bindings_stay(device: pykka.ActorRef[Any]) 
     assert graph.closed
 
 
+def test_an_input_rebound_round_after_round_is_copied_from_each_time(device: pykka.ActorRef[Any]) -> None:
+    """One host operand rebound every replay among buffers seen before (on CUDA the compiled
+    path: an address set on the node), then the output rebound too: every replay copies from
+    the buffer bound at its own replay."""
+    graph, b = _job(device)
+    inputs = [b["host_in"], _pinned(device, 2.0), _pinned(device, 3.0)]
+    for _ in range(3):
+        for k, buf in enumerate(inputs):
+            graph.replay({b["host_in"]: buf}).wait()
+            assert _values(b["host_out"]) == {2.0 * (k + 1) + 1}
+    other_out = _pinned(device)
+    graph.replay({b["host_out"]: other_out}).wait()
+    assert _values(other_out) == {7.0}
+    inputs[1].array(np.float32)[:] = 10.0
+    graph.replay({b["host_in"]: inputs[1]}).wait()
+    assert _values(other_out) == {21.0}
+    graph.close()
+
+
 def test_a_bound_device_handle_is_written_and_tracked(device: pykka.ActorRef[Any]) -> None:
     graph, b = _job(device)
     out2 = device.ask(xa.Allocate(4 * N))

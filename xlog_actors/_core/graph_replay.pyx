@@ -171,6 +171,31 @@ cdef class ReplayCore:
         self._done_at = (at + 1) % self._ring
         return event
 
+    def bind_host(self, graph, node, view, unsigned long long address):
+        """Bind host copy node ``node`` of ``graph`` (a ``CudaGraph``'s, from its ``fast_host``)
+        to ``view`` at ``address``, checked by the caller (pinned, of the step's length), in C:
+        the address written into the node's kept parameters and set on the exec; the replaced
+        view rides on the next completion.
+
+        Returns:
+            True when done (or ``view`` is the node's already); False when the graph has no such
+            path now (closed, another epoch, another driver): nothing changed, and the caller
+            takes ``Graph.swap_host``.
+        Raises:
+            DriverError, ContextPoisoned: the driver refused the update; nothing changed.
+        """
+        replaced = node.keep
+        if replaced is view:
+            return True
+        if not self._ops.graph_host_set(graph, node, address):
+            return False
+        node.keep = view
+        a = node.addresses
+        node.addresses = (address, 0, 0, a[3]) if node.src else (0, a[1], address, 0)
+        if replaced is not None:
+            self._retired.append(replaced)
+        return True
+
     def retire(self, view):
         """Keep ``view`` (a host view a rebinding replaced) until the launches before now ran."""
         self._retired.append(view)

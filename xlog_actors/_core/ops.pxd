@@ -14,6 +14,7 @@ ctypedef CUresult (*MemAlloc_t)(CUdeviceptr*, size_t) noexcept nogil
 ctypedef CUresult (*MemFree_t)(CUdeviceptr) noexcept nogil
 ctypedef CUresult (*GraphLaunch_t)(void*, CUstream) noexcept nogil
 ctypedef CUresult (*EventQuery_t)(CUevent) noexcept nogil
+ctypedef CUresult (*GraphMemcpySet_t)(void*, void*, const void*, void*) noexcept nogil
 
 
 cdef class DriverOps:
@@ -28,6 +29,7 @@ cdef class DriverOps:
     cdef object create_event(self)
     cdef graph_launch(self, object graph, object stream)
     cdef bint query(self, object event) except -1
+    cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1
 
 
 cdef class CudaOps(DriverOps):
@@ -66,6 +68,7 @@ cdef class CudaOps(DriverOps):
     cdef MemFree_t _mem_free
     cdef GraphLaunch_t _graph_launch
     cdef EventQuery_t _event_query
+    cdef GraphMemcpySet_t _graph_memcpy_set
     cdef bint _current(self)
     cdef object _thread_token(self)
     cdef bint _stream_ok(self, object s)

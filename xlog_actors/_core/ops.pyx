@@ -94,6 +94,9 @@ cdef class DriverOps:
     cdef bint query(self, object event) except -1:
         return event.query()
 
+    cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1:
+        return False  # no fast path: the caller takes the graph's own ``swap_host``
+
 
 cdef class CudaOps(DriverOps):
     """The CUDA driver's calls through ``libcuda`` entry points, with the Python driver as the
@@ -155,6 +158,7 @@ cdef class CudaOps(DriverOps):
         self._mem_free = <MemFree_t>PyLong_AsVoidPtr(entry_points["cuMemFree"])
         self._graph_launch = <GraphLaunch_t>PyLong_AsVoidPtr(entry_points["cuGraphLaunch"])
         self._event_query = <EventQuery_t>PyLong_AsVoidPtr(entry_points["cuEventQuery"])
+        self._graph_memcpy_set = <GraphMemcpySet_t>PyLong_AsVoidPtr(entry_points["cuGraphExecMemcpyNodeSetParams"])
 
     cdef bint _current(self):
         """True when the device is healthy and its context current in this thread, refreshing the
@@ -324,6 +328,28 @@ cdef class CudaOps(DriverOps):
             return False
         self._dev.fail(self._cuda_result(err), "cuEventQuery")
         return False
+
+    cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1:
+        # A host copy node of an open ``CudaGraph`` of this device and of the current epoch, with
+        # its host pointer field located (``node.host_at``): the new address is written into the
+        # node's kept ``CUDA_MEMCPY3D`` and set on the exec. False (nothing done) otherwise: the
+        # caller takes ``CudaGraph.swap_host``, which raises the precise error. The caller
+        # serializes this with the graph's other calls, as for ``graph_launch``.
+        cdef CUresult err
+        cdef unsigned long long* cell
+        cdef unsigned long long old
+        if (not self._current() or getattr(graph, "_live", None) is not self._live_token or graph._closed
+                or graph._dev is not self._dev or not node.host_at):
+            return False
+        cell = <unsigned long long*>PyLong_AsVoidPtr(node.host_at)
+        old = cell[0]
+        cell[0] = address
+        err = self._graph_memcpy_set(PyLong_AsVoidPtr(graph._exec_h), PyLong_AsVoidPtr(node.node_h),
+                                     PyLong_AsVoidPtr(node.params_h), PyLong_AsVoidPtr(graph._ctx_h))
+        if err != 0:
+            cell[0] = old
+            self._dev.fail(self._cuda_result(err), "cuGraphExecMemcpyNodeSetParams")
+        return True
 
     cdef object alloc(self, object nbytes):
         cdef CUdeviceptr ptr = 0

@@ -132,6 +132,8 @@ class BatchGraph:
         self._views: Views = {}
         #: (recorded operand id, buffer id) -> a pinned buffer check_operand found fit for it
         self._checked_host: dict[tuple[int, int], Operand] = {}
+        #: id(host view) -> (the view, its step, the driver graph's node, its address): fast_host's answers
+        self._fast_hosts: dict[int, tuple[memoryview, int, Any, int]] = {}
         runtime = ctx.runtime
         # The replay itself is compiled (handle checks, waits, launch, uses, completion, last
         # writes in one call). Its completions are a ring of events re-recorded in turn, so a
@@ -280,6 +282,8 @@ class BatchGraph:
         if not changed:
             return
         if not any(self._by_recorded[key].access is not None for key, _ in changed):
+            if len(changed) == 1 and self._bind_fast(changed[0], graph):
+                return
             self._bind_host(changed, graph)
             return
         before = dict(bound)
@@ -304,6 +308,32 @@ class BatchGraph:
         if devices:
             self._uses = self._merged_uses()
             self._core.set_uses(self._uses)
+
+    def _bind_fast(self, change: tuple[int, Operand], graph: Graph) -> bool:
+        """One host buffer's binding (checked) through the compiled core, when its operand is
+        copied by one step and the graph bound that step to the buffer's view before: the new
+        address set on the node in C. False: nothing changed, take :meth:`_bind_host`."""
+        key, new = change
+        stages = self._stages_of[key]
+        if len(stages) != 1:
+            return False
+        i = stages[0]
+        buf = cast(PinnedBuffer, new)
+        stage = self._stages[i]
+        nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
+        v = view(buf, nbytes, self._views)
+        fast = self._fast_hosts.get(id(v))
+        if fast is None or fast[0] is not v or fast[1] != i:
+            found = graph.fast_host(i, v)
+            if found is None:
+                return False
+            if len(self._fast_hosts) >= 256:  # bounded: ever new buffers
+                self._fast_hosts.clear()
+            fast = self._fast_hosts[id(v)] = (v, i, found[0], found[1])
+        if not self._core.bind_host(graph, fast[2], v, fast[3]):
+            return False
+        self._bound[key] = new
+        return True
 
     def _bind_host(self, changed: list[tuple[int, Operand]], graph: Graph) -> None:
         """Bindings of host buffers only (checked): each of their copy steps gets the new

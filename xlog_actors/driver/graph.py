@@ -305,6 +305,16 @@ class Graph(Protocol):
         """
         ...
 
+    def fast_host(self, index: int, view: memoryview) -> tuple[Any, int] | None:
+        """What the compiled replay (``ReplayCore.bind_host``) needs to bind ``view`` to copy
+        step ``index`` without a Python call: the step's node and ``view``'s address, when the
+        graph checked ``view`` for that step before (it was swapped in or recorded); None when
+        it did not, or when the graph has no such path (the host driver's). The caller keeps the
+        answer only as long as it keeps ``view``.
+        Thread rule: any thread.
+        """
+        ...
+
     def close(self, keep: Sequence[object] = ()) -> None:
         """Release the graph (launches already enqueued still run). Idempotent; never raises.
 
@@ -404,6 +414,10 @@ class SteppedGraph:
             if self._pinned is not None and not self._pinned(view):
                 raise InvalidRequest(f"graph step {index}: the host view is not of pinned memory (alloc_pinned)")
             self._steps[index] = step
+
+    def fast_host(self, index: int, view: memoryview) -> tuple[Any, int] | None:
+        """None: the host driver's graph has no compiled rebinding."""
+        return None
 
     def swap_host(self, index: int, view: memoryview) -> object | None:
         """As :meth:`update_host`; None (the driver's copies keep their views themselves)."""

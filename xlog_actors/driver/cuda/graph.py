@@ -73,7 +73,7 @@ class _Node:
     ``CUDA_MEMCPY3D``'s host pointer field of a host copy, as a ``c_uint64`` over the struct's
     own memory (None where the layout check failed: the cuda.bindings setters are used then)."""
 
-    __slots__ = ("addresses", "host", "keep", "node", "node_h", "params", "params_h", "step")
+    __slots__ = ("addresses", "host", "host_at", "keep", "node", "node_h", "params", "params_h", "src", "step")
 
     def __init__(self, step: GraphStep, node: Any, params: Any, keep: object) -> None:
         self.step, self.node, self.params, self.keep = step, node, params, keep
@@ -85,12 +85,15 @@ class _Node:
             if self.params_h else (0, 0, 0, 0)
         )
         self.host: ctypes.c_uint64 | None = None
+        #: the host field's address (0: none), for the compiled core's rebinding
+        self.host_at = 0
+        #: a copy from the host (its source is the host side)
+        self.src = isinstance(step, HostToDevice)
         if isinstance(step, (HostToDevice, DeviceToHost)):
-            src = isinstance(step, HostToDevice)
-            at, want = (_SRC_HOST_AT, self.addresses[0]) if src else (_DST_HOST_AT, self.addresses[2])
+            at, want = (_SRC_HOST_AT, self.addresses[0]) if self.src else (_DST_HOST_AT, self.addresses[2])
             cell = ctypes.c_uint64.from_address(self.params_h + at)
             if want and cell.value == want:
-                self.host = cell
+                self.host, self.host_at = cell, self.params_h + at
 
     def current(self) -> GraphStep:
         """The step with its current host view."""
@@ -372,6 +375,20 @@ class CudaGraph:
             replaced = self._update_copy(index, node, step, dev)
             node.step = step
             return replaced
+
+    def fast_host(self, index: int, view: memoryview) -> tuple[Any, int] | None:
+        """Copy step ``index``'s node and ``view``'s address, when ``view`` may be bound to it by
+        address alone (see :meth:`~xlog_actors.driver.graph.Graph.fast_host`): a view this
+        graph already checked (swapped in or recorded before), of the step's length, writable
+        for a copy into it, and a node whose host field was located. Else None."""
+        with self._lock:
+            node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
+            known = self._pinned_views.get(id(view))
+            if (node is None or not node.host_at or known is None or known[0] is not view
+                    or len(view) != cast(HostToDevice | DeviceToHost, node.step).nbytes
+                    or (not node.src and view.readonly)):
+                return None
+            return node, known[1]
 
     def _retire(self, replaced: object | None) -> None:
         """Keep a replaced view until the next launch hands it to its stream."""
