@@ -3,7 +3,9 @@ through random sequences of allocations (good and bad), frees, releases, dropped
 tracked writes and reads through two ``CopyActor``s (two streams, so the cross-stream tracking
 is what keeps the bytes right), rebuilds and injected faults. A plain-Python model says what
 every handle holds and what the device must report; after every step the device's statistics
-and every handle's ``access()`` are checked against it."""
+and every handle's ``access()`` are checked against it. The same machine runs again on a stack
+with a block cache (``async+cache``), with rules of its own: allocations on the copiers' streams
+(so kept blocks are reused across streams) and trims."""
 
 from __future__ import annotations
 
@@ -81,12 +83,15 @@ def pattern(seed: int, length: int) -> bytes:
 
 
 class DeviceMachine(RuleBasedStateMachine):
+    #: The device's resource stack.
+    RESOURCE = "async"
+
     def __init__(self) -> None:
         super().__init__()
         self.driver = xa.HostDriver(device_count=1, memory_per_device=MEMORY)
         # Restart intensity is not what this machine checks: a budget it never reaches.
         self.device = xa.DeviceActor.start(
-            0, driver=self.driver, resource="async", supervisor=xa.Supervisor(max_restarts=10_000)
+            0, driver=self.driver, resource=self.RESOURCE, supervisor=xa.Supervisor(max_restarts=10_000)
         )
         self.copiers = [xa.CopyActor.start(self.device) for _ in range(2)]
         for copier in self.copiers:
@@ -148,6 +153,9 @@ class DeviceMachine(RuleBasedStateMachine):
     def pick_live(self, i: int) -> Held | None:
         live = [h for h in self.held if self.live(h)]
         return live[i % len(live)] if live else None
+
+    def before_fault(self) -> None:
+        """Called right before a fault is injected for the next request to meet."""
 
     def rebuilt(self) -> None:
         self.generation += 1
@@ -405,6 +413,7 @@ class DeviceMachine(RuleBasedStateMachine):
             message = xa.AllocateMany([size, 64])
         else:
             message = xa.Allocate(size)
+        self.before_fault()
         self.driver.inject_fault(0, kind, after_calls=0)  # type: ignore[arg-type]
         exc = self.expect(error, self.ask, self.device, message)
         assert not isinstance(exc, xa.ContextLost)
@@ -432,6 +441,7 @@ class DeviceMachine(RuleBasedStateMachine):
         victim = self.pick_live(i) if how.startswith("lost in fill") else None
         if victim is not None and how == "lost in fill":
             self.ask(copier, xa.CopyToHost(victim.ref, nbytes=1))  # attached: the loss meets the fill
+        self.before_fault()
         self.driver.inject_fault(0, "context_lost", after_calls=0)
         if victim is not None:
             self.expect(xa.ContextLost, self.ask, copier, xa.Fill(victim.ref, 1))
@@ -443,6 +453,7 @@ class DeviceMachine(RuleBasedStateMachine):
     @rule()
     def poison(self) -> None:
         """A sticky error ends the device's useful life in this process: the last state."""
+        self.before_fault()
         self.driver.inject_fault(0, "sticky", after_calls=0)
         self.expect(xa.ContextPoisoned, self.ask, self.device, xa.Allocate(64))
         self.poisoned = True
@@ -460,3 +471,69 @@ DeviceMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestDeviceMachine = DeviceMachine.TestCase
+
+
+class CachedDeviceMachine(DeviceMachine):
+    """The machine on a stack with a block cache: every free keeps its block, later allocations
+    take kept blocks back (on the copiers' streams too: across streams), trims give them back,
+    a rebuild leaves nothing kept. The model and its invariants are the same: what the user
+    holds, and every byte written, whatever the cache keeps."""
+
+    RESOURCE = "async+cache"
+
+    def cache_figures(self) -> dict[str, Any]:
+        figures: dict[str, Any] = self.ask(self.device, xa.GetStats()).report["block_cache"]
+        return figures
+
+    @invariant()
+    def the_cache_keeps_whole_blocks(self) -> None:
+        if self.poisoned:
+            return
+        f = self.cache_figures()
+        assert f["cached_bytes"] >= 0 and f["cached_blocks"] >= 0
+        assert (f["cached_bytes"] == 0) == (f["cached_blocks"] == 0)
+
+    @precondition(lambda self: not self.poisoned)
+    @rule(size=sizes, tag=st.sampled_from(TAGS), c=copiers)
+    def allocate_on_a_copier_stream(self, size: int, tag: str, c: int) -> None:
+        """An allocation ordered on a copier's stream: kept blocks of the default stream come
+        back here only once their fence completed."""
+        sid = self.copiers[c].proxy().stream_id.get(timeout=TIMEOUT)
+        must_fit = self.live_bytes() + size <= MUST_FIT
+        try:
+            ref = self.ask(self.device, xa.Allocate(size, stream=sid, tag=xa.AllocTag(tag)))
+        except xa.StreamMisuse:
+            return  # the copier's stream went with a rebuild and it has not attached again yet
+        except xa.OutOfMemory:
+            assert not must_fit
+            return
+        self.adopt(ref, size, tag)
+
+    @precondition(lambda self: not self.poisoned)
+    @rule()
+    def trim(self) -> None:
+        ctx = self.ask(self.device, Attach())
+        ctx.runtime.trim_caches()
+        assert self.cache_figures()["cached_bytes"] == 0
+
+    def rebuild(self, reason: str) -> None:
+        super().rebuild(reason)
+        assert self.cache_figures()["cached_bytes"] == 0
+
+    def before_fault(self) -> None:
+        """A request served from kept blocks makes no driver call to fail: the cache is trimmed
+        first, so the request that must meet the fault reaches the driver."""
+        self.trim()
+
+    def fault_one_request(self, kind: str, op: str, i: int, size: int) -> None:
+        # A free into the cache makes no driver call either: the faulted request is an allocation.
+        super().fault_one_request(kind, "allocate" if op == "free" else op, i, size)
+
+
+CachedDeviceMachine.TestCase.settings = settings(
+    max_examples=12,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCachedDeviceMachine = CachedDeviceMachine.TestCase

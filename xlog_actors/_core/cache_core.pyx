@@ -667,11 +667,15 @@ cdef class CacheCore(ResourceCore):
 
         Thread rule: any thread.
         """
+        cdef _Slot s
+        out = []
         lock_acquire(self._lk)
         try:
-            return [(s.ptr, s.cls, s.entry.stream) for s in self._kept()]
+            for s in self._kept():
+                out.append((s.ptr, s.cls, s.entry.stream))
         finally:
             lock_release(self._lk)
+        return out
 
     cdef list _kept(self):
         cdef _StreamBins sb
