@@ -81,7 +81,7 @@ def test_quick_host_covers_every_row(quick_doc: dict) -> None:
     assert seen == set(row_names())
     assert all(s["reason"] for s in quick_doc["skipped"])
     targeted = {r["name"] for r in quick_doc["rows"] if r["target"] is not None}
-    assert len(targeted) == 23  # the twenty-three rows with a target that run on the host
+    assert len(targeted) == 26  # the twenty-six rows with a target that run on the host
 
 
 def test_quick_host_measures_the_history_row(quick_doc: dict) -> None:
@@ -104,6 +104,8 @@ def test_quick_host_runs_the_concurrency_rows(quick_doc: dict) -> None:
         assert row["ops_per_sample"] % ours == 0
         # the ratio is of the aggregate throughputs
         assert row["ratio"] == pytest.approx(row["median"] / row["reference"]["median"])
+    cached = rows["DeviceClient through the cache 8 threads / 1 thread"]
+    assert cached["concurrency"] == {"ours": 8, "reference": 1} and cached["target"]["text"] == ">= 1x"
     # the other rows carry the new key empty: readers of older runs see nothing else change
     assert all(r["concurrency"] is None for r in quick_doc["rows"] if r["unit"] != "ops/s")
 
@@ -307,3 +309,21 @@ def test_quick_host_measures_the_cross_process_read(quick_doc: dict) -> None:
     assert row["unit"] == "GB/s" and row["target"]["text"] == ">= 0.95x"
     assert _positive_finite(row["median"]) and _positive_finite(row["reference"]["median"])
     assert quick_doc["errors"] == []
+
+
+def test_quick_host_measures_the_cache_rows_in_one_measurement(quick_doc: dict) -> None:
+    """The block cache's rows share one round-robin measurement: one twin, one set of samples."""
+    rows = {r["name"]: r for r in quick_doc["rows"]}
+    names = ("AsyncCudaResource through the cache alloc+free", "DeviceClient through the cache allocate+free",
+             "AsyncCudaResource alloc+free, same measurement")
+    twins = {(rows[name]["reference"]["median"], rows[name]["reference"]["samples"]) for name in names}
+    assert len(twins) == 1
+    assert rows[names[0]]["target"]["text"] == "<= 0.15x" and rows[names[1]]["target"]["text"] == "<= 0.2x"
+
+
+def test_peer_rows_and_ours_share_one_measurement_of_the_twin() -> None:
+    """Every row of the peers' group reads the group's one round-robin measurement."""
+    (peers,) = [group for group in GROUPS if "PyTorch caching empty+del" in group.names]
+    assert {row.setup for row in peers.rows} == {peers.rows[0].setup}
+    assert all(row.measure is not None for row in peers.rows)
+    assert "ours beside the peers: DeviceClient through the cache" in peers.names

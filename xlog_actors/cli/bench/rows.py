@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 from .harness import Group
 from .rows_actors import ACTOR
-from .rows_allocators import ASYNC, DIRECT, SCALING, TRACKING
-from .rows_concurrency import CONCURRENCY
+from .rows_allocators import ASYNC, CACHE, DIRECT, SCALING, TRACKING
+from .rows_concurrency import CACHED_THREADS, CONCURRENCY
 from .rows_copies import COPIES
 from .rows_isolated import ISOLATED
 from .rows_peers import PEERS
@@ -23,7 +23,8 @@ from .rows_training import TRAINING
 __all__ = ["GROUPS", "row_names"]
 
 GROUPS: tuple[Group, ...] = (
-    ASYNC, DIRECT, ACTOR, ISOLATED, SHARED, CONCURRENCY, TRACKING, COPIES, PIPELINE, SCALING, PEERS, TRAINING
+    ASYNC, CACHE, DIRECT, ACTOR, ISOLATED, SHARED, CONCURRENCY, CACHED_THREADS, TRACKING, COPIES, PIPELINE, SCALING,
+    PEERS, TRAINING,
 )
 
 

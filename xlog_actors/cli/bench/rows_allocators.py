@@ -1,5 +1,6 @@
-"""The allocator rows: stream-ordered and synchronous allocation, cross-stream tracking, scaling
-with live blocks, and the peers' allocators beside the same raw twin."""
+"""The allocator rows: stream-ordered and synchronous allocation, the block cache (its rows and the
+peers' share one measurement recipe, :func:`.rows_peers.ours_beside_raw`), cross-stream tracking
+and scaling with live blocks."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from ...memory.block import Access, BlockId, StreamId
 from ...memory.direct import DirectCudaResource
 from ...memory.history import MemoryHistory
 from ...memory.stream_pool import StreamPool
-from .harness import Context, Group, Op, Row, Setup, interleave
+from .harness import Context, Group, Op, Row, Setup, interleave, round_robin
 from .plan import SIZE, Plan
 from .result import Target
+from .rows_peers import ours_beside_raw
 from .twins import alloc_free_loop, check, cu, raise_unless_success, stream_ordered_twin
 
-__all__ = ["ASYNC", "DIRECT", "SCALING", "TRACKING"]
+__all__ = ["ASYNC", "CACHE", "DIRECT", "SCALING", "TRACKING"]
 
 REFERENCE_ITSELF = "on the host driver this is the reference itself"
 
@@ -117,6 +119,42 @@ ASYNC = Group("stream-ordered allocation", (
         target=Target("ratio", "<=", 2.0), check=_history_check,
         note="two resources on one stream pool, sampled alternately; the history's ring keeps 100,000 events (once "
         "full, each new one drops the oldest); the stack walked is the bench's own, a few frames deep"),
+))
+
+
+# -- the block cache -----------------------------------------------------------------------------
+@dataclass
+class _Cached:
+    samples: dict[str, list[float]]
+    raw_name: str
+
+
+@contextlib.contextmanager
+def _cached(ctx: Context) -> Iterator[_Cached]:
+    """Every row of the group from one measurement, against one measurement of the raw twin."""
+    with ours_beside_raw(ctx) as (ops, raw_name):
+        samples, batch = ctx.plan.alloc
+        yield _Cached(round_robin(ops, samples, batch, budget_s=2 * ctx.plan.budget_s,
+                                  min_samples=ctx.plan.min_samples), raw_name)
+
+
+def _from(name: str) -> Callable[[_Cached, Context], tuple[list[float], list[float]]]:
+    return lambda f, ctx: (f.samples[name], f.samples["raw"])
+
+
+_ONE_MEASUREMENT = ("one measurement of every row of the group and the raw twin: each round samples all of them once, "
+                    "in a rotated order")
+
+CACHE = Group("block cache", (
+    Row("AsyncCudaResource through the cache alloc+free", "BlockCacheResource over AsyncCudaResource: allocate(4 KiB)"
+        " + deallocate on its default stream, a cached size", _cached, None, None, lambda p: p.alloc,
+        target=Target("ratio", "<=", 0.15), measure=_from("cache"), note=_ONE_MEASUREMENT),
+    Row("DeviceClient through the cache allocate+free", "DeviceClient.allocate(4 KiB) + free of an async+cache "
+        "device, a cached size", _cached, None, None, lambda p: p.alloc, target=Target("ratio", "<=", 0.2),
+        measure=_from("client"), note=_ONE_MEASUREMENT),
+    Row("AsyncCudaResource alloc+free, same measurement", "AsyncCudaResource.allocate(4 KiB) + deallocate without a "
+        "cache, in the cache rows' measurement", _cached, None, None, lambda p: p.alloc, measure=_from("async"),
+        note="informational: the uncached pair beside the cached ones; " + _ONE_MEASUREMENT),
 ))
 
 

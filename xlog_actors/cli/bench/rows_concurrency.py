@@ -1,6 +1,7 @@
-"""The concurrency rows: many threads on one ``DeviceClient``, many actors asking one
-``DeviceActor``. Each row's reference is its own twin with one thread (one actor), measured in
-the same run, and the figure is the aggregate number of operations per second."""
+"""The concurrency rows: many threads on one ``DeviceClient`` (also of a device with a block
+cache), many actors asking one ``DeviceActor``. Each row's reference is its own twin with one
+thread (one actor), measured in the same run, and the figure is the aggregate number of
+operations per second."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .plan import SIZE
 from .result import Target
 from .twins import alloc_free_loop
 
-__all__ = ["CONCURRENCY", "THREADS", "WORKERS", "Crew", "Worker"]
+__all__ = ["CACHED_THREADS", "CONCURRENCY", "THREADS", "WORKERS", "Crew", "Worker"]
 
 THREADS = 8  # DeviceClient threads of the first row
 WORKERS = 16  # worker actors of the second row
@@ -93,6 +94,15 @@ class _Threads:
 @contextlib.contextmanager
 def _device(ctx: Context) -> Iterator[pykka.ActorRef[Any]]:
     device = DeviceActor.start(0, ctx.driver)
+    try:
+        yield device
+    finally:
+        device.stop()
+
+
+@contextlib.contextmanager
+def _cached_device(ctx: Context) -> Iterator[pykka.ActorRef[Any]]:
+    device = DeviceActor.start(0, ctx.driver, resource="async+cache")
     try:
         yield device
     finally:
@@ -183,3 +193,13 @@ CONCURRENCY = Group("many threads and many actors", (
         concurrency=(WORKERS, 1),
         note="the device serves the allocations queued together in one wake-up (DeviceStats.batches)"),
 ), base=_device)
+
+
+CACHED_THREADS = Group("many threads on cached sizes", (
+    Row(f"DeviceClient through the cache {THREADS} threads / 1 thread",
+        f"DeviceClient.allocate(4 KiB) + free of an async+cache device from {THREADS} threads at once, one shared "
+        "client, a cached size: aggregate pairs per second", _threads, lambda f: f.many.run, lambda f: f.one.run,
+        lambda p: p.threads, reference="the same pairs from 1 thread", kind="throughput", ours_ops=THREADS,
+        ref_batch=lambda p: THREADS * p.threads[1], target=Target("ratio", ">=", 1.0), concurrency=(THREADS, 1),
+        note="each thread keeps reusing its own kept block: no driver call left to serialize on"),
+), base=_cached_device)

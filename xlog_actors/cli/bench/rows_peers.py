@@ -1,4 +1,11 @@
-"""The peers' allocators (cuda.core, CuPy, PyTorch) beside the same raw twin as ours.
+"""The peers' allocators (cuda.core, CuPy, PyTorch) and ours, all from one measurement.
+
+Every row of the group reads its samples and the raw twin's from one
+:func:`~.harness.round_robin` over the twin, our pairs (``AsyncCudaResource``, the block cache,
+the ``DeviceClient`` of an ``async+cache`` device) and every peer that can run here, so each row's
+ratio is against the same measurement of the twin (measured row by row, the same twin read about
+twice as fast beside the peers as in our rows of the same run, and the ratios could not be
+compared). Each row shows its absolute time too.
 
 This group runs last: importing CuPy or PyTorch initializes their runtimes in this process, which
 was seen to change what other rows cost (raw ``cuMemAlloc``+``cuMemFree`` fell from about 57 µs to
@@ -12,35 +19,83 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from ...actors import DeviceActor, GetClient
 from ...driver.protocol import Stream
+from ...memory.adaptors import BlockCacheResource
+from ...memory.async_resource import AsyncCudaResource
 from ...memory.block import StreamId
 from ...memory.stream_pool import StreamPool
-from .harness import Context, Group, Op, Row, SkipRow
+from .harness import Context, Group, Op, Row, SkipRow, round_robin
 from .plan import SIZE
-from .twins import stream_ordered_twin
+from .twins import alloc_free_loop, stream_ordered_twin
 
-__all__ = ["PEERS"]
+__all__ = ["PEERS", "ours_beside_raw"]
+
+
+@contextlib.contextmanager
+def ours_beside_raw(ctx: Context) -> Iterator[tuple[dict[str, Op], str]]:
+    """Our 4 KiB pairs and the raw twin, as operations for one :func:`~.harness.round_robin`:
+    ``raw`` (the twin), ``async`` (``AsyncCudaResource``), ``cache`` (a ``BlockCacheResource`` over
+    one) on one pool's default stream, and ``client`` (a ``DeviceClient`` of an ``async+cache``
+    device). Every size is a cached one after the first pair. Yields ``(ops, the twin's name)``;
+    checks on the way out that the caches served hits."""
+    pool = StreamPool(ctx.driver, 0)
+    device = DeviceActor.start(0, ctx.driver, resource="async+cache")
+    try:
+        stream = pool.resolve(StreamId.DEFAULT)
+        assert stream is not None
+        raw, raw_name = stream_ordered_twin(ctx.driver, stream)
+        plain = AsyncCudaResource(ctx.driver, 0, pool)
+        cached = BlockCacheResource(AsyncCudaResource(ctx.driver, 0, pool))
+        client: Any = device.ask(GetClient())
+        yield {"raw": raw, "async": alloc_free_loop(plain.allocate, plain.deallocate),
+               "cache": alloc_free_loop(cached.allocate, cached.deallocate),
+               "client": alloc_free_loop(client.allocate, client.free)}, raw_name
+        if cached.figures().hits == 0:
+            raise RuntimeError("the block cache served no allocation from a kept block")
+        cached.trim()
+        cached.reap_pending()
+        plain.reap_pending()
+    finally:
+        device.stop()
+        pool.close()
 
 
 @dataclass
 class _Peers:
-    stream: Stream
-    raw: Op
+    samples: dict[str, list[float]]
     raw_name: str
-    what: dict[str, str] = field(default_factory=dict)  # each peer's description, known once it runs
+    what: dict[str, str] = field(default_factory=dict)  # each peer's description
+    why_not: dict[str, str] = field(default_factory=dict)  # each peer that cannot run here: why
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 @contextlib.contextmanager
 def _peers(ctx: Context) -> Iterator[_Peers]:
-    pool = StreamPool(ctx.driver, 0)
-    try:
-        stream = pool.resolve(StreamId.DEFAULT)
-        assert stream is not None
-        yield _Peers(stream, *stream_ordered_twin(ctx.driver, stream))
-        stream.synchronize()
-    finally:
-        pool.close()
+    """Our pairs, the twin and every usable peer, in one round-robin measurement."""
+    with ours_beside_raw(ctx) as (ops, raw_name):
+        found = _Peers({}, raw_name)
+        pool = StreamPool(ctx.driver, 0)
+        try:
+            stream = pool.resolve(StreamId.DEFAULT)
+            assert stream is not None
+            for name, maker in _MAKERS.items():
+                try:
+                    ops[name], found.what[name] = maker(stream)
+                except Exception as exc:  # noqa: BLE001 - the row is skipped with the reason
+                    found.why_not[name] = f"not usable here: {_first_line(exc)}"
+            samples, batch = ctx.plan.alloc
+            found.samples = round_robin(ops, samples, batch, budget_s=3 * ctx.plan.budget_s,
+                                        min_samples=ctx.plan.min_samples)
+            yield found
+            stream.synchronize()
+        finally:
+            pool.close()
 
 
 def _cuda_core_op(stream: Stream) -> tuple[Op, str]:
@@ -93,26 +148,39 @@ def _torch_op(_stream: Stream) -> tuple[Op, str]:
     return op, f"torch.empty(4096, uint8, device='cuda') + del (PyTorch {torch.__version__} caching allocator)"
 
 
-def _peer(name: str, maker: Callable[[Stream], tuple[Op, str]]) -> Row:
-    """A peer's row: its operation comes from ``maker``, whose failure skips the row."""
+_CUDA_CORE, _CUPY, _TORCH = "cuda.core Device.allocate+close", "CuPy pool empty+del", "PyTorch caching empty+del"
+_MAKERS: dict[str, Callable[[Stream], tuple[Op, str]]] = {_CUDA_CORE: _cuda_core_op, _CUPY: _cupy_op, _TORCH: _torch_op}
+_NOTE = "one measurement of every row of the group and the raw twin: each round samples all of them once, rotated"
 
-    def op(f: _Peers) -> Op:
-        try:
-            fn, what = maker(f.stream)
-        except Exception as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            raise SkipRow(f"not usable here: {type(exc).__name__}: {first}") from exc
-        f.what[name] = what
-        return fn
 
-    return Row(name, lambda f, p: f.what[name], _peers, op, lambda f: f.raw, lambda p: p.alloc,
-               host_skip="CUDA driver only", note="informational: a peer's allocator beside the same raw twin")
+def _measured(name: str) -> Callable[[_Peers, Context], tuple[list[float], list[float]]]:
+    def measure(f: _Peers, ctx: Context) -> tuple[list[float], list[float]]:
+        if name in f.why_not:
+            raise SkipRow(f.why_not[name])
+        return f.samples[name], f.samples["raw"]
+
+    return measure
+
+
+def _peer(name: str) -> Row:
+    """A peer's row, from the group's one measurement; a peer that cannot run here is skipped."""
+    return Row(name, lambda f, p: f.what.get(name, name), _peers, None, None, lambda p: p.alloc,
+               host_skip="CUDA driver only", measure=_measured(name),
+               note="informational: a peer's allocator; " + _NOTE)
+
+
+def _ours(name: str, key: str, measures: str) -> Row:
+    return Row(name, measures, _peers, None, None, lambda p: p.alloc, host_skip="CUDA driver only",
+               measure=_measured(key), note="informational: ours beside the peers; " + _NOTE)
 
 
 PEERS = Group("peers' allocators", (
-    _peer("cuda.core Device.allocate+close", _cuda_core_op),
-    _peer("CuPy pool empty+del", _cupy_op),
-    _peer("PyTorch caching empty+del", _torch_op),
+    _ours("ours beside the peers: AsyncCudaResource", "async", "AsyncCudaResource.allocate(4 KiB) + deallocate"),
+    _ours("ours beside the peers: AsyncCudaResource through the cache", "cache",
+          "BlockCacheResource over AsyncCudaResource: allocate(4 KiB) + deallocate, a cached size"),
+    _ours("ours beside the peers: DeviceClient through the cache", "client",
+          "DeviceClient.allocate(4 KiB) + free of an async+cache device, a cached size"),
+    _peer(_CUDA_CORE),
+    _peer(_CUPY),
+    _peer(_TORCH),
 ))
-
-
