@@ -44,7 +44,6 @@ __all__ = [
     "given",
     "interleave",
     "no_gc",
-    "round_robin",
     "run_group",
     "timer_overhead_ns",
 ]
@@ -134,46 +133,6 @@ def interleave(
             if i + 1 >= min_samples and t2 > deadline:
                 break
     return a, b
-
-
-def round_robin(
-    ops: dict[str, Op], samples: int, batch: int, *, budget_s: float, min_samples: int, warmup: int = 3
-) -> dict[str, list[float]]:
-    """One measurement of several operations: in each round every operation is sampled once,
-    the round's order rotated by one each time, so each sees the same machine state and the same
-    neighbours. Rows that read their figures and their twin's from it (peers beside ours) are
-    compared against one measurement of the twin, not each against its own.
-
-    Args:
-        ops: the operations by name.
-        samples: the most rounds.
-        batch: ``n`` for one call of each.
-        budget_s: stop once this much time has passed and ``min_samples`` rounds are taken.
-        min_samples: the fewest rounds.
-        warmup: untimed calls of each first.
-    Returns:
-        name -> nanoseconds per operation, one entry per round.
-    Raises:
-        Whatever an operation raises.
-    Thread rule: the bench's thread.
-    """
-    names = list(ops)
-    for _ in range(warmup):
-        for name in names:
-            ops[name](batch)
-    out: dict[str, list[float]] = {name: [] for name in names}
-    clock = time.perf_counter_ns
-    deadline = clock() + int(budget_s * 1e9)
-    with no_gc():
-        for i in range(samples):
-            k = i % len(names)
-            for name in names[k:] + names[:k]:
-                t0 = clock()
-                ops[name](batch)
-                out[name].append((clock() - t0) / batch)
-            if i + 1 >= min_samples and clock() > deadline:
-                break
-    return out
 
 
 def _timed_pair(first: Op, n1: int, second: Op, n2: int) -> tuple[int, int, int]:

@@ -15,10 +15,10 @@ from ...memory.block import Access, BlockId, StreamId
 from ...memory.direct import DirectCudaResource
 from ...memory.history import MemoryHistory
 from ...memory.stream_pool import StreamPool
-from .harness import Context, Group, Op, Row, Setup, interleave, round_robin
+from .harness import Context, Group, Op, Row, Setup, interleave
 from .plan import SIZE, Plan
 from .result import Target
-from .rows_peers import ours_beside_raw
+from .rows_peers import ours_beside_raw, round_robin
 from .twins import alloc_free_loop, check, cu, raise_unless_success, stream_ordered_twin
 
 __all__ = ["ASYNC", "CACHE", "DIRECT", "SCALING", "TRACKING"]

@@ -17,6 +17,7 @@ reason.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,20 +28,63 @@ from ...memory.adaptors import BlockCacheResource
 from ...memory.async_resource import AsyncCudaResource
 from ...memory.block import StreamId
 from ...memory.stream_pool import StreamPool
-from .harness import Context, Group, Op, Row, SkipRow, round_robin
+from .harness import Context, Group, Op, Row, SkipRow, no_gc
 from .plan import SIZE
 from .twins import alloc_free_loop, stream_ordered_twin
 
-__all__ = ["PEERS", "ours_beside_raw"]
+__all__ = ["PEERS", "ours_beside_raw", "round_robin"]
+
+
+def round_robin(
+    ops: dict[str, Op], samples: int, batch: int, *, budget_s: float, min_samples: int, warmup: int = 3
+) -> dict[str, list[float]]:
+    """One measurement of several operations: in each round every operation is sampled once,
+    the round's order rotated by one each time, so each sees the same machine state and the same
+    neighbours. Rows that read their figures and their twin's from it (peers beside ours) are
+    compared against one measurement of the twin, not each against its own.
+
+    Args:
+        ops: the operations by name.
+        samples: the most rounds.
+        batch: ``n`` for one call of each.
+        budget_s: stop once this much time has passed and ``min_samples`` rounds are taken.
+        min_samples: the fewest rounds.
+        warmup: untimed calls of each first.
+    Returns:
+        name -> nanoseconds per operation, one entry per round.
+    Raises:
+        Whatever an operation raises.
+    Thread rule: the bench's thread.
+    """
+    names = list(ops)
+    for _ in range(warmup):
+        for name in names:
+            ops[name](batch)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter_ns
+    deadline = clock() + int(budget_s * 1e9)
+    with no_gc():
+        for i in range(samples):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                t0 = clock()
+                ops[name](batch)
+                out[name].append((clock() - t0) / batch)
+            if i + 1 >= min_samples and clock() > deadline:
+                break
+    return out
 
 
 @contextlib.contextmanager
 def ours_beside_raw(ctx: Context) -> Iterator[tuple[dict[str, Op], str]]:
-    """Our 4 KiB pairs and the raw twin, as operations for one :func:`~.harness.round_robin`:
-    ``raw`` (the twin), ``async`` (``AsyncCudaResource``), ``cache`` (a ``BlockCacheResource`` over
-    one) on one pool's default stream, and ``client`` (a ``DeviceClient`` of an ``async+cache``
-    device). Every size is a cached one after the first pair. Yields ``(ops, the twin's name)``;
-    checks on the way out that the caches served hits."""
+    """Our 4 KiB pairs and the raw twin, as operations for one :func:`round_robin`: ``raw`` (the
+    twin), ``async`` (``AsyncCudaResource``), ``cache`` (a ``BlockCacheResource`` over one) on one
+    pool's default stream, and ``client`` (a ``DeviceClient`` of an ``async+cache`` device). Every
+    size is a cached one after the first pair. Yields ``(ops, the twin's name)``; checks on the
+    way out that the caches served hits.
+
+    Thread rule: the bench's thread.
+    """
     pool = StreamPool(ctx.driver, 0)
     device = DeviceActor.start(0, ctx.driver, resource="async+cache")
     try:
