@@ -8,6 +8,7 @@ from .copy_actor import CopyActor
 from .device_actor import DeviceActor
 from .device_client import DeviceClient
 from .device_context import DeviceContext
+from .device_pool import DevicePool, PoolDevice, PoolMember
 from .device_state import DeviceState
 from .gpu_ref import GpuRef
 from .kernel_actor import KernelActor
@@ -57,6 +58,7 @@ __all__ = [
     "DeviceClient",
     "DeviceContext",
     "DeviceLifecycle",
+    "DevicePool",
     "DeviceState",
     "DeviceStatus",
     "DeviceStats",
@@ -76,6 +78,8 @@ __all__ = [
     "Launch",
     "Launches",
     "Out",
+    "PoolDevice",
+    "PoolMember",
     "Rebuild",
     "RecordMemoryHistory",
     "Subscribe",

@@ -459,8 +459,9 @@ def serve(conn: Connection) -> None:
         if driver.kind == "host":
             # Emulated device memory in shared memory, so that the parent's handles can be sent
             # to other processes (shared_ref); an unused private driver costs nothing to close.
+            # It emulates the devices up to this one, so that every ordinal can be isolated.
             driver.close()
-            driver = HostDriver(shared=True)
+            driver = HostDriver(device_count=ordinal + 1, shared=True)
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)
         device = DeviceActor.start(ordinal, driver, resource, supervisor)
