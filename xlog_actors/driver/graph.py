@@ -24,6 +24,9 @@ does.
 
 Thread rule: a graph may be launched from any thread; ``launch``, ``update`` and ``close`` of one
 graph are serialized by its own lock.
+
+Why one module, longer than 400 lines: the step types, their checks, the ``Graph`` protocol and
+the host driver's reference graph are one contract, which each driver's graph is read against.
 """
 
 from __future__ import annotations

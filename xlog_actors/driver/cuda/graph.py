@@ -21,6 +21,10 @@ so they are left to the driver (a few KiB). The host views of the current steps 
 graph; a view replaced by ``update`` is handed to the last launch stream to keep until the
 launches before the replacement ran.
 
+Why one module, longer than 400 lines: recording, the update paths (a whole step, a host side, a
+host side handed back, the compiled core's rebinding by address) and close all act on the same
+node records, whose invariants are only checkable read together.
+
 Thread rule: any thread; one lock per graph serializes launch, update and close.
 """
 
