@@ -13,6 +13,8 @@ from ..memory.pinned import PinnedBuffer
 from .gpu_ref import GpuRef
 from .library_actor import LibraryActor
 from .library_messages import CopyDeviceToDevice, CopyDone, CopyToDevice, CopyToHost, Fill
+from .shared_copy import check_shared_source, enqueue_from_shared
+from .shared_ref import SharedGpuRef
 
 __all__ = ["CopyActor"]
 
@@ -25,8 +27,10 @@ class CopyActor(LibraryActor):
     It serves ``CopyToDevice``, ``CopyToHost``, ``CopyDeviceToDevice`` and ``Fill`` (see each
     message for its reply and errors). ``CopyDeviceToDevice`` also copies between this device and
     a peer device of the same driver, on this actor's stream, ordered on both devices (see
-    :mod:`.peer_use`). A malformed message is answered with ``InvalidRequest``
-    naming the field, before anything is enqueued: no bytes move.
+    :mod:`.peer_use`), and from a ``SharedGpuRef`` (a handle of a device in another process) into
+    a handle of this device, replying once the copy landed (see :mod:`.shared_copy`). A malformed
+    message is answered with ``InvalidRequest`` naming the field, before anything is enqueued: no
+    bytes move.
 
     Replies once the work is enqueued, except ``CopyToHost``, which replies with the bytes once
     they are on the host. That wait synchronizes the actor's *own* stream, which holds only this
@@ -97,6 +101,10 @@ class CopyActor(LibraryActor):
         return bytes(out[0])
 
     def _device_to_device(self, msg: CopyDeviceToDevice) -> None:
+        source: object = msg.src
+        if isinstance(source, SharedGpuRef):
+            self._from_other_process(msg, source)
+            return
         self._check_refs(msg, "src", "dst")
         if msg.src.nbytes > msg.dst.nbytes:
             raise InvalidRequest(f"CopyDeviceToDevice.src: {msg.src!r} does not fit in dst {msg.dst!r}")
@@ -134,6 +142,21 @@ class CopyActor(LibraryActor):
             driver.copy_peer(dst_ordinal, dst.ptr, src_ordinal, src.ptr, nbytes, stream)
 
         self._run([local], enqueue, peers=[peer])
+
+    def _from_other_process(self, msg: CopyDeviceToDevice, src: SharedGpuRef) -> None:
+        """``CopyDeviceToDevice`` from a handle of a device in another process (see
+        :mod:`.shared_copy`): after the source's exported last write, tracked on the destination,
+        replying once the copy landed."""
+        self._check_refs(msg, "dst")
+        ctx = msg.dst.context
+        check_shared_source(src, msg.dst.nbytes, ctx.driver.kind)
+        src.wait_write()
+
+        def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
+            enqueue_from_shared(driver, stream, src, blocks[0])
+
+        self._run([(msg.dst, Access.WRITE)], enqueue, wait=True)
+        src.access()  # its owner restarted during the copy: the bytes copied are not the handle's
 
     def _fill(self, msg: Fill) -> None:
         self._check_refs(msg, "ref")

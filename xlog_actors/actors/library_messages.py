@@ -143,16 +143,21 @@ class CopyDeviceToDevice:
     The two handles may be of two devices of one driver when one of them is of the copy actor's
     device: a peer copy (``cuMemcpyPeerAsync``) on the actor's stream, ordered after the source's
     last write and the destination's reads and writes on their own devices; the source's free
-    then waits for the copy and the destination's last write is the copy.
+    then waits for the copy and the destination's last write is the copy. ``src`` may also be a
+    ``SharedGpuRef`` (a handle of a device in another process), or, asked of the copy actor of an
+    isolated device, a handle of another isolated device: the copy runs on the destination's
+    device after the source's exported last write and replies once it has landed
+    (``actors/shared_copy.py``).
 
-    Fields: ``src``, the ``GpuRef`` read; ``dst``, another ``GpuRef``, at least as large.
-    Reply: None once the copy is enqueued.
+    Fields: ``src``, the ``GpuRef`` (or ``SharedGpuRef``) read; ``dst``, another ``GpuRef``, at
+    least as large.
+    Reply: None once the copy is enqueued (landed, for a source in another process).
     Errors: ``InvalidRequest`` naming ``src`` or ``dst`` (not a handle, too small, the same
     handle, two devices neither of which is the actor's); ``GpuRefStale`` for a released or
     stale handle.
     """
 
-    src: GpuRef
+    src: GpuRef  # or a SharedGpuRef (see above)
     dst: GpuRef
 
 

@@ -18,7 +18,11 @@ Invariants:
   picklable (a module-level function); one that is not is refused with ``InvalidRequest``.
 * **Handles** are the parent-side handles of the same isolated device; one of another device, or
   a stale one, is refused in the parent before anything is sent (``InvalidRequest``,
-  ``GpuRefStale``). A peer copy to another device does not cross processes.
+  ``GpuRefStale``), with one exception: the source of a ``CopyDeviceToDevice`` may be a handle of
+  another device that can export it (another isolated device, or a device of a ``shared=True``
+  host driver or the CUDA driver in this process). It is exported here, on this actor's thread
+  (an ask of its device: the proxies never wait on each other), and crosses as a
+  ``SharedGpuRef``; the child's copy actor pulls it (``actors/shared_copy.py``).
 * **Restarts.** This actor's ``ActorRef`` stays valid across child restarts: the new child starts
   its library actor on the next message; a message in flight when a child dies is answered with
   the death's typed error; a device stopped for good answers ``DeviceUnavailable``.
@@ -39,7 +43,9 @@ from ...errors import DeviceUnavailable, GpuRefStale, InvalidRequest
 from ...memory.pinned import PinnedBuffer
 from ..gpu_ref import GpuRef
 from ..library_messages import BufferArg, CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch, Launches
+from ..messages import GetStats
 from ..pykka_internals import ResilientActor, ask_into
+from ..shared_ref import export_ref, import_ref
 from ._protocol import LibraryStop, LibraryWork, RemoteHandle
 from ._remote import RemoteContext
 
@@ -187,8 +193,40 @@ class IsolatedLibrary(ResilientActor):
         if type(envelope.message).__module__.startswith("pykka"):  # a stop, a proxy call: this actor's own
             super()._handle_envelope(envelope, receive)
             return
-        work = LibraryWork(self.actor_urn, self._class, self._track, envelope.message)
+        message = envelope.message
+        if type(message) is CopyDeviceToDevice and self._foreign(message.src):
+            try:  # a handle of another device: it crosses as a SharedGpuRef (see the module docstring)
+                shared: Any = import_ref(self._export(message.src))
+                message = dataclasses.replace(message, src=shared)
+            except Exception:  # noqa: BLE001 - the asker's answer
+                _Answer(envelope.reply_to, repr(self)).set_exception()
+                return
+        work = LibraryWork(self.actor_urn, self._class, self._track, message)
         ask_into(self._device, work, _Answer(envelope.reply_to, repr(self)))
+
+    def _export(self, ref: GpuRef) -> Any:
+        """``ref`` exported for the child, or ``InvalidRequest`` naming why it cannot cross."""
+        try:
+            return export_ref(ref)
+        except InvalidRequest as exc:
+            raise InvalidRequest(
+                f"CopyDeviceToDevice.src: {ref!r} is not a handle of isolated device {self._device_ordinal()}, "
+                f"and its device cannot export it to another process: {exc}"
+            ) from None
+
+    def _device_ordinal(self) -> object:
+        """This actor's device ordinal, for an error (asked: the error path only)."""
+        try:
+            return self._device.ask(GetStats(), timeout=10.0).device_id  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - only the message's wording depends on it
+            return "?"
+
+    def _foreign(self, ref: object) -> bool:
+        """Whether ``ref`` is a handle of a device other than this actor's."""
+        if not isinstance(ref, GpuRef):
+            return False
+        ctx = ref.context
+        return not isinstance(ctx, RemoteContext) or ctx.owner != self._device.actor_urn
 
     def on_stop(self) -> None:
         """Have the child stop its library actor. Thread rule: this actor's thread."""
