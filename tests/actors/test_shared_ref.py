@@ -16,6 +16,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -27,7 +28,7 @@ import pykka
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.actors.export_table import SLOTS, ExportTable
+from xlog_actors.actors.export_table import COUNTS_RANGE, SLOTS, ExportTable
 from xlog_actors.actors.isolated import ChildFault
 from xlog_actors.actors.shared_ref import SharedGpuRef, export_ref, import_ref
 from xlog_actors.driver.fd_passing import served
@@ -98,6 +99,62 @@ def test_a_stopped_device_makes_imported_handles_stale(device: pykka.ActorRef[An
     with pytest.raises(GpuRefStale) as info:
         shared.access()
     assert info.value.reason == "device shutting down"
+
+
+def test_a_stopped_device_s_export_table_goes_without_a_garbage_collection(shared_driver: xa.HostDriver) -> None:
+    """Stopping a device frees its state at once (the actor holds no reference cycle), so the
+    export table closes then: its segment unlinked, its sweeper thread ended, not at the next
+    garbage collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        device = xa.DeviceActor.start(0, shared_driver)
+        ref = device.ask(xa.Allocate(256))
+        table = _table(ref)
+        pickle.dumps(ref)  # a count the table pins until the device's generation ends
+        name, sweeper = table.name, table._sweeper
+        del ref, table
+        device.stop()
+        deadline = time.monotonic() + 5.0  # the actor's thread drops its last reference as it ends
+        while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(f"/dev/shm/{name}"), "the stopped device's export table waits for a collection"
+        sweeper.join(5.0)
+        assert not sweeper.is_alive()
+    finally:
+        gc.enable()
+
+
+def test_a_handle_collected_inside_a_count_section_gives_its_count_back_there(device: pykka.ActorRef[Any]) -> None:
+    """The garbage collector runs an imported handle's finalizer on whatever thread allocates: a
+    thread inside a section of the counts' range lock (the owner's sweep allocates there) included.
+    The count comes back as part of that section instead of waiting for it (which would hang the
+    thread, the table's lock it holds, and every later pickle)."""
+    ref = device.ask(xa.Allocate(256))
+    table = _table(ref)
+    held = _round_trip(ref)
+    slot = held.export.slot
+    box: list[Any] = [held]
+    box.append(box)  # a cycle: the handle goes at a collection, not before
+    assert table.count(slot) == 1
+    gc.collect()
+    gc.disable()  # the collection below is the only one: inside the section
+    try:
+        del held, box
+
+        def section() -> None:
+            with table.segment.locked(*COUNTS_RANGE):
+                gc.collect()  # as an allocation inside the sweep may start one
+
+        thread = threading.Thread(target=section, daemon=True)
+        thread.start()
+        thread.join(10.0)
+        assert not thread.is_alive(), "the collected handle's finalizer waited for its own thread's section"
+    finally:
+        gc.enable()
+    assert table.count(slot) == 0
+    with table.segment.locked(*COUNTS_RANGE):  # let go: another section takes it
+        assert table.count(slot) == 0
 
 
 def test_release_gives_the_count_back_and_forwarding_takes_one(device: pykka.ActorRef[Any]) -> None:

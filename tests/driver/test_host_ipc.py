@@ -5,9 +5,12 @@ cross-process cases through a spawned peer."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -139,6 +142,39 @@ def test_an_event_table_refuses_past_its_slots_and_frees_a_collected_streams_slo
         assert handed_on.seq > first.seq and first.query(), "a late waiter on the old stream is not stranded"
         other.synchronize()
     finally:
+        table.close()
+
+
+def test_a_stream_collected_inside_a_record_gives_its_slot_back_without_a_deadlock(shared: xa.HostDriver) -> None:
+    """The garbage collector runs a collected stream's finalizer on whatever thread allocates: a
+    thread inside ``record``, which holds the table's lock, included. The slot must come back
+    there without waiting for that lock (which would hang the thread and every later export)."""
+    table = HostEventTable(0)
+    gc.collect()
+    gc.disable()  # the collection below is the only one: inside record, under its lock
+    try:
+        old = shared.create_stream(0)
+        slot = table.record(old).slot
+        old.close()
+        old.cycle = old  # type: ignore[attr-defined]  # reachable until a collection, no longer
+        del old
+        stream = shared.create_stream(0)
+        enqueue = stream.enqueue
+
+        def collecting_enqueue(op: Any, *, always: bool = False) -> int:
+            gc.collect()  # as an allocation inside record may start one
+            return enqueue(op, always=always)
+
+        stream.enqueue = collecting_enqueue  # type: ignore[method-assign]
+        recorded: list[HostIpcEvent] = []
+        thread = threading.Thread(target=lambda: recorded.append(table.record(stream)), daemon=True)
+        thread.start()
+        thread.join(10.0)
+        assert recorded, "record hung on its own lock: the collected stream's finalizer waited for it"
+        assert slot in table._free, "the collected stream's slot is free again"
+        stream.synchronize()
+    finally:
+        gc.enable()
         table.close()
 
 

@@ -23,9 +23,12 @@ the lock, not the pid, says who is alive, so a process of another pid namespace 
 
 Thread rules: the mapping may be read and written from any thread (ordering is the caller's).
 :meth:`SharedSegment.locked` serializes a read-modify-write of a range across the threads of
-this process (a ``threading.Lock`` per segment name, shared by every mapping of the name in the
-process) and across processes (an ``fcntl.lockf`` record lock, which on its own does not
-exclude threads, nor two mappings, of one process).
+this process (a lock per segment name, shared by every mapping of the name in the process) and
+across processes (an ``fcntl.lockf`` record lock, which on its own does not exclude threads, nor
+two mappings, of one process). The lock is reentrant within a thread: the garbage collector runs
+finalizers on whatever thread allocates, so a handle's finalizer that gives a count back may run
+inside a section its thread already holds (the owner's sweep, say); it then runs as part of that
+section (a plain lock would hang the thread there, and every later exporter with it).
 """
 
 from __future__ import annotations
@@ -86,13 +89,30 @@ def segment_name(what: str, ordinal: int) -> str:
         _token = (pid, secrets.token_hex(4))
     return f"xlog-{what}-{pid}-{_token[1]}-{ordinal}-{next(_serial)}"
 
-_name_locks: dict[str, threading.Lock] = {}
+class _RangeLock:
+    """The lock of one segment name in this process: a reentrant thread lock, and how deep the
+    thread holding it is (only the outermost section takes and lets go of the record lock).
+
+    Thread rule: ``depth`` is read and written only by the thread holding ``lock``.
+    """
+
+    __slots__ = ("depth", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.depth = 0
+
+
+_name_locks: dict[str, _RangeLock] = {}
 _name_locks_guard = threading.Lock()
 
 
-def _lock_of(name: str) -> threading.Lock:
+def _lock_of(name: str) -> _RangeLock:
     with _name_locks_guard:
-        return _name_locks.setdefault(name, threading.Lock())
+        lock = _name_locks.get(name)
+        if lock is None:
+            lock = _name_locks[name] = _RangeLock()
+        return lock
 
 
 class SharedSegment:
@@ -198,14 +218,25 @@ class SharedSegment:
     def locked(self, offset: int, length: int) -> Iterator[None]:
         """Hold the range ``[offset, offset + length)`` exclusively, across threads and processes.
 
+        A section entered again by the thread that holds it (a finalizer run by the garbage
+        collector inside it) runs as part of the outer one: the record lock is taken by the
+        outermost section only, and let go when it ends (the callers of a segment all lock the
+        same range).
+
         Thread rule: any thread; never hold it across a blocking wait.
         """
-        with self._lock:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
+        held = self._lock
+        with held.lock:
+            outermost = held.depth == 0
+            if outermost:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
+            held.depth += 1
             try:
                 yield
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
+                held.depth -= 1
+                if outermost:
+                    fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
 
     def close(self) -> None:
         """Unmap (or leave that to the last view still exporting the mapping), close the file,

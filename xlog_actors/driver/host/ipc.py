@@ -21,7 +21,8 @@ after its stream was closed (which drains it) and collected, so every record of 
 stream has been reached and a waiter never mistakes another stream's progress for its own. The memory stays the owner's:
 nothing here frees it.
 
-Thread rules: :class:`HostEventTable` is used from any thread (a lock guards the slot table);
+Thread rules: :class:`HostEventTable` is used from any thread (a lock guards the slot table; a
+collected stream gives its slot back without it, from any thread, see ``_give_back``);
 :class:`HostIpcEvent` and :func:`open_memory` from any thread of any process.
 """
 
@@ -155,8 +156,11 @@ class HostEventTable:
         return entry
 
     def _give_back(self, slot: int) -> None:
-        with self._lock:
-            self._free.append(slot)
+        # A stream's finalizer: the garbage collector runs it on whatever thread allocates, a
+        # thread inside ``record`` (holding the lock) included, so it takes no lock (a plain
+        # one would deadlock that thread and every later export). One append is atomic, and
+        # ``_slot`` only pops under the lock: an append between its look and its pop only adds.
+        self._free.append(slot)
 
     def record(self, stream: HostStream) -> HostIpcEvent:
         """Record an interprocess event at the current end of ``stream``.
