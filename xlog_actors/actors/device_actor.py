@@ -19,7 +19,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pykka
 from pykka._envelope import Envelope
@@ -98,6 +98,9 @@ class DeviceActor(ResilientActor):
     current. ``DeviceClient``s allocate from other threads through the same runtime.
     """
 
+    #: The handler of each message type (filled in below the class: see there).
+    _handlers: ClassVar[dict[type, Callable[[DeviceActor, Any], Any]]]
+
     def __init__(
         self,
         ordinal: int = 0,
@@ -154,24 +157,6 @@ class DeviceActor(ResilientActor):
                     f"({taken[self._ordinal]}); one actor owns each ordinal"
                 )
             taken[self._ordinal] = self.actor_urn
-        self._handlers: dict[type, Callable[[Any], Any]] = {
-            m.Allocate: self._on_allocate,
-            m.AllocateMany: self._on_allocate_many,
-            m.AllocatePinned: self._on_allocate_pinned,
-            m.Free: self._on_free,
-            m.Rebuild: self._on_rebuild,
-            m.Subscribe: self._on_subscribe,
-            m.Unsubscribe: self._on_unsubscribe,
-            m.GetStats: self._on_stats,
-            m.GetClient: self._on_client,
-            m.GetReport: self._on_report,
-            m.Attach: self._on_attach,
-            m.Reclaim: self._on_reclaim,
-            m.ReportFailure: self._on_report_failure,
-            m.FailedInCaller: self._on_failed_in_caller,
-            m.RecordMemoryHistory: self._on_record_history,
-            m.GetMemorySnapshot: self._on_memory_snapshot,
-        }
 
     @classmethod
     def start(cls, *args: Any, isolate: bool = False, **kwargs: Any) -> pykka.ActorRef[Any]:
@@ -373,7 +358,7 @@ class DeviceActor(ResilientActor):
                 f"expected {_PUBLIC_MESSAGES}"
             )
         try:
-            return handler(message)
+            return handler(self, message)
         except SupervisedFailure as wrapped:
             error = wrapped.error
             raise error from error.__cause__
@@ -709,3 +694,26 @@ class DeviceActor(ResilientActor):
         if ctx is not None and msg.generation in (None, ctx.generation):
             self._after_failure(msg.error, counting=True)
 
+
+# The handlers, by message type: plain functions called with the actor, so that the table holds no
+# bound method (an actor holding bound methods of itself is a reference cycle, and would keep its
+# device state, the export table and the table's segment and thread, past ``stop()`` until a
+# garbage collection).
+DeviceActor._handlers = {
+    m.Allocate: DeviceActor._on_allocate,
+    m.AllocateMany: DeviceActor._on_allocate_many,
+    m.AllocatePinned: DeviceActor._on_allocate_pinned,
+    m.Free: DeviceActor._on_free,
+    m.Rebuild: DeviceActor._on_rebuild,
+    m.Subscribe: DeviceActor._on_subscribe,
+    m.Unsubscribe: DeviceActor._on_unsubscribe,
+    m.GetStats: DeviceActor._on_stats,
+    m.GetClient: DeviceActor._on_client,
+    m.GetReport: DeviceActor._on_report,
+    m.Attach: DeviceActor._on_attach,
+    m.Reclaim: DeviceActor._on_reclaim,
+    m.ReportFailure: DeviceActor._on_report_failure,
+    m.FailedInCaller: DeviceActor._on_failed_in_caller,
+    m.RecordMemoryHistory: DeviceActor._on_record_history,
+    m.GetMemorySnapshot: DeviceActor._on_memory_snapshot,
+}
