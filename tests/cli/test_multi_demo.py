@@ -94,3 +94,31 @@ def test_run_on_devices_refuses_bad_arguments() -> None:
         run_on_devices("host", 2, SMALL, "elsewhere")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs a driver of 2 devices"):
         run_on_devices("host", 2, SMALL, "in-process", None)
+
+
+def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
+    from xlog_actors.cli.bench.harness import Context, run_group
+    from xlog_actors.cli.bench.plan import make_plan
+    from xlog_actors.cli.bench.result import RowResult, Skipped
+    from xlog_actors.cli.bench.rows_multi import MULTI
+
+    for count in (1, 2):
+        driver = xa.HostDriver(device_count=count)
+        # On two devices only the demo row runs here (a 256 MiB copy through shared memory takes
+        # seconds on the host; the copy itself is tested in tests/actors/test_cross_process_copy.py).
+        wanted = ("1 MiB", "peer") if count == 1 else ("1 MiB",)
+        ctx = Context(driver, make_plan("host", quick=True), lambda name, wanted=wanted: any(w in name for w in wanted),
+                      lambda line: None)
+        try:
+            run_group(MULTI, ctx)
+        finally:
+            pykka.ActorRegistry.stop_all()
+            driver.close()
+        by_name = {r.name: r for r in ctx.results}
+        demo = by_name["demo on N GPUs / N x one GPU 1 MiB"]
+        if count == 1:
+            peer = by_name["cross-process peer copy 256 MiB"]
+            assert isinstance(demo, Skipped) and "needs 2 devices" in demo.reason
+            assert isinstance(peer, Skipped) and "needs 2 devices" in peer.reason
+        else:
+            assert isinstance(demo, RowResult) and demo.median > 0 and demo.ratio > 0

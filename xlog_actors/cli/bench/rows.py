@@ -15,6 +15,7 @@ from .rows_allocators import ASYNC, CACHE, DIRECT, SCALING, TRACKING
 from .rows_concurrency import CACHED_THREADS, CONCURRENCY
 from .rows_copies import COPIES
 from .rows_isolated import ISOLATED
+from .rows_multi import MULTI
 from .rows_peers import PEERS
 from .rows_pipeline import PIPELINE
 from .rows_shared import SHARED
@@ -23,8 +24,8 @@ from .rows_training import TRAINING
 __all__ = ["GROUPS", "row_names"]
 
 GROUPS: tuple[Group, ...] = (
-    ASYNC, CACHE, DIRECT, ACTOR, ISOLATED, SHARED, CONCURRENCY, CACHED_THREADS, TRACKING, COPIES, PIPELINE, SCALING,
-    PEERS, TRAINING,
+    ASYNC, CACHE, DIRECT, ACTOR, ISOLATED, SHARED, CONCURRENCY, CACHED_THREADS, TRACKING, COPIES, PIPELINE, MULTI,
+    SCALING, PEERS, TRAINING,
 )
 
 
