@@ -1,0 +1,50 @@
+"""Several GPUs: the demo on two at once in both placements, and a DevicePool over two; marked
+``gpu`` and skipped with the reason on fewer than two GPUs (the host-driver versions are in
+test_multi_demo.py and tests/actors/test_device_pool.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.cli.multi_pipeline import run_on_devices
+from xlog_actors.cli.pipeline import PipelineConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cuda_pair() -> Iterator[xa.Driver]:
+    try:
+        driver = xa.open_driver("cuda")
+    except xa.DeviceUnavailable as exc:
+        pytest.skip(f"no CUDA GPU reachable: {exc}")
+    count = driver.device_count()
+    if count < 2:
+        driver.close()
+        pytest.skip(f"needs two CUDA devices; this machine has {count}")
+    yield driver
+    pykka.ActorRegistry.stop_all()
+    driver.close()
+
+
+@pytest.mark.parametrize("placement", ["isolated", "in-process"])
+def test_the_demo_on_two_gpus_verifies_every_batch(cuda_pair: xa.Driver, placement: str) -> None:
+    cfg = PipelineConfig(batches=32, batch_bytes=1 << 20, depth=4)
+    result = run_on_devices("cuda", 2, cfg, placement, cuda_pair)  # type: ignore[arg-type]
+    assert result.ok, [(r.ordinal, r.error, r.result.errors if r.result else None) for r in result.runs]
+    assert [r.result.verified for r in result.runs if r.result is not None] == [32, 32]
+    assert result.throughput_bytes_s > 0
+
+
+def test_a_device_pool_over_two_gpus_uses_both(cuda_pair: xa.Driver) -> None:
+    pool = xa.DevicePool.start(2, cuda_pair)
+    refs = [pool.allocate(1 << 20) for _ in range(4)]
+    assert sorted(r.device_id for r in refs) == [0, 0, 1, 1]
+    assert [m.outstanding_bytes for m in pool.members()] == [2 << 20, 2 << 20]
+    assert pool.devices[1].ask(xa.Rebuild("test")) == 1
+    assert pool.wait_serving(1, 30.0).status == "serving"
+    pool.stop()
