@@ -368,7 +368,7 @@ def test_a_crash_on_a_poisoned_device_does_not_rebuild_it(
     def crash(self: xa.DeviceActor, msg: Any) -> None:
         raise RuntimeError("a bug in a handler")
 
-    monkeypatch.setattr(xa.DeviceActor, "_on_report", crash)  # the handler table binds it at start
+    monkeypatch.setattr(xa.DeviceActor, "_on_report", crash)  # handlers are looked up per message
     device = xa.DeviceActor.start(0, driver=host_driver)
     host_driver.inject_fault(0, "sticky")
     with pytest.raises(xa.ContextPoisoned):

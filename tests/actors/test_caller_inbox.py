@@ -59,15 +59,15 @@ def test_an_allocation_sent_behind_a_message_in_service_waits_for_it(host_device
     inside, gate = threading.Event(), threading.Event()
     order: list[str] = []
     actor = host_device.actor_inbox.serve.__self__  # the DeviceActor behind the ref
-    stats_handler = type(actor)._handlers[xa.GetStats]
+    stats_handler = actor._on_stats
 
-    def slow_stats(self: Any, msg: Any) -> Any:
+    def slow_stats(msg: Any) -> Any:
         inside.set()
         assert gate.wait(10)
         order.append("stats")
-        return stats_handler(self, msg)
+        return stats_handler(msg)
 
-    actor._handlers = {**type(actor)._handlers, xa.GetStats: slow_stats}  # this actor's only
+    actor._on_stats = slow_stats  # this actor's handler of GetStats (looked up per message)
     host_device.tell(xa.GetStats())
     assert inside.wait(10)
     future = host_device.ask(xa.Allocate(64), block=False)

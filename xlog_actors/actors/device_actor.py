@@ -18,7 +18,6 @@ import copy
 import logging
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pykka
@@ -98,8 +97,28 @@ class DeviceActor(ResilientActor):
     current. ``DeviceClient``s allocate from other threads through the same runtime.
     """
 
-    #: The handler of each message type (filled in below the class: see there).
-    _handlers: ClassVar[dict[type, Callable[[DeviceActor, Any], Any]]]
+    #: The handler of each message type, by name: looked up on the actor for each message, so the
+    #: table holds no bound method (an actor holding bound methods of itself is a reference cycle,
+    #: which kept a stopped device's state, export table, segment and sweeper thread until a
+    #: garbage collection), and a subclass's or a test's replacement of a handler is the one called.
+    _handlers: ClassVar[dict[type, str]] = {
+        m.Allocate: "_on_allocate",
+        m.AllocateMany: "_on_allocate_many",
+        m.AllocatePinned: "_on_allocate_pinned",
+        m.Free: "_on_free",
+        m.Rebuild: "_on_rebuild",
+        m.Subscribe: "_on_subscribe",
+        m.Unsubscribe: "_on_unsubscribe",
+        m.GetStats: "_on_stats",
+        m.GetClient: "_on_client",
+        m.GetReport: "_on_report",
+        m.Attach: "_on_attach",
+        m.Reclaim: "_on_reclaim",
+        m.ReportFailure: "_on_report_failure",
+        m.FailedInCaller: "_on_failed_in_caller",
+        m.RecordMemoryHistory: "_on_record_history",
+        m.GetMemorySnapshot: "_on_memory_snapshot",
+    }
 
     def __init__(
         self,
@@ -351,14 +370,14 @@ class DeviceActor(ResilientActor):
                 self._after_failure(exc, counting=True)
 
     def _dispatch(self, message: Any) -> Any:
-        handler = self._handlers.get(type(message))
-        if handler is None:
+        name = self._handlers.get(type(message))
+        if name is None:
             raise InvalidRequest(
                 f"DeviceActor {self._ordinal} does not understand {type(message).__name__} messages; "
                 f"expected {_PUBLIC_MESSAGES}"
             )
         try:
-            return handler(self, message)
+            return getattr(self, name)(message)
         except SupervisedFailure as wrapped:
             error = wrapped.error
             raise error from error.__cause__
@@ -693,27 +712,3 @@ class DeviceActor(ResilientActor):
         ctx = self._lifecycle.context
         if ctx is not None and msg.generation in (None, ctx.generation):
             self._after_failure(msg.error, counting=True)
-
-
-# The handlers, by message type: plain functions called with the actor, so that the table holds no
-# bound method (an actor holding bound methods of itself is a reference cycle, and would keep its
-# device state, the export table and the table's segment and thread, past ``stop()`` until a
-# garbage collection).
-DeviceActor._handlers = {
-    m.Allocate: DeviceActor._on_allocate,
-    m.AllocateMany: DeviceActor._on_allocate_many,
-    m.AllocatePinned: DeviceActor._on_allocate_pinned,
-    m.Free: DeviceActor._on_free,
-    m.Rebuild: DeviceActor._on_rebuild,
-    m.Subscribe: DeviceActor._on_subscribe,
-    m.Unsubscribe: DeviceActor._on_unsubscribe,
-    m.GetStats: DeviceActor._on_stats,
-    m.GetClient: DeviceActor._on_client,
-    m.GetReport: DeviceActor._on_report,
-    m.Attach: DeviceActor._on_attach,
-    m.Reclaim: DeviceActor._on_reclaim,
-    m.ReportFailure: DeviceActor._on_report_failure,
-    m.FailedInCaller: DeviceActor._on_failed_in_caller,
-    m.RecordMemoryHistory: DeviceActor._on_record_history,
-    m.GetMemorySnapshot: DeviceActor._on_memory_snapshot,
-}
