@@ -26,7 +26,8 @@ import timeit
 from pathlib import Path
 from typing import Any
 
-from xlog_actors.driver.cuda.context import TOKEN_WRITES, Stamped
+from xlog_actors.driver.cuda.context import Stamped
+from xlog_actors.driver.cuda.current import TOKEN_WRITES
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource, MemoryHistory
 from xlog_actors.memory.block import Access, BlockId, StreamId
 

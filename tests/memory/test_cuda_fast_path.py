@@ -31,12 +31,15 @@ _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 _MEM_ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t)
 _MEM_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong)
+_GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_NODE_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY's value
 
 
 class FakeCuda:
-    """The six entry points as C callbacks, logging each call; ``fail_next`` makes the next call
+    """The entry points as C callbacks, logging each call; ``fail_next`` makes the next call
     return that error code."""
 
     def __init__(self) -> None:
@@ -50,6 +53,9 @@ class FakeCuda:
             "cuStreamWaitEvent": _WAIT(lambda s, e, f: self._call("wait", s, e)),
             "cuMemAlloc": _MEM_ALLOC(self._mem_alloc),
             "cuMemFree": _MEM_FREE(lambda p: self._call("mem_free", p)),
+            "cuGraphLaunch": _GRAPH_LAUNCH(lambda g, s: self._call("graph_launch", g, s)),
+            "cuEventQuery": _QUERY(lambda e: self._call("query", e)),
+            "cuGraphExecMemcpyNodeSetParams": _NODE_SET(lambda g, n, p, c: self._call("node_set", g, n, p, c)),
         }
         self.entry_points = {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self.callbacks.items()}
 
@@ -401,4 +407,27 @@ def test_the_cuda_driver_writes_a_thread_token_only_through_set_thread_token() -
         for line in path.read_text().splitlines():
             if re.search(r"\btls\.token\s*=[^=]|setattr\(\s*tls\b", line):
                 writes.append(f"{path.name}: {line.strip()}")
-    assert writes == ["context.py: tls.token = token"], writes  # set_thread_token's own
+    assert writes == ["current.py: tls.token = token"], writes  # set_thread_token's own
+
+
+def test_every_function_that_sets_a_current_context_writes_the_threads_mark() -> None:
+    """A cuCtxSetCurrent that leaves the thread's mark alone makes the next fast-path call trust
+    a context that is no longer current (CUDA then refuses its handles): every function of the
+    CUDA driver that calls it also calls set_thread_token."""
+    import ast
+    import inspect
+
+    import xlog_actors.driver.cuda as package
+
+    silent, seen = [], 0
+    for path in sorted(Path(inspect.getfile(package)).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                      for n in ast.walk(node) if isinstance(n, ast.Call)}
+            if "cuCtxSetCurrent" in called:
+                seen += 1
+                if "set_thread_token" not in called:
+                    silent.append(f"{path.name}: {node.name}")
+    assert seen >= 2 and not silent, silent

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, Protocol
 from ...errors import ContextLost, ContextPoisoned, DeviceUnavailable, DriverError, OutOfMemory
 from ..kernel import Kernel
 from .call import STICKY_CODES, SUCCESS, cu, error_for, result_name
+from .current import set_thread_token, tls
 from .held import HeldCalls
 from .nvrtc import compile_cubin
 from .pool_ipc import create_pool, retire_pool
@@ -73,30 +74,6 @@ _UNAVAILABLE_CODES: Final[frozenset[str]] = frozenset(
 
 #: The attributes of a :class:`CudaDevice` the compiled core caches (see :class:`Stamped`).
 STAMPED_ATTRIBUTES = frozenset({"epoch", "epoch_token", "token", "poisoned", "pool", "pool_live", "direct_live"})
-
-#: Which context incarnation is current in this thread (``tls.token``: a device's ``token``),
-#: shared by every CudaDriver: CUDA has one current context per thread, whoever set it. Written
-#: only through :func:`set_thread_token`.
-tls = threading.local()
-
-#: How many times any thread's ``tls.token`` was written (by :func:`set_thread_token`, its only
-#: writer): a one-cell ``array('q')`` that the compiled core reads through a pointer. The core
-#: keeps the last calling thread's token and trusts it while this count is the one it saw, so a
-#: repeated call reads two integers instead of the thread's dict (about 150 instructions).
-TOKEN_WRITES = array("q", [0])
-
-
-def set_thread_token(token: object | None) -> None:
-    """Record ``token`` (a device's ``token``, or None: no context of ours is known current) as
-    this thread's, and count the write (see :data:`TOKEN_WRITES`).
-
-    Args:
-        token: the token, or None.
-    Thread rule: any thread, for itself (only a thread's own calls read its token).
-    """
-    tls.token = token
-    TOKEN_WRITES[0] += 1
-
 
 class Stamped:
     """Keeps ``version``, a one-cell ``array('q')`` (a seqlock) that every assignment to one of
@@ -558,6 +535,9 @@ class CudaDevice(Stamped):
     def _sync_quietly(self) -> None:
         """Synchronize the context, ignoring non-sticky failures (a lost context has nothing to
         wait for); a sticky one poisons the device and raises."""
+        # The thread may have marked another device's context as its current one: unmark it, so
+        # that the next call of that device makes its own context current again.
+        set_thread_token(None)
         (err,) = cu.cuCtxSetCurrent(self.ctx)
         if err == SUCCESS:
             (err,) = cu.cuCtxSynchronize()

@@ -67,7 +67,8 @@ from .call import (
     resolve_entry_points,
     result_name,
 )
-from .context import TOKEN_WRITES, CudaDevice, set_thread_token, tls
+from .context import CudaDevice
+from .current import TOKEN_WRITES, set_thread_token, tls
 from .gates import check_ptr
 from .graph import CudaGraph
 from .held import HELD_ENTRY_POINTS, HeldCalls, as_result

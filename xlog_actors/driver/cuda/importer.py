@@ -21,6 +21,7 @@ import threading
 from typing import Any, Final
 
 from .call import check, cu
+from .current import set_thread_token
 
 __all__ = ["HANDLE_BYTES", "ImportedMapping", "bytes_of", "lock", "make_current", "struct_of"]
 
@@ -53,7 +54,8 @@ def struct_of(kind: Any, data: bytes) -> Any:
 
 
 def make_current(ordinal: int) -> None:
-    """Make ``ordinal``'s primary context current on the calling thread, retaining it once per process.
+    """Make ``ordinal``'s primary context current on the calling thread, retaining it once per
+    process. The thread's mark of our current context is cleared (:mod:`.current`).
 
     Raises:
         DriverError: ``cuInit``, ``cuDeviceGet`` or the retain failed (no GPU, a bad ordinal).
@@ -71,6 +73,9 @@ def make_current(ordinal: int) -> None:
                 err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
                 check(err, f"cuDevicePrimaryCtxRetain({ordinal})")
                 _contexts[ordinal] = ctx
+    # No context of ours is known current here any more: the next call of a CudaDriver in this
+    # thread makes its own current again instead of trusting the one this replaced.
+    set_thread_token(None)
     (err,) = cu.cuCtxSetCurrent(ctx)
     check(err, f"cuCtxSetCurrent (device {ordinal})")
 

@@ -34,7 +34,7 @@ from ...errors import DriverError, InvalidRequest
 from ..checks import check_nbytes, writable_bytes
 from ..protocol import Buffer
 from .call import SUCCESS, cu
-from .context import tls
+from .current import tls
 from .gates import check_ptr
 from .held import as_result
 from .host_memory import CudaHostMemory

@@ -42,7 +42,8 @@ from typing import Any, Final
 
 from ...errors import DriverError, InvalidRequest
 from .call import EVENT_FLAGS, NOT_READY, SUCCESS, cu
-from .context import CudaDevice, tls
+from .context import CudaDevice
+from .current import tls
 from .held import as_result
 
 __all__ = ["CudaEvent", "CudaStream"]
