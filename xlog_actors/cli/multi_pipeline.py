@@ -10,6 +10,8 @@ Two placements:
   another's. It is the placement that scales: in one process every device's actors and
   orchestrator share one interpreter lock, and the devices together are bounded by what one lock
   lets through. (The parent keeps no device of its own while they run.)
+  On CUDA each worker first binds itself to the CPUs of its GPU's NUMA node
+  (:mod:`..driver.cuda.topology`), so its pinned memory and its copies stay on that node.
 * ``"in-process"``: one ``DeviceActor`` per ordinal of one driver in this process and one
   orchestrating thread per device, all under one interpreter lock: what a program that does not
   want worker processes gets, and the yardstick that shows what the lock costs.
@@ -196,6 +198,12 @@ def _in_process(driver: Driver, count: int, cfg: PipelineConfig) -> tuple[Device
 def _worker(conn: Connection, kind: str, count: int, ordinal: int, cfg: PipelineConfig) -> None:
     """A device's worker process: open the driver, run the pipeline on ``ordinal`` with a start
     gate that says ``ready`` and waits for ``go``, and send the result back."""
+    if kind == "cuda":
+        # Before anything is allocated: pinned memory lands on the node of the CPU that first
+        # touches it, and a copy to a GPU of the other node crosses the inter-socket link.
+        from ..driver.cuda.topology import bind_to_device
+
+        bind_to_device(ordinal)
     try:
         driver = HostDriver(device_count=count) if kind == "host" else open_driver("cuda")
     except BaseException as exc:  # noqa: BLE001 - sent to the parent
