@@ -4,6 +4,7 @@ keeps it on the actor's thread, behind them; a failure reaches the supervisor be
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors.actors.caller_inbox import CallerServedInbox
+from xlog_actors.actors.gpu_ref import RECLAIM_WAKE_BYTES
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -215,3 +217,31 @@ def test_an_actor_serving_a_wake_up_counts_as_idle_and_one_serving_anything_else
     inbox.get()
     inbox.put(Envelope(Ask(), reply_to=pykka.ThreadingFuture()))
     assert served == [first] and len(inbox.queue) == 1
+
+
+def test_a_handle_collected_inside_the_inbox_lock_does_not_hang_its_thread(host_device: pykka.ActorRef[Any]) -> None:
+    """A garbage collection may start inside a section of the inbox's own lock (a ``get``
+    allocates its waiter there) and collect a handle whose free wakes the actor: the wake-up
+    must not wait for that lock on that thread. It is given up, and the next message frees the
+    block."""
+    ref = host_device.ask(xa.Allocate(RECLAIM_WAKE_BYTES))  # its drop wakes the actor
+    box: list[Any] = [ref]
+    box.append(box)  # a cycle: the handle goes at a collection, not before
+    del ref
+    gc.collect()
+    gc.disable()  # the collection below is the only one: inside the inbox's lock
+    try:
+        del box
+
+        def inside_the_lock() -> None:
+            with host_device.actor_inbox.mutex:
+                gc.collect()
+
+        thread = threading.Thread(target=inside_the_lock, daemon=True)
+        thread.start()
+        thread.join(10.0)
+        assert not thread.is_alive(), "the collected handle's wake-up waited for its own thread's lock"
+    finally:
+        gc.enable()
+    stats = host_device.ask(xa.GetStats())
+    assert (stats.live_blocks, stats.bytes_outstanding) == (0, 0)

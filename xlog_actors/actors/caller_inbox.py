@@ -33,16 +33,25 @@ Invariants (what keeps the actor's message order for each sender):
   took the actor's two thread hops instead.
 
 Thread rule: any thread puts; ``get`` and ``_get`` run on the actor's thread; ``serve`` runs on
-the putting thread and must be safe there. No lock is held while ``serve`` runs.
+the putting thread and must be safe there. No lock is held while ``serve`` runs. A garbage
+collector's finalizer tells its wake-ups through :meth:`CallerServedInbox.put_wake`, which never
+waits for long on the queue's lock: a collection may start inside a section of that very lock on
+the very thread (a ``get`` allocates its waiter there), where ``put`` would wait forever.
 """
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["CallerServedInbox"]
+import pykka
+from pykka._envelope import Envelope
+
+__all__ = ["WAKE_LOCK_WAIT_S", "CallerServedInbox", "send_wake"]
+
+#: How long a wake-up waits at most for an inbox's lock, in seconds (see :func:`send_wake`).
+WAKE_LOCK_WAIT_S: Final = 0.1
 
 
 class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
@@ -108,6 +117,27 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
                 return
         super().put(item, block, timeout)
 
+    def put_wake(self, message: Any, timeout_s: float) -> bool:
+        """Queue the told wake-up ``message`` (as ``tell`` does, after the caller's ``is_alive``
+        check), waiting at most ``timeout_s`` for the queue's lock.
+
+        Returns:
+            True when queued; False when the lock stayed taken (by this very thread: a garbage
+            collection started inside a section of the queue and runs the finalizer that wakes),
+            and nothing was queued.
+        Thread rule: any thread, a garbage collector's finalizer included.
+        """
+        if not self.mutex.acquire(timeout=timeout_s):
+            return False
+        try:
+            # What ``queue.Queue.put`` does under the lock for an unbounded queue.
+            self._put(Envelope(message))
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+        finally:
+            self.mutex.release()
+        return True
+
     def _only_wakes(self) -> bool:
         # Under the queue's lock: the deque must not change while it is read.
         wakes = self.wake_types
@@ -115,3 +145,24 @@ class CallerServedInbox(queue.Queue):  # type: ignore[type-arg]
             return False
         with self.mutex:
             return all(e.reply_to is None and type(e.message) in wakes for e in self.queue)
+
+
+def send_wake(actor_ref: pykka.ActorRef[Any], message: Any) -> bool:
+    """Tell ``actor_ref`` the wake-up ``message`` from any thread, a garbage collector's finalizer
+    included: through :meth:`CallerServedInbox.put_wake` (waiting at most
+    :data:`WAKE_LOCK_WAIT_S` for the inbox's lock), or ``tell`` for another inbox.
+
+    Returns:
+        True when sent; False when the inbox's lock stayed taken (by this very thread: a
+        collection started inside a section of it) and nothing was sent.
+    Raises:
+        pykka.ActorDeadError: the actor was stopped (as ``tell`` raises).
+    Thread rule: any thread.
+    """
+    inbox = actor_ref.actor_inbox
+    if not isinstance(inbox, CallerServedInbox):
+        actor_ref.tell(message)
+        return True
+    if not actor_ref.is_alive():
+        raise pykka.ActorDeadError(f"{actor_ref} not found")
+    return inbox.put_wake(message, WAKE_LOCK_WAIT_S)

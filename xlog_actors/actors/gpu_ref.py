@@ -31,6 +31,7 @@ from ..memory.block import AllocTag, DeviceBlock, StreamId
 from ..memory.report import enrich_out_of_memory
 from ..runtime.device_runtime import XlogDeviceRuntime
 from . import interop
+from .caller_inbox import send_wake
 from .device_state import DeviceState
 
 if TYPE_CHECKING:
@@ -273,8 +274,9 @@ class DeviceContext(ContextCore):
 
     Thread rules: ``allocate``/``free`` may run on any thread (the runtime is thread-safe;
     ``blocks`` changes by single dict operations made with the GIL held);
-    ``reclaim`` only appends to ``reclaims`` (atomic) and ``tell``s the owning actor, so a
-    garbage collector may call it anywhere; ``drain_reclaims`` runs on the actor's thread only.
+    ``reclaim`` only appends to ``reclaims`` (atomic) and wakes the owning actor without waiting
+    on its inbox's lock (``send_wake``), so a garbage collector may call it anywhere, inside that
+    lock's sections included; ``drain_reclaims`` runs on the actor's thread only.
     """
 
     def __init__(
@@ -349,8 +351,10 @@ class DeviceContext(ContextCore):
 
     def _send_wake(self, block: DeviceBlock) -> None:
         """Wake the owning actor to drain the reclaimed blocks (the compiled ``reclaim`` calls it
-        for a large block or a full batch)."""
-        self.actor_ref.tell(Reclaim(block, self.generation))
+        for a large block or a full batch, a collector's finalizer included): ``send_wake``. Not
+        sent, it clears ``wake_pending``: the next message or the next reclaim frees them."""
+        if not send_wake(self.actor_ref, Reclaim(block, self.generation)):
+            self.wake_pending = False
 
     def close(self, free_blocks: bool) -> list[BaseException]:
         """End this generation. With ``free_blocks`` (an orderly stop), give every live block
