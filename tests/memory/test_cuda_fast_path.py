@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
+from xlog_actors._core.ops import ops_for
 from xlog_actors.driver.cuda.context import Stamped
-from xlog_actors.errors import DriverError, OutOfMemory
+from xlog_actors.errors import ContextLost, DriverError, OutOfMemory
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource
 from xlog_actors.memory.block import Access, BlockId, StreamId
 
@@ -34,6 +35,7 @@ _MEM_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong)
 _GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _NODE_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_PRIMARY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int))
 
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY's value
 
@@ -56,8 +58,16 @@ class FakeCuda:
             "cuGraphLaunch": _GRAPH_LAUNCH(lambda g, s: self._call("graph_launch", g, s)),
             "cuEventQuery": _QUERY(lambda e: self._call("query", e)),
             "cuGraphExecMemcpyNodeSetParams": _NODE_SET(lambda g, n, p, c: self._call("node_set", g, n, p, c)),
+            "cuDevicePrimaryCtxGetState": _PRIMARY(self._primary_state),
         }
+        self.primary_active = 1
         self.entry_points = {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self.callbacks.items()}
+
+    def _primary_state(self, dev: int, flags: Any, active: Any) -> int:
+        self.log.append(("primary_state", dev))
+        active[0] = self.primary_active
+        err, self.fail_next = self.fail_next, 0
+        return err
 
     def _call(self, *entry: Any) -> int:
         self.log.append(entry)
@@ -92,6 +102,7 @@ class FakeDevice(Stamped):
         self.pool_live: set[int] = set()
         self.direct_live: set[int] = set()
         self.failed: list[Any] = []
+        self.cudev = 7
 
     def fail(self, err: object, what: str, requested: int = 0) -> None:
         self.failed.append((err, what))
@@ -148,6 +159,11 @@ class FakeCudaDriver:
 
     def free(self, ordinal: int, ptr: int) -> None:
         self.slow.append("free")
+
+    def check_context(self, ordinal: int) -> None:
+        self.slow.append("check_context")
+        if not self.cuda.primary_active:
+            raise ContextLost("device 0: the primary context was reset from outside this driver; rebuild it")
 
     def create_event(self, ordinal: int) -> FakeEvent:
         self._events += 1
@@ -207,6 +223,24 @@ def test_anything_but_a_healthy_live_stream_goes_to_the_python_driver(rig: Any, 
     rig.res.deallocate(block)
     assert rig.driver.slow == ["alloc_async", "free_async"]
     assert rig.cuda.log == []
+
+
+def test_the_context_check_is_one_c_call_and_the_driver_only_for_a_lost_context(rig: Any) -> None:
+    ops = ops_for(rig.driver, 0)
+    ops.check_context()
+    assert rig.cuda.log == [("primary_state", 7)] and rig.driver.slow == []
+    rig.cuda.primary_active = 0  # reset from outside: the driver raises the precise error
+    with pytest.raises(ContextLost, match="reset from outside"):
+        ops.check_context()
+    assert rig.driver.slow == ["check_context"]
+    rig.cuda.log.clear()
+    rig.dev.poisoned = "CUDA_ERROR_ILLEGAL_ADDRESS"  # every call says so already: nothing to check
+    ops.check_context()
+    assert rig.cuda.log == [] and rig.driver.slow == ["check_context"]
+    rig.dev.poisoned = None
+    rig.driver._closed = True
+    with pytest.raises(ContextLost):
+        ops.check_context()  # a closed driver: its own check decides
 
 
 def test_a_change_after_the_cache_was_filled_is_seen(rig: Any) -> None:

@@ -15,6 +15,7 @@ ctypedef CUresult (*MemFree_t)(CUdeviceptr) noexcept nogil
 ctypedef CUresult (*GraphLaunch_t)(void*, CUstream) noexcept nogil
 ctypedef CUresult (*EventQuery_t)(CUevent) noexcept nogil
 ctypedef CUresult (*GraphMemcpySet_t)(void*, void*, const void*, void*) noexcept nogil
+ctypedef CUresult (*PrimaryCtxGetState_t)(int, unsigned int*, int*) noexcept nogil
 
 
 cdef class DriverOps:
@@ -69,6 +70,8 @@ cdef class CudaOps(DriverOps):
     cdef GraphLaunch_t _graph_launch
     cdef EventQuery_t _event_query
     cdef GraphMemcpySet_t _graph_memcpy_set
+    cdef PrimaryCtxGetState_t _primary_state
+    cdef int _cudev
     cdef bint _current(self)
     cdef object _thread_token(self)
     cdef bint _stream_ok(self, object s)

@@ -88,6 +88,17 @@ cdef class DriverOps:
     cdef object create_event(self):
         return self.driver.create_event(self.ordinal)
 
+    def check_context(self):
+        """``driver.check_context(ordinal)``: ``ContextLost`` when the device's primary context
+        was reset from outside (see ``CudaDriver.check_context``), nothing otherwise.
+
+        Raises:
+            ContextLost: the primary context was reset from outside.
+            DriverError: the driver is closed.
+        Thread rule: any thread.
+        """
+        self.driver.check_context(self.ordinal)
+
     cdef graph_launch(self, object graph, object stream):
         graph.launch(stream)
 
@@ -159,6 +170,8 @@ cdef class CudaOps(DriverOps):
         self._graph_launch = <GraphLaunch_t>PyLong_AsVoidPtr(entry_points["cuGraphLaunch"])
         self._event_query = <EventQuery_t>PyLong_AsVoidPtr(entry_points["cuEventQuery"])
         self._graph_memcpy_set = <GraphMemcpySet_t>PyLong_AsVoidPtr(entry_points["cuGraphExecMemcpyNodeSetParams"])
+        self._primary_state = <PrimaryCtxGetState_t>PyLong_AsVoidPtr(entry_points["cuDevicePrimaryCtxGetState"])
+        self._cudev = int(device.cudev)
 
     cdef bint _current(self):
         """True when the device is healthy and its context current in this thread, refreshing the
@@ -328,6 +341,23 @@ cdef class CudaOps(DriverOps):
             return False
         self._dev.fail(self._cuda_result(err), "cuEventQuery")
         return False
+
+    def check_context(self):
+        # The state read of ``CudaDevice.primary_active`` in one C call; the Python driver's
+        # check only when the context is seen inactive (it raises the precise error and clears
+        # the thread's context mark) or the device is not retained or is poisoned (where the
+        # check returns at once).
+        cdef unsigned int flags = 0
+        cdef int active = 0
+        dev = self._dev
+        if self.driver._closed:
+            DriverOps.check_context(self)  # raises the driver's DriverError
+            return
+        if dev.token is None or dev.poisoned is not None:
+            return
+        if self._primary_state(self._cudev, &flags, &active) != 0 or active:
+            return
+        DriverOps.check_context(self)
 
     cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1:
         # A host copy node of an open ``CudaGraph`` of this device and of the current epoch, with

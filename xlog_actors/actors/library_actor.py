@@ -16,6 +16,7 @@ from typing import Any, ClassVar, cast
 
 import pykka
 
+from .._core.ops import ops_for
 from ..driver.protocol import Driver, Stream
 from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
@@ -138,6 +139,7 @@ class LibraryActor(ResilientActor):
         self._stream: Stream | None = None
         self._tracking = False
         self._driver: Driver | None = None
+        self._check_context: Callable[[], None] = lambda: None  # set on attach
         self._peers = PeerBridges()
         #: Held by whoever runs a handler (module docstring of ``served_ref``).
         self._exclusive = threading.Lock()
@@ -266,6 +268,8 @@ class LibraryActor(ResilientActor):
         assert stream is not None
         self._stream = stream
         self._driver = ctx.driver
+        # The driver's check_context, in one C call on CUDA (the compiled core's ops).
+        self._check_context = ops_for(ctx.driver, ctx.ordinal).check_context
         self._tracking = self._track and ctx.runtime.supports_block_use_tracking()
         self._ctx = ctx
         self._attaching = None
@@ -348,7 +352,7 @@ class LibraryActor(ResilientActor):
             return
         refs = [ref for ref, _ in uses]
         ctx = self._context_for(refs)
-        ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
+        self._check_context()  # a reset from outside: report it, touch nothing
         blocks = [ctx.check_ref(ref) for ref in refs]
         for ref in refs:
             if ref.context is not ctx:
@@ -401,7 +405,7 @@ class LibraryActor(ResilientActor):
         ctx = self._ctx
         if ctx is None or not ctx.open or ref.generation > ctx.generation:
             ctx = self._attach()
-        ctx.driver.check_context(ctx.ordinal)  # a reset from outside: report it, touch nothing
+        self._check_context()  # a reset from outside: report it, touch nothing
         block = ctx.check_ref(ref)
         if ref.context is not ctx:
             raise GpuRefStale("context rebuilt", f"{ref!r} is not of device {ctx.ordinal}'s current context")
