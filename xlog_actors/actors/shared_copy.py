@@ -20,6 +20,11 @@ imported handle is a reader's (a write through it would be recorded as no handle
   enabled; enabling it would change every kernel's view of the other device, which is no copy's
   business). It costs this process a retain of the source device's primary context on first use.
   A source on the destination's own device (two processes of one GPU) is a plain device copy.
+* **Mappings are kept.** The handle a copy reads through comes from :mod:`.import_cache`: a
+  second copy of the same exported allocation (same export slot and serial, same owner
+  generation) reads through the mapping the first one opened, held open with its count by a
+  bounded LRU of this process (the lifetime rule is that module's). The copy's own handle is
+  still the one validated and waited for: its export recorded the source's current last write.
 * **The path on the host driver**: the source's bytes are the owner's shared-memory segment,
   mapped here, and copied into the destination on the copy actor's stream.
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 from ..driver.protocol import Driver, Stream
 from ..errors import InvalidRequest
 from ..memory.block import DeviceBlock
+from .import_cache import reader_of
 from .shared_ref import SharedGpuRef
 
 __all__ = ["check_shared_source", "enqueue_from_shared", "path_of"]
@@ -77,10 +83,11 @@ def enqueue_from_shared(driver: Driver, stream: Stream, src: SharedGpuRef, dst: 
     Thread rule: the copy actor's thread.
     """
     nbytes = src.nbytes
+    reader = reader_of(src)  # the same export's handle whose mapping is open already, or src
     if driver.kind != "cuda":
-        driver.copy_to_device(dst.ptr, src.view(ordered=False)[:nbytes], stream)
+        driver.copy_to_device(dst.ptr, reader.view(ordered=False)[:nbytes], stream)
         return
-    ptr = src.raw_device_ptr()
+    ptr = reader.raw_device_ptr()
     if src.device_id == dst.device_ordinal:
         driver.copy_device_to_device(dst.ptr, ptr, nbytes, stream)
     else:

@@ -6,7 +6,10 @@ Shared by the legacy IPC path (:mod:`.ipc`) and the IPC-capable pool (:mod:`.poo
 Invariants: the primary context of an ordinal is retained at most once per process, and never
 released (an importer's mappings live in it until the process ends or they are closed); a handle
 is exactly :data:`HANDLE_BYTES` bytes; a mapping (:class:`ImportedMapping`) is released once, when
-its last user drops it, and never in the owner's own process.
+its last user drops it, and never in the owner's own process. A cross-process copy keeps its
+source's handle (and so its mapping) open after the copy, in a bounded LRU of the importing
+process (:mod:`xlog_actors.actors.import_cache`, which states the rule): the handle's count keeps
+the owner from freeing the memory while the mapping stays open.
 
 Thread rule: any thread. :data:`lock` guards the tables of opened mappings of both IPC modules
 (an open maps at most once per process); the retain table has a lock of its own, because an
