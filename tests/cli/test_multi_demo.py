@@ -11,7 +11,7 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.cli import main
 from xlog_actors.cli.multi_demo import resolve_devices, run_multi_demo
-from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, HOST_MAX_DEVICES, run_on_devices
+from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, HOST_MAX_DEVICES, InjectedFault, run_on_devices
 from xlog_actors.cli.options import UsageError
 from xlog_actors.cli.pipeline import PipelineConfig
 
@@ -50,6 +50,21 @@ def test_a_device_that_fails_leaves_the_other_devices_batches_whole() -> None:
     assert not second.ok and not result.ok
     failure = second.error or "; ".join(second.result.errors if second.result is not None else [])
     assert "Poisoned" in failure or "poisoned" in failure, failure
+    assert second.error is not None and "cannot be restarted" in second.error
+
+
+def test_in_process_an_injected_fault_is_reported_as_not_restartable() -> None:
+    driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
+    try:
+        result = run_on_devices("host", 2, PipelineConfig(batches=16, batch_bytes=64 << 10, depth=2), "in-process",
+                                driver, fault=InjectedFault(1, 6))
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+    first, second = result.runs
+    assert first.ok and second.restarts == 0 and not second.ok
+    assert second.error is not None and "cannot be restarted" in second.error
+    assert second.result is not None and second.result.verified <= 6
 
 
 def test_demo_on_two_devices_says_its_placement_and_verifies_every_batch(capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,3 +137,52 @@ def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
             assert isinstance(peer, Skipped) and "needs 2 devices" in peer.reason
         else:
             assert isinstance(demo, RowResult) and demo.median > 0 and demo.ratio > 0
+
+
+def test_a_sticky_error_on_one_device_restarts_its_worker_and_every_batch_is_verified() -> None:
+    """Isolated: device 1 of 2 meets a sticky error at its batch 10. Its worker process ends, a
+    new one runs the batches it had not verified; device 0 runs on untouched; every batch of both
+    is verified, each exactly once (the first worker's count plus the second's is the total)."""
+    cfg = PipelineConfig(batches=24, batch_bytes=64 << 10, depth=2)
+    result = run_on_devices("host", 2, cfg, fault=InjectedFault(1, 10))
+    first, second = result.runs
+    assert result.ok, [(r.ordinal, r.error, r.faults, r.result and r.result.errors) for r in result.runs]
+    assert first.restarts == 0 and first.result is not None and first.result.verified == 24
+    assert second.restarts == 1 and second.result is not None and second.result.verified == 24
+    assert len(second.faults) == 1 and "ContextPoisoned" in second.faults[0], second.faults
+    by_worker = second.result.extra["verified_by_worker"]
+    assert len(by_worker) == 2 and sum(by_worker) == 24 and 0 < by_worker[0] <= 10, by_worker
+    assert result.total_bytes == 2 * 24 * cfg.batch_bytes
+
+
+def test_a_device_that_faults_past_its_restarts_is_reported_failed_and_the_others_complete() -> None:
+    cfg = PipelineConfig(batches=24, batch_bytes=64 << 10, depth=2)
+    result = run_on_devices("host", 2, cfg, max_restarts=1, fault=InjectedFault(1, 6, lives=2))
+    first, second = result.runs
+    assert first.ok and first.result is not None and first.result.verified == 24
+    assert not second.ok and not result.ok and second.restarts == 1 and len(second.faults) == 1
+    assert second.result is not None and 0 < second.result.verified < 24
+    assert any("ContextPoisoned" in e for e in second.result.errors), second.result.errors
+    assert sum(second.result.extra["verified_by_worker"]) == second.result.verified
+
+
+def test_run_on_devices_refuses_a_fault_outside_the_run() -> None:
+    with pytest.raises(ValueError, match="fault"):
+        run_on_devices("host", 2, SMALL, fault=InjectedFault(2, 0))
+    with pytest.raises(ValueError, match="fault"):
+        run_on_devices("host", 2, SMALL, fault=InjectedFault(0, SMALL.batches))
+    with pytest.raises(ValueError, match="max_restarts"):
+        run_on_devices("host", 2, SMALL, max_restarts=-1)
+
+
+def test_demo_fault_flags_restart_the_faulted_device(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--driver", "host", "--devices", "2", "--batches", "12", "--batch-mib", "0.0625", "--depth", "2",
+            "--fault-device", "0", "--fault-at", "5"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "planted on device 0 at its batch 5" in err
+    lines = {line[:14].strip(): line[14:] for line in out.splitlines()}
+    assert "12/12 verified" in lines["device 0"] and "restarts 1" in lines["device 0"]
+    assert "12/12 verified" in lines["device 1"] and "restarts 0" in lines["device 1"]
+    assert "worker process 0 of device 0 ended" in lines["restart 1"]
+    assert lines["verification"].startswith("ok: 24/24 batches")

@@ -78,6 +78,15 @@ def _parser() -> OneLineParser:
         help="with --devices N > 1: one worker process per device (isolated, the default) or every device in "
         "this process",
     )
+    demo.add_argument(
+        "--fault-device", type=at_least(0), default=None, metavar="K",
+        help="with --devices N > 1 and --fault-at: plant a sticky error (an illegal address) on device K "
+        "(0 .. N-1); isolated, its worker process is replaced and runs the batches not verified",
+    )
+    demo.add_argument(
+        "--fault-at", type=at_least(0), default=None, metavar="BATCH",
+        help="with --fault-device: the batch (0 .. batches-1) of that device at which the error is planted",
+    )
 
     bench = sub.add_parser("bench", help="the benchmark suite: each figure beside its raw driver twin")
     _add_driver(bench)

@@ -15,7 +15,14 @@ from ..driver.protocol import Driver
 from ..errors import XlogError
 from .batches import BatchData
 from .driver_choice import choose_driver
-from .multi_pipeline import DEFAULT_PLACEMENT, HOST_MAX_DEVICES, MultiResult, run_on_devices
+from .multi_pipeline import (
+    DEFAULT_PLACEMENT,
+    HOST_MAX_DEVICES,
+    MAX_RESTARTS,
+    InjectedFault,
+    MultiResult,
+    run_on_devices,
+)
 from .options import UsageError
 from .pipeline import PipelineConfig
 from .raw_pipeline import RawResult, raw_pipeline
@@ -68,25 +75,35 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
     Returns:
         0 when every batch of every device verified, 1 otherwise, None for one device.
     Raises:
-        UsageError: more devices than present, or a flag of the single-device demo
-            (``--graph``, ``--rebuild-at``).
+        UsageError: more devices than present, a flag of the single-device demo
+            (``--graph``, ``--rebuild-at``), or ``--fault-device``/``--fault-at`` without the
+            other, on one device, or outside the devices or the batches.
         NoGpu: ``cuda`` asked for where no GPU is usable.
     Thread rule: the command's main thread.
     """
     devices = getattr(args, "devices", None)
     placement = getattr(args, "placement", None)
+    fault_device, fault_at = getattr(args, "fault_device", None), getattr(args, "fault_at", None)
+    if (fault_device is None) != (fault_at is None):
+        raise UsageError("--fault-device" + (" needs --fault-at" if fault_at is None else ": --fault-at needs it"))
     if devices in (None, 1):
         if placement is not None:
             raise UsageError(f"--placement {placement}: applies with --devices 2 or more (or all)")
+        if fault_device is not None:
+            raise UsageError(f"--fault-device {fault_device}: applies with --devices 2 or more (or all)")
         return None
     choice = choose_driver(args.driver)
     driver: Driver = choice.driver
     try:
         count = resolve_devices(devices, driver.kind, driver.device_count())
         if count == 1:
+            if fault_device is not None:
+                raise UsageError(f"--fault-device {fault_device}: applies with 2 devices or more; this driver has 1")
             if placement is not None:
                 print("xlog-actors demo: one device: --placement is not used", file=sys.stderr)
             return None
+        if fault_device is not None and fault_device >= count:
+            raise UsageError(f"--fault-device {fault_device}: expected a device from 0 to {count - 1}")
         if args.graph:
             raise UsageError("--graph: the graph mode runs on one device; leave --devices out")
         if args.rebuild_at is not None:
@@ -104,6 +121,9 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
             track=not args.no_tracking,
             producer_delay_us=args.slow_producer_us,
         )
+        if fault_at is not None and fault_at >= batches:
+            raise UsageError(f"--fault-at {fault_at}: expected a batch index from 0 to {batches - 1}")
+        fault = InjectedFault(fault_device, fault_at) if fault_device is not None and fault_at is not None else None
         placement = placement or DEFAULT_PLACEMENT
         print(f"xlog-actors demo: {choice.describe()}", file=sys.stderr)
         print(
@@ -111,7 +131,11 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
             f"{batches} batches of {cfg.batch_bytes / (1 << 20):g} MiB per device, {cfg.depth} in flight each",
             file=sys.stderr,
         )
-        result = run_on_devices(driver.kind, count, cfg, placement, driver)
+        if fault is not None:
+            print(f"xlog-actors demo: a sticky error (an illegal address) planted on device {fault.ordinal} at its "
+                  f"batch {fault.at}" + (f"; its worker process is replaced up to {MAX_RESTARTS} times"
+                                         if placement == "isolated" else ""), file=sys.stderr)
+        result = run_on_devices(driver.kind, count, cfg, placement, driver, fault=fault)
         print("xlog-actors demo: the same job raw (no actors) on device 0 alone, for comparison", file=sys.stderr)
         raw: RawResult | str
         try:
@@ -143,9 +167,17 @@ def _report(result: MultiResult, cfg: PipelineConfig, raw: RawResult | str, name
         r = run.result
         line = (f"device {run.ordinal:<6d} {run.throughput_bytes_s / 1e9:.3g} GB/s, {r.verified}/{r.batches} "
                 f"verified, {r.seconds:.3f} s, generation {r.generation}")
+        if result.placement == "isolated":
+            line += f", restarts {run.restarts}"
+            if run.restarts:
+                line += " (verified per worker process: " + ", ".join(map(str, r.extra["verified_by_worker"])) + ")"
         if r.errors:
             line += "; errors: " + "; ".join(r.errors)
         print(line)
+        for k, why in enumerate(run.faults, 1):
+            print(f"  restart {k:<5d} worker process {k - 1} of device {run.ordinal} ended: {why}")
+        if run.error is not None:
+            print(f"  failed     device {run.ordinal}: {run.error}")
     gbs = result.throughput_bytes_s / 1e9
     print(f"aggregate     {gbs:.3g} GB/s ({count} devices at once, {result.seconds:.3f} s from the first start to the "
           "last end)")

@@ -22,7 +22,9 @@ byte for byte with the host reference once the timed run is over, so a checksum 
 hide a wrong result and the comparison costs the run nothing.
 
 A stage that meets a stale handle (a ``Rebuild`` mid-run) reports it; the batch is run again on
-newly allocated buffers.
+newly allocated buffers. A sticky error (``cfg.fault_at`` plants one, a kernel that stores to
+address 16) ends the run: a poisoned context serves nothing more in its process, so a run on
+several devices (:mod:`.multi_pipeline`) gives the batches left to a new worker process.
 
 Past 400 lines because one run is one concept: the ring, the batches in flight, their stale
 retries and verification share one state, and the host-memory seams sit beside the one user.
@@ -44,6 +46,7 @@ from ..actors import CopyActor, DeviceActor, GpuRef, KernelActor
 from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, In, Launch, Out
 from ..actors.messages import Allocate, AllocatePinned, GetStats, Rebuild
 from ..actors.pykka_internals import Answer, ask_posting
+from ..driver.kernel import Kernel
 from ..driver.kernel_library import SCALE_ADD_CHECKSUM_F32, checksum_tail, launch_shape
 from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
@@ -51,12 +54,22 @@ from ..memory.block import AllocTag
 from ..memory.pinned import PinnedBuffer
 from .batches import ALPHA, BETA, BatchData, Tally
 
-__all__ = ["PipelineConfig", "PipelineResult", "run_pipeline"]
+__all__ = ["ILLEGAL_STORE", "PipelineConfig", "PipelineResult", "run_pipeline"]
 
 _INPUT = AllocTag("demo-input")
 _OUTPUT = AllocTag("demo-output")
 _POISON = 0xDD  # what the host driver writes over freed memory too
 _POISONED_SUM = int.from_bytes(bytes([_POISON]) * 8, "little")
+
+#: **Test hook** ``(p: u64)``: one store to address ``p`` (launched with 16): a sticky
+#: ``CUDA_ERROR_ILLEGAL_ADDRESS`` on a GPU, the host driver's checked-memory equivalent (the
+#: device is poisoned) elsewhere. What ``PipelineConfig.fault_at`` launches.
+ILLEGAL_STORE = Kernel(
+    name="xlog_demo_store_to_16",
+    params=("u64",),
+    host=lambda mem, grid, block, ptr: mem.array(ptr, 4, np.uint8).fill(1),
+    source='extern "C" __global__ void xlog_demo_store_to_16(unsigned long long p) { *(volatile int*)p = 1; }',
+)
 
 
 @dataclass
@@ -73,6 +86,7 @@ class PipelineConfig:
     track: bool = True  # False: library actors skip cross-stream tracking (to show the hazard)
     producer_delay_us: int = 0  # a spin before each input copy: a slow producer stream
     rebuild_at: int | None = None  # ask the device for a Rebuild when this batch is copied in
+    fault_at: int | None = None  # test hook: launch ILLEGAL_STORE (a sticky error) when this batch is copied in
     timeout_s: float = 600.0
 
 
@@ -256,6 +270,7 @@ class _Run:
         # The batches compared byte for byte copy their output back here, kept until the end.
         self.kept: dict[int, PinnedBuffer] = {}
         self.rebuilt = False
+        self.faulted = False
         self.tally = Tally(data, self.kept)
         self.stale_retries = 0
         self.errors: list[str] = []
@@ -348,6 +363,8 @@ class _Run:
         elif batch.stage == 0:
             if self.cfg.rebuild_at == batch.index and not self.rebuilt:
                 self._rebuild(batch.index)  # after the copy in was enqueued, before its kernels
+            if self.cfg.fault_at == batch.index and not self.faulted:
+                self._strike(batch.index)  # the batches in flight meet it
             self._send(batch, 1)
         elif batch.stage == 1:
             self._send(batch, 2)
@@ -366,6 +383,13 @@ class _Run:
             self.device.ask(Rebuild("demo: rebuild mid-pipeline"))
         except XlogError as exc:
             self.errors.append(f"rebuild at batch {index}: {exc!r}")
+
+    def _strike(self, index: int) -> None:
+        self.faulted = True
+        try:
+            self.kernels.ask(Launch(ILLEGAL_STORE, 1, 1, [16]))
+        except XlogError as exc:  # met at once (it is met by a later call otherwise)
+            self.errors.append(f"injected fault at batch {index}: {exc!r}")
 
     def _verify(self, batch: _Batch) -> None:
         # The batches of one slot land in the order they ran (one copy-out stream, watched in
@@ -474,6 +498,7 @@ def run_pipeline(
     device: pykka.ActorRef[Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     start_gate: Callable[[], None] | None = None,
+    on_verified: Callable[[int], None] | None = None,
 ) -> PipelineResult:
     """Run the pipeline on ``driver``'s device ``ordinal`` (or an already started ``device``)
     and verify every batch exactly.
@@ -489,6 +514,9 @@ def run_pipeline(
         progress: called with ``(done, total)`` about five times a second and at the end.
         start_gate: called once everything is made and loaded, just before the clock starts (a
             run on several devices waits there until every device is ready).
+        on_verified: called with the batches verified so far (checksum and, for the two
+            compared byte for byte, that compare too) as often as ``progress`` and at the end: a
+            count that never takes in a batch not verified.
     Returns:
         The result; a run that times out after ``cfg.timeout_s`` says so in ``errors``, and so
         does one that meets an error other than a stale handle (the run stops there).
@@ -528,7 +556,7 @@ def run_pipeline(
             run.errors.append(f"warm-up: {exc!r}")
         if start_gate is not None:
             start_gate()
-        seconds, cpu = _drive(run, cfg, progress)
+        seconds, cpu = _drive(run, cfg, progress, on_verified)
         stats = device.ask(GetStats(), block=True)
     finally:
         for ref in reversed(started):
@@ -551,28 +579,37 @@ def run_pipeline(
     )
 
 
-def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None) -> tuple[float, float]:
+def _drive(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None,
+           on_verified: Callable[[int], None] | None = None) -> tuple[float, float]:
     """Step ``run`` until every batch is verified, an error stops it, or it times out; its seconds
     and the process's CPU seconds, all threads (the byte compares of the kept batches come after
-    the clocks stop)."""
+    the clocks stop; after an error too, for those that landed: they are on the host)."""
     t0, c0 = time.perf_counter(), time.process_time()
     deadline = t0 + cfg.timeout_s
-    next_report = t0 + 0.2 if progress is not None else deadline
+    reports = progress is not None or on_verified is not None
+    next_report = t0 + 0.2 if reports else deadline
     try:
         while run.done < cfg.batches and not run.errors:
             run.step(max(0.0, min(next_report, deadline) - time.perf_counter()))
             now = time.perf_counter()
-            if progress is not None and now >= next_report:
-                progress(run.done, cfg.batches)
+            if reports and now >= next_report:
+                _report(run, cfg, progress, on_verified)
                 next_report = now + 0.2
             if now > deadline:
                 run.errors.append(f"timed out after {cfg.timeout_s} s")
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if not run.errors:
-            run.tally.compare_kept(cfg.batch_bytes)
+        run.tally.compare_kept(cfg.batch_bytes)
     finally:
         # An error stops new work; what is in flight still finishes, so no buffer is dropped in use.
         run.finish(deadline)
+    if reports:
+        _report(run, cfg, progress, on_verified)
+    return seconds, cpu
+
+
+def _report(run: _Run, cfg: PipelineConfig, progress: Callable[[int, int], None] | None,
+            on_verified: Callable[[int], None] | None) -> None:
     if progress is not None:
         progress(run.done, cfg.batches)
-    return seconds, cpu
+    if on_verified is not None:
+        on_verified(run.tally.verified)
