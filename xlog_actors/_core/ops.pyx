@@ -27,6 +27,10 @@ gate does for the Python driver, so the fast path does not take the gate. A rebu
 stream (under its gate, in Python, holding the GIL) either before the check, which then fails,
 or after the call, whose work the rebuild's synchronize then waits for.
 
+Why one module, longer than 400 lines: every fast path here (allocation, free, event record and
+wait, query, graph launch and rebinding, the context check) rests on the same cached view of the
+device and the same stream verdict, and each must be read beside the checks it trusts.
+
 Thread rule: any thread; an ops object's only mutable state is its cached view of the device,
 read and written with the GIL held.
 """
