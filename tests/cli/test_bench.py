@@ -48,6 +48,7 @@ def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_quick_host_json_header(quick_doc: dict) -> None:
     assert quick_doc["driver"] == "host"
     assert isinstance(quick_doc["device"], str) and quick_doc["device"]
+    assert quick_doc["devices"] == [quick_doc["device"]]  # the host bench's driver has one device
     assert isinstance(quick_doc["versions"], dict) and "python" in quick_doc["versions"]
     assert isinstance(quick_doc["date"], str) and quick_doc["date"][:2] == "20"
     assert quick_doc["quick"] is True
@@ -327,3 +328,11 @@ def test_peer_rows_and_ours_share_one_measurement_of_the_twin() -> None:
     assert {row.setup for row in peers.rows} == {peers.rows[0].setup}
     assert all(row.measure is not None for row in peers.rows)
     assert "ours beside the peers: DeviceClient through the cache" in peers.names
+
+
+def test_the_text_header_names_a_machine_of_several_devices() -> None:
+    from xlog_actors.cli.bench.report import _more_devices
+
+    assert _more_devices({"devices": ["NVIDIA H100", "NVIDIA H100"]}) == " (of 2 devices)"
+    assert _more_devices({"devices": ["NVIDIA H100"]}) == ""
+    assert _more_devices({}) == ""  # a document written before the field existed

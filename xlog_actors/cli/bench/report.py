@@ -111,6 +111,9 @@ def collect(
     skipped = [r for r in ctx.results if isinstance(r, Skipped)]
     doc: dict[str, Any] = {
         "device": driver.device_name(0),
+        # Every device the run could use: the rows of several devices ran on all of them, and the
+        # kind of machine (one GPU, two, four) is read from here.
+        "devices": [driver.device_name(i) for i in range(driver.device_count())],
         "driver": driver.kind,
         "versions": versions(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -136,6 +139,12 @@ def collect(
     if driver.kind == "cuda":
         doc["cuda_driver_version"] = _cuda_driver_version()
     return doc
+
+
+def _more_devices(doc: dict[str, Any]) -> str:
+    """`` (of N devices)`` for a run on a machine of several devices; else nothing."""
+    count = len(doc.get("devices") or [])
+    return f" (of {count} devices)" if count > 1 else ""
 
 
 def _cuda_driver_version() -> str | None:
@@ -198,7 +207,8 @@ def render_table(doc: dict[str, Any]) -> str:
         return out
 
     text = [
-        (f"xlog-actors bench: driver {doc['driver']}, device {doc['device']}, {doc['date']}"
+        (f"xlog-actors bench: driver {doc['driver']}, device {doc['device']}"
+         f"{_more_devices(doc)}, {doc['date']}"
          f"{' (--quick)' if doc['quick'] else ''}"),
         "versions: " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()),
         ("ratio = ours / reference: of times (↓, lower is better) or of bandwidths and aggregate "
