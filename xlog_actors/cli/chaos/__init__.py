@@ -115,7 +115,7 @@ def run_devices(config: ChaosConfig) -> list[Ledger]:
     end = Ledger("end of run")
     end.ran = True
     before = set(threading.enumerate())
-    workers = WorkerPool(config.workers, config.seed) if config.workers else None
+    workers = WorkerPool(config.workers, config.seed, cuda=config.driver == "cuda") if config.workers else None
     try:
         if workers is not None:
             workers.start()

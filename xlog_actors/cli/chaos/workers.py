@@ -104,7 +104,7 @@ def _serve(task: tuple[Any, ...], rng: random.Random, peer: Any, outbox: Any) ->
         del handle
 
 
-def worker_main(index: int, inbox: Any, peer: Any, outbox: Any, seed: int) -> None:
+def worker_main(index: int, inbox: Any, peer: Any, outbox: Any, seed: int, cuda: bool = False) -> None:
     """A worker process's body: serve messages from ``inbox`` until ``None`` or the parent is gone.
 
     Args:
@@ -113,8 +113,16 @@ def worker_main(index: int, inbox: Any, peer: Any, outbox: Any, seed: int) -> No
         peer: the other worker's queue (None when alone): forwarded handles go there.
         outbox: the queue of answers to the parent.
         seed: its random choices' seed.
+        cuda: the handles are of a GPU: the device's primary context is made here before the
+            worker answers its first ping (its first import would make it anyway, and keep it
+            for the process's life), so a device's idle memory reading, taken after every worker
+            answered, already counts the workers' contexts.
     Thread rule: the process's main thread.
     """
+    if cuda:
+        from ...driver.cuda.importer import make_current
+
+        make_current(0)
     parent = os.getppid()
     rng = random.Random(seed)
     held: list[tuple[float, tuple[Any, ...]]] = []  # (not before, task): put aside, still pickled
@@ -167,10 +175,11 @@ class WorkerPool:
     from the run's main thread.
     """
 
-    def __init__(self, count: int, seed: int) -> None:
+    def __init__(self, count: int, seed: int, cuda: bool = False) -> None:
         """Args:
             count: how many workers (0: none; ``send`` then refuses).
             seed: the workers' seeds derive from it.
+            cuda: the handles are of a GPU (see :func:`worker_main`).
         """
         self.count = count
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
@@ -180,7 +189,7 @@ class WorkerPool:
             ctx.Process(
                 target=worker_main,
                 args=(i, self._inboxes[i], self._inboxes[(i + 1) % count] if count > 1 else None, self._outbox,
-                      seed * 1000 + i),
+                      seed * 1000 + i, cuda),
                 name=f"xlog-chaos-worker-{i}", daemon=True,
             )
             for i in range(count)
