@@ -264,7 +264,9 @@ def test_stop_ends_the_child_and_its_reserve_without_a_zombie() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_mid_allocation_twenty_times_answers_every_caller() -> None:
+def test_sigkill_mid_allocation_ten_times_answers_every_caller() -> None:
+    """Ten kills with allocations in flight, in each transport (the CI's chaos run kills the
+    serving process under a heavier load too, with the same invariant)."""
     device, events = start(max_restarts=100)
     answers: list[object] = []
     done = threading.Event()
@@ -281,7 +283,7 @@ def test_sigkill_mid_allocation_twenty_times_answers_every_caller() -> None:
         thread.start()
     started = time.monotonic()
     try:
-        for generation in range(1, 21):
+        for generation in range(1, 11):
             os.kill(pid(device), signal.SIGKILL)
             assert events.get(timeout=20) == xa.GenerationChanged(0, generation, "running")
     finally:
@@ -298,7 +300,7 @@ def test_sigkill_mid_allocation_twenty_times_answers_every_caller() -> None:
     assert answers and not refused, refused
     answers.clear()  # the last child's handles are dropped: their frees go to it
     stats = device.ask(xa.GetStats())
-    assert (stats.generation, stats.restarts, stats.status) == (20, 20, "running")
+    assert (stats.generation, stats.restarts, stats.status) == (10, 10, "running")
     assert stats.bytes_outstanding == 0  # nothing of the last child is held in the parent
 
 
