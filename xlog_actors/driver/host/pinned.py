@@ -9,9 +9,12 @@ the driver's close drops what is left. A caller's own buffer can be registered t
 ``cuMemHostRegister`` twin): copies from it are then read when they run, with no snapshot, until
 it is unregistered.
 
-Thread rule: any thread; one private lock guards the table, and nothing runs under it but dict
-operations (a free may come from a finalizer on any thread, so nothing under the lock can
-trigger one: the buffer is dropped after the lock is let go).
+Thread rule: any thread. The two tables are copy-on-write: a reader takes the current dict
+(never changed once published) with no lock, and a writer builds the new dict outside the lock and
+publishes it under the lock only if the current one is still the one it copied (else it builds
+again). Nothing runs under the lock but a compare and an assignment: a free may come from a
+finalizer, which the garbage collector runs on whatever thread allocates, and a lock held across
+an allocation would be taken again by that finalizer on its own thread and never let go.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ __all__ = ["PINNED_ALIGNMENT", "HostPinnedTable"]
 #: The alignment of every pinned allocation: a page, as ``cuMemHostAlloc`` gives.
 PINNED_ALIGNMENT: Final = 4096
 
+#: A table entry: the device ordinal and the buffer.
+_Entry = tuple[int, npt.NDArray[np.uint8]]
+
 
 class HostPinnedTable:
     """The live pinned allocations of one host driver: address -> (device ordinal, buffer).
@@ -45,6 +51,16 @@ class HostPinnedTable:
         self._lock = threading.Lock()
         self._live: dict[int, tuple[int, npt.NDArray[np.uint8]]] = {}
         self._registered: dict[int, tuple[int, npt.NDArray[np.uint8]]] = {}
+
+    def _publish(self, name: str, old: dict[int, _Entry], new: dict[int, _Entry]) -> bool:
+        """Make ``new`` the table ``name`` if it is still ``old``; whether it was. No allocation
+        under the lock (see the module docstring); ``old`` stays referenced by the caller, so
+        nothing is deallocated under it either."""
+        with self._lock:
+            if getattr(self, name) is not old:
+                return False
+            setattr(self, name, new)
+            return True
 
     def alloc(self, ordinal: int, nbytes: int) -> int:
         """Allocate ``nbytes`` aligned host bytes for device ``ordinal``.
@@ -69,9 +85,13 @@ class HostPinnedTable:
         skip = -int(raw.ctypes.data) % PINNED_ALIGNMENT
         buf = raw[skip : skip + nbytes]
         ptr = int(buf.ctypes.data)
-        with self._lock:
-            self._live[ptr] = (ordinal, buf)
-        return ptr
+        entry = (ordinal, buf)
+        while True:
+            old = self._live
+            new = dict(old)
+            new[ptr] = entry
+            if self._publish("_live", old, new):
+                return ptr
 
     def free(self, ordinal: int, ptr: int) -> None:
         """Forget the allocation at ``ptr``; its bytes go when no view of them is left.
@@ -84,18 +104,21 @@ class HostPinnedTable:
                 device ``ordinal`` (nothing changes then).
         Thread rule: any thread.
         """
-        with self._lock:
-            entry = self._live.get(ptr) if type(ptr) is int else None
-            if entry is not None and entry[0] == ordinal:
-                del self._live[ptr]
-        if entry is None or entry[0] != ordinal:
-            owner = "" if entry is None else f" (it is device {entry[0]}'s)"
-            raise DriverError(
-                f"device {ordinal}: free of pinned {ptr!r}, which is not a live pinned allocation of this "
-                f"device{owner}",
-                code="CUDA_ERROR_INVALID_VALUE",
-            )
-        del entry  # the buffer goes here, outside the lock, once no view holds it
+        while True:
+            old = self._live
+            entry = old.get(ptr) if type(ptr) is int else None
+            if entry is None or entry[0] != ordinal:
+                owner = "" if entry is None else f" (it is device {entry[0]}'s)"
+                raise DriverError(
+                    f"device {ordinal}: free of pinned {ptr!r}, which is not a live pinned allocation of this "
+                    f"device{owner}",
+                    code="CUDA_ERROR_INVALID_VALUE",
+                )
+            new = dict(old)
+            del new[ptr]
+            if self._publish("_live", old, new):
+                break
+        del entry, old  # the buffer goes here, outside the lock, once no view holds it
 
     def view(self, ptr: int, nbytes: int) -> memoryview:
         """A writable byte view of the first ``nbytes`` of the allocation at ``ptr``; it keeps the
@@ -107,8 +130,7 @@ class HostPinnedTable:
         Thread rule: any thread.
         """
         nbytes = check_nbytes(nbytes, "pinned view size")
-        with self._lock:
-            entry = self._live.get(ptr) if type(ptr) is int else None
+        entry = self._live.get(ptr) if type(ptr) is int else None
         if entry is None or nbytes > entry[1].nbytes:
             what = "is not a live pinned allocation" if entry is None else f"holds {entry[1].nbytes} bytes"
             raise DriverError(
@@ -126,8 +148,7 @@ class HostPinnedTable:
             return False
         start = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         end = start + len(view)
-        with self._lock:
-            entries = [*self._live.items(), *self._registered.items()]
+        entries = [*self._live.items(), *self._registered.items()]  # published dicts: never changed
         return any(ptr <= start and end <= ptr + buf.nbytes for ptr, (_o, buf) in entries)
 
     def register(self, ordinal: int, data: object) -> int:
@@ -153,12 +174,16 @@ class HostPinnedTable:
             raise InvalidRequest("host register: the buffer is empty")
         ptr = int(buf.ctypes.data)
         end = ptr + buf.nbytes
-        with self._lock:
-            clash = [
-                p for p, (_o, b) in (*self._live.items(), *self._registered.items()) if p < end and ptr < p + b.nbytes
-            ]
-            if not clash:
-                self._registered[ptr] = (ordinal, buf)
+        entry = (ordinal, buf)
+        while True:
+            old, live = self._registered, self._live
+            clash = [p for p, (_o, b) in (*live.items(), *old.items()) if p < end and ptr < p + b.nbytes]
+            if clash:
+                break
+            new = dict(old)
+            new[ptr] = entry
+            if self._live is live and self._publish("_registered", old, new):
+                break
         if clash:
             raise DriverError(
                 f"device {ordinal}: host register of {buf.nbytes} bytes at {ptr:#x}: overlaps memory already "
@@ -176,19 +201,25 @@ class HostPinnedTable:
                 registered through device ``ordinal`` (nothing changes then).
         Thread rule: any thread.
         """
-        with self._lock:
-            entry = self._registered.get(ptr) if type(ptr) is int else None
-            if entry is not None and entry[0] == ordinal:
-                del self._registered[ptr]
-        if entry is None or entry[0] != ordinal:
-            raise DriverError(
-                f"device {ordinal}: host unregister of {ptr!r}, which is not a buffer registered through this device",
-                code="CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-            )
+        while True:
+            old = self._registered
+            entry = old.get(ptr) if type(ptr) is int else None
+            if entry is None or entry[0] != ordinal:
+                raise DriverError(
+                    f"device {ordinal}: host unregister of {ptr!r}, which is not a buffer registered through this "
+                    "device",
+                    code="CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+                )
+            new = dict(old)
+            del new[ptr]
+            if self._publish("_registered", old, new):
+                return
 
     def clear(self) -> None:
         """Forget every allocation (the driver closes). Thread rule: any thread."""
+        empty_live: dict[int, _Entry] = {}
+        empty_registered: dict[int, _Entry] = {}
         with self._lock:
-            live, self._live = self._live, {}
-            self._registered = {}
-        live.clear()
+            live, self._live = self._live, empty_live
+            registered, self._registered = self._registered, empty_registered
+        del live, registered  # the buffers go here, outside the lock
