@@ -32,14 +32,13 @@ cimport cython
 from cpython.dict cimport PyDict_GetItemWithError
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
-from posix.time cimport clock_gettime, timespec
 
 from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
 from .ops cimport DriverOps, ops_for
 from .ptr_table cimport PtrTable, key_of
-from .resource_core cimport ResourceCore, record_history
+from .resource_core cimport ResourceCore, block_clock, record_history
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.limits import ALIGNMENT
@@ -53,18 +52,6 @@ cdef object _LIVE = BlockState.LIVE
 cdef object _ALIGNMENT = ALIGNMENT
 cdef object _DEFAULT_STREAM = StreamId.DEFAULT
 cdef object _UNTAGGED = AllocTag.UNTAGGED
-
-
-cdef extern from "<time.h>":
-    # Linux's coarse monotonic clock: a read of the kernel's tick (a few ns instead of about 20);
-    # block ages in memory reports need no better than its millisecond-scale resolution.
-    int CLOCK_MONOTONIC_COARSE
-
-
-cdef inline double _now() noexcept:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef class EventPool:
@@ -276,7 +263,7 @@ cdef class AsyncCore(ResourceCore):
         Thread rule: any thread.
         """
         cdef _Entry e
-        cdef double now = _now()
+        cdef double now = block_clock()
         lock_acquire(&self._lock)
         try:
             items = list(self._live.items())
@@ -328,7 +315,7 @@ cdef class AsyncCore(ResourceCore):
         entry.nbytes = nbytes
         entry.stream = stream
         entry.tag = tag
-        entry.created = _now()
+        entry.created = block_clock()
         block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
         if not key_of(ptr, &key):
             self._ops.free_async(ptr, cu_stream)

@@ -46,14 +46,13 @@ from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
-from posix.time cimport clock_gettime, timespec
 
 from .async_core cimport AsyncCore, _Entry
 from .blocks cimport DeviceBlock, new_block, next_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
 from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
-from .resource_core cimport ResourceCore
+from .resource_core cimport ResourceCore, block_clock
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.limits import ALIGNMENT
@@ -71,16 +70,6 @@ cdef object _LIVE = BlockState.LIVE
 cdef object _ALIGNMENT = ALIGNMENT
 cdef object _DEFAULT_STREAM = StreamId.DEFAULT
 cdef object _UNTAGGED = AllocTag.UNTAGGED
-
-
-cdef extern from "<time.h>":
-    int CLOCK_MONOTONIC_COARSE
-
-
-cdef inline double _now() noexcept:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef extern from *:
@@ -251,7 +240,7 @@ cdef class CacheCore(ResourceCore):
         entry = s.entry
         entry.generation = generation
         entry.tag = tag
-        entry.created = _now()
+        entry.created = block_clock()
         self._held.insert(s.key, nbytes)
         self._cached_bytes -= cls
         self._cached_blocks -= 1
@@ -286,7 +275,7 @@ cdef class CacheCore(ResourceCore):
                     entry.generation = generation
                     entry.tag = tag
                     entry.stream = stream  # its free, and the lazy fence of its uses, go there now
-                    entry.created = _now()
+                    entry.created = block_clock()
                     self._held.insert(s.key, nbytes)
                     self._cached_bytes -= cls
                     self._cached_blocks -= 1

@@ -1,7 +1,23 @@
 # What both compiled resources hold; see resource_core.pyx.
 
+from posix.time cimport clock_gettime, timespec
+
 from .history_ring cimport HISTORY_ALLOC, HistoryRing
 from .ops cimport DriverOps
+
+
+cdef extern from "<time.h>":
+    # Linux's coarse monotonic clock: a read of the kernel's tick (a few ns instead of about 20);
+    # block ages in memory reports need no better than its millisecond-scale resolution.
+    int CLOCK_MONOTONIC_COARSE
+
+
+# When a block was made or handed out again, in seconds: one clock for every compiled resource, so
+# the ages a report shows compare across them.
+cdef inline double block_clock() noexcept:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef class ResourceCore:
