@@ -112,14 +112,33 @@ def two_devices(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
     if request.param == "host":
         driver: xa.Driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
     else:
-        driver = xa.CudaDriver()
-        count = driver.device_count()
-        if count < 2:
-            driver.close()
-            pytest.skip(f"needs two CUDA devices; this machine has {count}")
+        driver = _cuda_of_two()
     yield driver
     pykka.ActorRegistry.stop_all()
     driver.close()
+
+
+@pytest.fixture
+def cuda_pair() -> Iterator[xa.Driver]:
+    """A CUDA driver of two GPUs or more (skipped with the reason where fewer are reachable), for
+    gpu-marked tests that need real devices only. Every actor is stopped before it closes."""
+    driver = _cuda_of_two()
+    yield driver
+    pykka.ActorRegistry.stop_all()
+    driver.close()
+
+
+def _cuda_of_two() -> xa.Driver:
+    """A CUDA driver with at least two devices, else the test is skipped with the reason."""
+    try:
+        driver = xa.open_driver("cuda")
+    except xa.DeviceUnavailable as exc:
+        pytest.skip(f"no CUDA GPU reachable: {exc}")
+    count = driver.device_count()
+    if count < 2:
+        driver.close()
+        pytest.skip(f"needs two CUDA devices; this machine has {count}")
+    return driver
 
 
 @pytest.fixture

@@ -5,9 +5,6 @@ test_multi_demo.py and tests/actors/test_device_pool.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pykka
 import pytest
 
 import xlog_actors as xa
@@ -15,21 +12,6 @@ from xlog_actors.cli.multi_pipeline import InjectedFault, run_on_devices
 from xlog_actors.cli.pipeline import PipelineConfig
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def cuda_pair() -> Iterator[xa.Driver]:
-    try:
-        driver = xa.open_driver("cuda")
-    except xa.DeviceUnavailable as exc:
-        pytest.skip(f"no CUDA GPU reachable: {exc}")
-    count = driver.device_count()
-    if count < 2:
-        driver.close()
-        pytest.skip(f"needs two CUDA devices; this machine has {count}")
-    yield driver
-    pykka.ActorRegistry.stop_all()
-    driver.close()
 
 
 @pytest.mark.parametrize("placement", ["isolated", "in-process"])
