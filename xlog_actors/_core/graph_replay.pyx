@@ -115,28 +115,27 @@ cdef class ReplayCore:
         cdef Py_ssize_t i, n
         refs = self._refs
         n = len(refs)
+        blocks = []  # each handle's block, as its check returned it
         for i in range(n):
             ref = refs[i]
             if isinstance(ref, HandleCore):
                 core = <HandleCore>ref
                 if (core._cell.token is core._token and not core._released
                         and <object>PyWeakref_GetObject(core._state) is not None):
+                    blocks.append(core._block)
                     continue
-            ref.access()  # the slow path: refreshes a moved token, or raises GpuRefStale
+            blocks.append(ref.access())  # the slow path: refreshes a moved token, or raises GpuRefStale
         sid, stream = self._sid, self._stream
+        accesses = self._accesses
         prepare = self._prepare
         if prepare is not None:
-            accesses = self._accesses
             for i in range(n):
-                prepare((<HandleCore>refs[i])._block if isinstance(refs[i], HandleCore) else refs[i].block,
-                        sid, accesses[i])
+                prepare(blocks[i], sid, accesses[i])
         self._ops.graph_launch(graph, stream)
         finish = self._finish
         if finish is not None:
-            accesses = self._accesses
             for i in range(n):
-                finish((<HandleCore>refs[i])._block if isinstance(refs[i], HandleCore) else refs[i].block,
-                       sid, accesses[i])
+                finish(blocks[i], sid, accesses[i])
         event = self._done_event()
         if self._synchronize:
             stream.synchronize()
