@@ -353,24 +353,21 @@ class CudaGraph:
             node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
             if node is not None and node.keep is view:
                 return None
-            known = self._pinned_views.get(id(view))
-            host = node.host if node is not None else None
-            if (node is not None and host is not None and known is not None and known[0] is view
-                    and len(view) == cast(HostToDevice | DeviceToHost, node.step).nbytes
-                    and (isinstance(node.step, HostToDevice) or not view.readonly)):
-                # A view this graph already checked (a 1-D byte view of pinned memory, at
-                # ``known[1]``), of the step's length: only its address changes, written into
-                # the kept struct's own memory, then one node update.
+            by_address = self._by_address(index, view)
+            if by_address is not None:
+                # Only the address changes: written into the kept struct's own memory, then one
+                # node update.
+                node, address = by_address
+                assert node.host is not None
                 dev.enter()
-                old = host.value
-                host.value = known[1]
+                old = node.host.value
+                node.host.value = address
                 err = dev.held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h)
                 if err:
-                    host.value = old
+                    node.host.value = old
                     dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
                 a = node.addresses
-                node.addresses = ((known[1], 0, 0, a[3]) if isinstance(node.step, HostToDevice)
-                                  else (0, a[1], known[1], 0))
+                node.addresses = (address, 0, 0, a[3]) if node.src else (0, a[1], address, 0)
                 replaced, node.keep = node.keep, view
                 return replaced
             step = host_step([n.step for n in self._nodes], index, view)
@@ -386,13 +383,18 @@ class CudaGraph:
         graph already checked (swapped in or recorded before), of the step's length, writable
         for a copy into it, and a node whose host field was located. Else None."""
         with self._lock:
-            node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
-            known = self._pinned_views.get(id(view))
-            if (node is None or not node.host_at or known is None or known[0] is not view
-                    or len(view) != cast(HostToDevice | DeviceToHost, node.step).nbytes
-                    or (not node.src and view.readonly)):
-                return None
-            return node, known[1]
+            return self._by_address(index, view)
+
+    def _by_address(self, index: int, view: memoryview) -> tuple[_Node, int] | None:
+        """Step ``index``'s node and ``view``'s address when ``view`` may be bound to it by
+        address alone (see :meth:`fast_host`); else None. Call under ``_lock``."""
+        node = self._nodes[index] if type(index) is int and 0 <= index < len(self._nodes) else None
+        known = self._pinned_views.get(id(view))
+        if (node is None or not node.host_at or known is None or known[0] is not view
+                or len(view) != cast(HostToDevice | DeviceToHost, node.step).nbytes
+                or (not node.src and view.readonly)):
+            return None
+        return node, known[1]
 
     def _retire(self, replaced: object | None) -> None:
         """Keep a replaced view until the next launch hands it to its stream."""
