@@ -11,9 +11,10 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.cli import main
 from xlog_actors.cli.multi_demo import resolve_devices, run_multi_demo
-from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, HOST_MAX_DEVICES, InjectedFault, run_on_devices
+from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, InjectedFault, run_on_devices
 from xlog_actors.cli.options import UsageError
 from xlog_actors.cli.pipeline import PipelineConfig
+from xlog_actors.driver.host import MAX_EMULATED_DEVICES
 
 SMALL = PipelineConfig(batches=6, batch_bytes=64 << 10, depth=2)
 
@@ -96,8 +97,8 @@ def test_resolve_devices() -> None:
         resolve_devices(5, "cuda", 4)
     assert resolve_devices(3, "host", 1) == 3  # emulated
     assert resolve_devices("all", "host", 1) == 1
-    with pytest.raises(UsageError, match=f"1 to {HOST_MAX_DEVICES}"):
-        resolve_devices(HOST_MAX_DEVICES + 1, "host", 1)
+    with pytest.raises(UsageError, match=f"1 to {MAX_EMULATED_DEVICES}"):
+        resolve_devices(MAX_EMULATED_DEVICES + 1, "host", 1)
 
 
 def test_run_on_devices_refuses_bad_arguments() -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..driver.host import HostDriver
+from ..driver.host import MAX_EMULATED_DEVICES, HostDriver
 from ..driver.protocol import Driver
 from ..errors import XlogError
 from .batches import BatchData
 from .driver_choice import choose_driver
 from .multi_pipeline import (
     DEFAULT_PLACEMENT,
-    HOST_MAX_DEVICES,
     MAX_RESTARTS,
     InjectedFault,
     MultiResult,
@@ -44,7 +43,7 @@ def resolve_devices(value: int | str, kind: str, present: int) -> int:
     Args:
         value: the flag's checked value: ``"all"`` or an int >= 1.
         kind: the driver's kind; the host driver emulates as many devices as asked, up to
-            ``HOST_MAX_DEVICES``.
+            ``MAX_EMULATED_DEVICES``.
         present: the devices the opened driver has.
     Returns:
         The count, at least 1.
@@ -56,8 +55,8 @@ def resolve_devices(value: int | str, kind: str, present: int) -> int:
         return present
     assert isinstance(value, int)
     if kind == "host":
-        if value > HOST_MAX_DEVICES:
-            raise UsageError(f"--devices {value}: the host driver emulates 1 to {HOST_MAX_DEVICES} devices")
+        if value > MAX_EMULATED_DEVICES:
+            raise UsageError(f"--devices {value}: the host driver emulates 1 to {MAX_EMULATED_DEVICES} devices")
         return value
     if value > present:
         raise UsageError(f"--devices {value}: the {kind} driver has {present} device(s); expected 'all' or 1 to "

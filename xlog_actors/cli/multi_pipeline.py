@@ -55,7 +55,7 @@ from ..driver.protocol import Driver
 from .pipeline import PipelineConfig, PipelineResult, run_pipeline
 
 __all__ = [
-    "DEFAULT_PLACEMENT", "HOST_MAX_DEVICES", "MAX_RESTARTS", "PLACEMENTS", "DeviceRun", "InjectedFault",
+    "DEFAULT_PLACEMENT", "MAX_RESTARTS", "PLACEMENTS", "DeviceRun", "InjectedFault",
     "MultiResult", "Placement", "run_on_devices",
 ]
 
@@ -66,9 +66,6 @@ PLACEMENTS: Final[tuple[Placement, ...]] = ("isolated", "in-process")
 
 #: One worker process per device: its own interpreter lock (the module docstring says why).
 DEFAULT_PLACEMENT: Final[Placement] = "isolated"
-
-#: The most devices the host driver is asked to emulate for a run (one worker process each).
-HOST_MAX_DEVICES: Final = 16
 
 #: How long a device may take to make its inputs, buffers and kernels before its start.
 READY_TIMEOUT_S: Final = 180.0

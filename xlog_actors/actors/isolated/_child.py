@@ -52,7 +52,7 @@ import pykka
 
 from ..._core import call_lane as lanes
 from ..._core.call_lane import CallLane
-from ...driver.host import HostDriver
+from ...driver.host import MAX_EMULATED_DEVICES, HostDriver
 from ...driver.open import open_driver
 from ...driver.protocol import Driver
 from ...driver.shared_memory import SharedSegment
@@ -84,9 +84,6 @@ from ._protocol import (
     RemoteBlock,
     encode_error,
 )
-
-#: How many host devices an isolated child emulates at most: ordinals 0..HOST_ORDINALS - 1.
-HOST_ORDINALS = 16
 
 __all__ = ["serve"]
 
@@ -462,13 +459,13 @@ def serve(conn: Connection) -> None:
         if driver.kind == "host":
             # Emulated device memory in shared memory, so that the parent's handles can be sent
             # to other processes (shared_ref); an unused private driver costs nothing to close.
-            # It emulates the devices up to this one, so that each of HOST_ORDINALS ordinals can be
+            # It emulates the devices up to this one, so that each of MAX_EMULATED_DEVICES ordinals can be
             # isolated (a pool of isolated host devices); past them an ordinal is refused, as a
             # driver refuses one it does not have.
             driver.close()
-            if not 0 <= ordinal < HOST_ORDINALS:
+            if not 0 <= ordinal < MAX_EMULATED_DEVICES:
                 raise InvalidRequest(f"device ordinal {ordinal}: an isolated host device has one of the ordinals "
-                                     f"0..{HOST_ORDINALS - 1}")
+                                     f"0..{MAX_EMULATED_DEVICES - 1}")
             driver = HostDriver(device_count=ordinal + 1, shared=True)
         t_driver = time.monotonic()
         supervisor = Supervisor(max_restarts, within_s, on_poisoned=report_poisoned)

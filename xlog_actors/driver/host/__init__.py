@@ -12,12 +12,13 @@ Thread rule: see each class; every public method of the driver may be called fro
 from __future__ import annotations
 
 from .device import FaultKind
-from .driver import HostDriver
+from .driver import MAX_EMULATED_DEVICES, HostDriver
 from .memory import ALIGNMENT, POISON_BYTE, AddressSpace, DeviceArena, align_up
 from .stream import HostEvent, HostStream
 
 __all__ = [
     "ALIGNMENT",
+    "MAX_EMULATED_DEVICES",
     "POISON_BYTE",
     "AddressSpace",
     "DeviceArena",

@@ -34,7 +34,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Literal
+from typing import Final, Literal
 
 import numpy as np
 
@@ -51,7 +51,12 @@ from .pinned import HostPinnedTable
 from .staging import StagingPool
 from .stream import HostEvent, HostStream
 
-__all__ = ["HostDriver"]
+__all__ = ["MAX_EMULATED_DEVICES", "HostDriver"]
+
+#: The most devices the runtime asks a host driver to emulate when it picks the count itself (a
+#: worker process per device of the multi-device demo, an isolated device's child emulating the
+#: ordinals up to its own). A ``HostDriver`` made by a caller may emulate any number.
+MAX_EMULATED_DEVICES: Final = 16
 
 # Each device gets its own 1 TiB window of the address space, so pointers of different devices
 # never collide and a pointer names its device.
