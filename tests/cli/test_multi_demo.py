@@ -120,7 +120,7 @@ def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
 
     for count in (1, 2):
         driver = xa.HostDriver(device_count=count)
-        # On two devices only the demo row runs here (a 256 MiB copy through shared memory takes
+        # On two devices only the 1 MiB rows run here (a 256 MiB copy through shared memory takes
         # seconds on the host; the copy itself is tested in tests/actors/test_cross_process_copy.py).
         wanted = ("1 MiB", "peer") if count == 1 else ("1 MiB",)
         ctx = Context(driver, make_plan("host", quick=True), lambda name, wanted=wanted: any(w in name for w in wanted),
@@ -132,12 +132,39 @@ def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
             driver.close()
         by_name = {r.name: r for r in ctx.results}
         demo = by_name["demo on N GPUs / N x one GPU 1 MiB"]
+        raw = by_name["raw pipeline on N GPUs at once / N x one GPU 1 MiB"]
         if count == 1:
             peer = by_name["cross-process peer copy 256 MiB"]
-            assert isinstance(demo, Skipped) and "needs 2 devices" in demo.reason
-            assert isinstance(peer, Skipped) and "needs 2 devices" in peer.reason
+            for row in (demo, raw, peer):
+                assert isinstance(row, Skipped) and "needs 2 devices or more" in row.reason, row
+            assert isinstance(raw, Skipped) and raw.reason == "needs 2 devices or more; the host driver has 1"
         else:
+            # The raw row runs first: the demo's note reads it.
+            assert [r.name for r in ctx.results] == [raw.name, demo.name]
+            assert isinstance(raw, RowResult) and raw.median > 0 and raw.ratio > 0
+            assert raw.target is None and raw.informational and raw.kind == "rate"
             assert isinstance(demo, RowResult) and demo.median > 0 and demo.ratio > 0
+            ratio = demo.median / raw.median
+            assert f"ours / the raw pipeline on N GPUs at once (`{raw.name}`, this run): {ratio:.3f}x" in demo.note
+
+
+def test_the_demo_row_says_when_no_raw_row_ran_before_it() -> None:
+    from xlog_actors.cli.bench.harness import Context, run_group
+    from xlog_actors.cli.bench.plan import make_plan
+    from xlog_actors.cli.bench.result import RowResult
+    from xlog_actors.cli.bench.rows_multi import MULTI
+
+    driver = xa.HostDriver(device_count=2)
+    ctx = Context(driver, make_plan("host", quick=True), lambda name: name == "demo on N GPUs / N x one GPU 1 MiB",
+                  lambda line: None)
+    try:
+        run_group(MULTI, ctx)
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+    (demo,) = ctx.results
+    assert isinstance(demo, RowResult)
+    assert "did not run before it, so no ratio to the raw pipeline at once" in demo.note
 
 
 def test_a_sticky_error_on_one_device_restarts_its_worker_and_every_batch_is_verified() -> None:

@@ -47,7 +47,7 @@ import contextlib
 import ctypes
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -79,14 +79,25 @@ class RawResult:
         return self.batches * self.batch_bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def raw_pipeline(driver: Driver, data: BatchData, batches: int, depth: int) -> RawResult:
+def raw_pipeline(
+    driver: Driver,
+    data: BatchData,
+    batches: int,
+    depth: int,
+    *,
+    ordinal: int = 0,
+    start_gate: Callable[[], None] | None = None,
+) -> RawResult:
     """Run the demo's job raw: ``batches`` batches of ``data``'s inputs through three streams.
 
     Args:
-        driver: the driver of device 0.
+        driver: the driver of the device.
         data: the distinct inputs and their checksums (copied into pinned buffers on CUDA).
         batches: how many batches, at least 1.
         depth: device buffer pairs in the ring (batches in flight), at least 1.
+        ordinal: the device to run on.
+        start_gate: called once everything is made and loaded, just before the clock starts (a
+            run on several devices at once waits there until every device is ready).
     Returns:
         The run's seconds (buffers, streams, events and the kernel are made before timing starts).
     Raises:
@@ -97,11 +108,16 @@ def raw_pipeline(driver: Driver, data: BatchData, batches: int, depth: int) -> R
     """
     if batches < 1 or depth < 1:
         raise ValueError(f"raw pipeline: batches and depth must be at least 1, got {batches} and {depth}")
+    gate = start_gate if start_gate is not None else _no_gate
     if driver.kind == "cuda":
-        seconds, cpu = _cuda_run(driver, data, batches, depth, _CUDA_CALLS)
+        seconds, cpu = _cuda_run(driver, data, batches, depth, _CUDA_CALLS, ordinal, gate)
     else:
-        seconds, cpu = _host_run(driver, data, batches, depth)
+        seconds, cpu = _host_run(driver, data, batches, depth, ordinal, gate)
     return RawResult(batches, data.nbytes, seconds, cpu)
+
+
+def _no_gate() -> None:
+    """The start gate of a run that waits for nobody."""
 
 
 def _verify(host_out: Sequence[Any], data: BatchData, batches: int, depth: int) -> None:
@@ -119,44 +135,49 @@ def _schedule(batches: int, depth: int, sources: Sequence[Any], slots: Sequence[
 
 
 @contextlib.contextmanager
-def _ring(driver: Driver, depth: int, nbytes: int) -> Iterator[tuple[list[Any], list[int], list[int]]]:
+def _ring(driver: Driver, ordinal: int, depth: int,
+          nbytes: int) -> Iterator[tuple[list[Any], list[int], list[int]]]:
     """A run's three streams and ``depth`` device buffer pairs, ``(streams, d_in, d_out)``, on
     either driver; on the way out, whatever failed, the streams are synchronized (nothing below
     frees what a stream still uses), the buffers freed and the streams closed."""
     streams: list[Any] = []
     buffers: list[int] = []
     try:
-        streams += (driver.create_stream(0) for _ in range(3))
-        d_in = [driver.alloc(0, nbytes) for _ in range(depth)]
+        streams += (driver.create_stream(ordinal) for _ in range(3))
+        d_in = [driver.alloc(ordinal, nbytes) for _ in range(depth)]
         buffers += d_in
-        d_out = [driver.alloc(0, nbytes) for _ in range(depth)]
+        d_out = [driver.alloc(ordinal, nbytes) for _ in range(depth)]
         buffers += d_out
         yield streams, d_in, d_out
     finally:
         for s in streams:
             s.synchronize()
         for ptr in buffers:
-            driver.free(0, ptr)
+            driver.free(ordinal, ptr)
         for s in streams:
             s.close()
 
 
 # -- the host driver ------------------------------------------------------------------------------
 
-def _host_run(driver: Driver, data: BatchData, batches: int, depth: int) -> tuple[float, float]:
+def _host_run(driver: Driver, data: BatchData, batches: int, depth: int, ordinal: int,
+              gate: Callable[[], None]) -> tuple[float, float]:
     nbytes, n = data.nbytes, data.nbytes // 4
     grid, block = launch_shape(n)
-    with _ring(driver, depth, nbytes) as (streams, d_in, d_out):
+    with _ring(driver, ordinal, depth, nbytes) as (streams, d_in, d_out):
         host_out = [np.empty(nbytes, np.uint8) for _ in range(depth)]
+        event = driver.create_event
         slots = [
-            (d_in[s], d_out[s], host_out[s], driver.create_event(0), driver.create_event(0), driver.create_event(0),
+            (d_in[s], d_out[s], host_out[s], event(ordinal), event(ordinal), event(ordinal),
              [d_out[s], d_in[s], ALPHA, BETA, n])
             for s in range(depth)
         ]
         driver.launch(SCALE_ADD_F32, grid, block, slots[0][6], streams[1])  # the CUDA path's warm-up, kept alike
         for s in streams:
             s.synchronize()
-        timing = _host_loop(driver, streams, _schedule(batches, depth, data.inputs, slots), grid, block)
+        schedule = _schedule(batches, depth, data.inputs, slots)
+        gate()
+        timing = _host_loop(driver, streams, schedule, grid, block)
         _verify(host_out, data, batches, depth)
         return timing
 
@@ -232,15 +253,17 @@ def _ok(result: tuple[Any, ...], call: str) -> Any:
     return result[1] if len(result) > 1 else None
 
 
-def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: _CudaCalls) -> tuple[float, float]:
-    """The CUDA run through ``calls``' spelling (see the module docstring): the setup, the timed
-    loop, the verification and the teardown, which runs whatever failed."""
+def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: _CudaCalls, ordinal: int = 0,
+              gate: Callable[[], None] = _no_gate) -> tuple[float, float]:
+    """The CUDA run through ``calls``' spelling (see the module docstring) on device ``ordinal``:
+    the setup, ``gate``, the timed loop, the verification and the teardown, which runs whatever
+    failed."""
     from cuda.bindings import driver as cu
 
     nbytes, n = data.nbytes, data.nbytes // 4
     grid, block = launch_shape(n)
-    driver.make_current(0)  # the raw calls below run in this thread's current context
-    device: Any = cast(Any, driver).fast_path(0)[1]  # CudaDriver's CudaDevice: its kernels and HeldCalls
+    driver.make_current(ordinal)  # the raw calls below run in this thread's current context
+    device: Any = cast(Any, driver).fast_path(ordinal)[1]  # CudaDriver's CudaDevice: its kernels and HeldCalls
     events: list[Any] = []
     pinned: list[int] = []
 
@@ -254,7 +277,7 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
         events.append(ev)
         return ev
 
-    with _ring(driver, depth, nbytes) as (streams, d_in, d_out), _released(streams, events, pinned, cu):
+    with _ring(driver, ordinal, depth, nbytes) as (streams, d_in, d_out), _released(streams, events, pinned, cu):
         sources = []
         for src in data.inputs:
             buf = host_buffer(nbytes)
@@ -276,16 +299,19 @@ def _cuda_run(driver: Driver, data: BatchData, batches: int, depth: int, calls: 
                  ctypes.addressof(params[s]) + 8 * _PARAM_COUNT)
                 for s in range(depth)
             ]
-            timing = _held_loop(device.held, cu, stream_handles, int(fn), grid, block, nbytes,
-                                 _schedule(batches, depth, sources, slots))
+            schedule = _schedule(batches, depth, sources, slots)
+            gate()
+            timing = _held_loop(device.held, cu, stream_handles, int(fn), grid, block, nbytes, schedule)
         else:
             slots = [
                 (cu.CUdeviceptr(d_in[s]), cu.CUdeviceptr(d_out[s]), int(host_out[s].ctypes.data), *slot_events[s],
                  ctypes.addressof(params[s]) + 8 * _PARAM_COUNT)
                 for s in range(depth)
             ]
-            timing = _bindings_loop(cu, [cu.CUstream(h) for h in stream_handles], fn, grid, block, nbytes,
-                                     _schedule(batches, depth, sources, slots))
+            bound = [cu.CUstream(h) for h in stream_handles]
+            schedule = _schedule(batches, depth, sources, slots)
+            gate()
+            timing = _bindings_loop(cu, bound, fn, grid, block, nbytes, schedule)
         _verify(host_out, data, batches, depth)
         return timing
 
