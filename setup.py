@@ -35,6 +35,7 @@ _MODULES = (
     "fdwait",
     "call_lane",
     "graph_replay",
+    "library_core",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

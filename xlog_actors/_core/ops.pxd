@@ -16,6 +16,9 @@ ctypedef CUresult (*GraphLaunch_t)(void*, CUstream) noexcept nogil
 ctypedef CUresult (*EventQuery_t)(CUevent) noexcept nogil
 ctypedef CUresult (*GraphMemcpySet_t)(void*, void*, const void*, void*) noexcept nogil
 ctypedef CUresult (*PrimaryCtxGetState_t)(int, unsigned int*, int*) noexcept nogil
+ctypedef CUresult (*MemsetD8Async_t)(CUdeviceptr, unsigned char, size_t, CUstream) noexcept nogil
+ctypedef CUresult (*MemcpyHtoDAsync_t)(CUdeviceptr, const void*, size_t, CUstream) noexcept nogil
+ctypedef CUresult (*MemcpyDtoHAsync_t)(void*, CUdeviceptr, size_t, CUstream) noexcept nogil
 
 
 cdef class DriverOps:
@@ -31,6 +34,11 @@ cdef class DriverOps:
     cdef graph_launch(self, object graph, object stream)
     cdef bint query(self, object event) except -1
     cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1
+    cdef memset_d8(self, object ptr, int byte, object nbytes, object stream)
+    cdef bint copy_htod(self, object ptr, object buf, unsigned long long address, object nbytes,
+                        object stream) except -1
+    cdef bint copy_dtoh(self, object buf, unsigned long long address, object ptr, object nbytes,
+                        object stream) except -1
 
 
 cdef class CudaOps(DriverOps):
@@ -71,6 +79,9 @@ cdef class CudaOps(DriverOps):
     cdef EventQuery_t _event_query
     cdef GraphMemcpySet_t _graph_memcpy_set
     cdef PrimaryCtxGetState_t _primary_state
+    cdef MemsetD8Async_t _memset_d8
+    cdef MemcpyHtoDAsync_t _memcpy_htod
+    cdef MemcpyDtoHAsync_t _memcpy_dtoh
     cdef int _cudev
     cdef bint _current(self)
     cdef object _thread_token(self)

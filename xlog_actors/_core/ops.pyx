@@ -28,7 +28,8 @@ stream (under its gate, in Python, holding the GIL) either before the check, whi
 or after the call, whose work the rebuild's synchronize then waits for.
 
 Why one module, longer than 400 lines: every fast path here (allocation, free, event record and
-wait, query, graph launch and rebinding, the context check) rests on the same cached view of the
+wait, query, graph launch and rebinding, the context check, a library actor's fill and pinned
+copies) rests on the same cached view of the
 device and the same stream verdict, and each must be read beside the checks it trusts.
 
 Thread rule: any thread; an ops object's only mutable state is its cached view of the device,
@@ -112,6 +113,23 @@ cdef class DriverOps:
     cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1:
         return False  # no fast path: the caller takes the graph's own ``swap_host``
 
+    cdef memset_d8(self, object ptr, int byte, object nbytes, object stream):
+        self.driver.fill(ptr, byte, nbytes, stream)
+
+    # The two pinned copies: ``buf`` is a ``PinnedBuffer`` (page-locked, so the copy only
+    # enqueues) and ``address`` its memory's. True when the copy went to ``libcuda`` directly: the
+    # caller must then keep the buffer's memory referenced until the copy ran. False when the
+    # driver's method ran it, which keeps what it copies from or into itself.
+    cdef bint copy_htod(self, object ptr, object buf, unsigned long long address, object nbytes,
+                        object stream) except -1:
+        self.driver.copy_to_device(ptr, buf.view()[:nbytes], stream)
+        return False
+
+    cdef bint copy_dtoh(self, object buf, unsigned long long address, object ptr, object nbytes,
+                        object stream) except -1:
+        self.driver.copy_to_host_into(ptr, buf.view()[:nbytes], stream)
+        return False
+
 
 cdef class CudaOps(DriverOps):
     """The CUDA driver's calls through ``libcuda`` entry points, with the Python driver as the
@@ -175,6 +193,9 @@ cdef class CudaOps(DriverOps):
         self._event_query = <EventQuery_t>PyLong_AsVoidPtr(entry_points["cuEventQuery"])
         self._graph_memcpy_set = <GraphMemcpySet_t>PyLong_AsVoidPtr(entry_points["cuGraphExecMemcpyNodeSetParams"])
         self._primary_state = <PrimaryCtxGetState_t>PyLong_AsVoidPtr(entry_points["cuDevicePrimaryCtxGetState"])
+        self._memset_d8 = <MemsetD8Async_t>PyLong_AsVoidPtr(entry_points["cuMemsetD8Async"])
+        self._memcpy_htod = <MemcpyHtoDAsync_t>PyLong_AsVoidPtr(entry_points["cuMemcpyHtoDAsync"])
+        self._memcpy_dtoh = <MemcpyDtoHAsync_t>PyLong_AsVoidPtr(entry_points["cuMemcpyDtoHAsync"])
         self._cudev = int(device.cudev)
 
     cdef bint _current(self):
@@ -383,6 +404,41 @@ cdef class CudaOps(DriverOps):
         if err != 0:
             cell[0] = old
             self._dev.fail(self._cuda_result(err), "cuGraphExecMemcpyNodeSetParams")
+        return True
+
+    # The enqueue-only calls of a library actor's one-handle work (``library_core``): a live
+    # stream of the current epoch, the context current, a positive size (the caller's block and
+    # buffer bound it); anything else goes to the driver's method, which raises the precise error.
+    cdef memset_d8(self, object ptr, int byte, object nbytes, object stream):
+        cdef CUresult err
+        if (not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0
+                or type(nbytes) is not int or nbytes <= 0):
+            DriverOps.memset_d8(self, ptr, byte, nbytes, stream)
+            return
+        err = self._memset_d8(<CUdeviceptr>ptr, <unsigned char>byte, <size_t>nbytes, self._handle_of(stream))
+        if err != 0:
+            self._dev.fail(self._cuda_result(err), f"cuMemsetD8Async({nbytes} bytes at {ptr:#x}, stream {stream._id})")
+
+    cdef bint copy_htod(self, object ptr, object buf, unsigned long long address, object nbytes,
+                        object stream) except -1:
+        cdef CUresult err
+        if (not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0
+                or type(nbytes) is not int or nbytes <= 0 or address == 0):
+            return DriverOps.copy_htod(self, ptr, buf, address, nbytes, stream)
+        err = self._memcpy_htod(<CUdeviceptr>ptr, <const void*>address, <size_t>nbytes, self._handle_of(stream))
+        if err != 0:
+            self._dev.fail(self._cuda_result(err), f"cuMemcpyHtoDAsync({nbytes} bytes to {ptr:#x}, stream {stream._id})")
+        return True
+
+    cdef bint copy_dtoh(self, object buf, unsigned long long address, object ptr, object nbytes,
+                        object stream) except -1:
+        cdef CUresult err
+        if (not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0
+                or type(nbytes) is not int or nbytes <= 0 or address == 0):
+            return DriverOps.copy_dtoh(self, buf, address, ptr, nbytes, stream)
+        err = self._memcpy_dtoh(<void*>address, <CUdeviceptr>ptr, <size_t>nbytes, self._handle_of(stream))
+        if err != 0:
+            self._dev.fail(self._cuda_result(err), f"cuMemcpyDtoHAsync({nbytes} bytes from {ptr:#x}, stream {stream._id})")
         return True
 
     cdef object alloc(self, object nbytes):

@@ -4,7 +4,7 @@ stream, tracked on the handles it touches."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ..driver.protocol import Driver, Stream
 from ..errors import InvalidRequest
@@ -60,6 +60,9 @@ class CopyActor(LibraryActor):
         return kind is CopyToHost and message.out is not None
 
     def _to_device(self, msg: CopyToDevice) -> None:
+        core = self._core
+        if core is not None and self._compiled(core.to_device, msg.ref, msg.data):
+            return  # a pinned buffer, the compiled path (the checks below refuse the rest)
         self._check_refs(msg, "ref")
         if isinstance(msg.data, PinnedBuffer):
             self._to_device_from_pinned(msg)
@@ -159,9 +162,14 @@ class CopyActor(LibraryActor):
         src.access()  # its owner restarted during the copy: the bytes copied are not the handle's
 
     def _fill(self, msg: Fill) -> None:
+        byte = msg.byte
+        if type(byte) is not int or not 0 <= byte <= 255:
+            self._check_refs(msg, "ref")
+            raise InvalidRequest(f"Fill.byte must be an int in 0..255, got {byte!r}")
+        core = self._core
+        if core is not None and self._compiled(core.fill, msg.ref, byte):
+            return
         self._check_refs(msg, "ref")
-        if type(msg.byte) is not int or not 0 <= msg.byte <= 255:
-            raise InvalidRequest(f"Fill.byte must be an int in 0..255, got {msg.byte!r}")
 
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             driver.fill(blocks[0].ptr, msg.byte, blocks[0].nbytes, stream)
@@ -207,6 +215,11 @@ class CopyActor(LibraryActor):
         """``CopyToHost`` into a pinned buffer: enqueue the copy and an event after it, and reply
         at once. The driver keeps the view (and so the buffer's memory) referenced until the copy
         ran, so a release meanwhile frees nothing early."""
+        core = self._core
+        if core is not None:
+            event = self._compiled(core.to_host, msg.ref, msg.out, nbytes)
+            if event is not None:
+                return CopyDone(cast(PinnedBuffer, msg.out), nbytes, event)  # the core took it as one
         buf = self._check_pinned(msg.out, "CopyToHost.out", msg.ref, nbytes)
         target = buf.view()[:nbytes]
         done: list[CopyDone] = []

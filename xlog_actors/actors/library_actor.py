@@ -16,10 +16,12 @@ from typing import Any, ClassVar, cast
 
 import pykka
 
+from .._core.library_core import EnqueueCore
 from .._core.ops import ops_for
 from ..driver.protocol import Driver, Stream
 from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
+from ..memory.pinned import PinnedBuffer
 from . import ranges
 from .device_actor import DeviceActor
 from .device_context import DeviceContext
@@ -140,6 +142,9 @@ class LibraryActor(ResilientActor):
         self._tracking = False
         self._driver: Driver | None = None
         self._check_context: Callable[[], None] = lambda: None  # set on attach
+        #: The compiled one-handle path of the attached context, on a tracked stack (see
+        #: ``_core.library_core``); None: every piece of work takes ``_run``.
+        self._core: EnqueueCore | None = None
         self._peers = PeerBridges()
         #: Held by whoever runs a handler (module docstring of ``served_ref``).
         self._exclusive = threading.Lock()
@@ -235,7 +240,9 @@ class LibraryActor(ResilientActor):
         return False
 
     def on_stop(self) -> None:
-        """Unsubscribe from the device. Thread rule: the actor's thread (pykka calls it)."""
+        """Unsubscribe from the device, once the host buffers of copies in flight are let go.
+        Thread rule: the actor's thread (pykka calls it)."""
+        self._drop_core()
         try:
             self._device.tell(Unsubscribe(self.actor_ref))
         except pykka.ActorDeadError:
@@ -262,6 +269,7 @@ class LibraryActor(ResilientActor):
         # A failure met from here on is in this context, whatever ours was: report its generation,
         # so a device that has rebuilt since (on its own check) does not rebuild again.
         self._attaching = ctx.generation
+        self._drop_core()
         ctx.driver.make_current(ctx.ordinal)
         self._stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(self._stream_id)
@@ -271,9 +279,30 @@ class LibraryActor(ResilientActor):
         # The driver's check_context, in one C call on CUDA (the compiled core's ops).
         self._check_context = ops_for(ctx.driver, ctx.ordinal).check_context
         self._tracking = self._track and ctx.runtime.supports_block_use_tracking()
+        if self._tracking:
+            runtime = ctx.runtime
+            self._core = EnqueueCore(ctx, stream, self._stream_id, runtime.prepare_block_use,
+                                     runtime.finish_block_use, Access.READ, Access.WRITE, PinnedBuffer)
         self._ctx = ctx
         self._attaching = None
         return ctx
+
+    def _drop_core(self) -> None:
+        """Forget the compiled path of the context left, once its kept host buffers may go."""
+        core, self._core = self._core, None
+        if core is not None:
+            core.close()
+
+    def _compiled(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, a method of the attached context's ``EnqueueCore``, with the error
+        rule of ``_run``: a failure while the context was rebuilt is a stale handle."""
+        try:
+            return call(*args)
+        except XlogError as exc:
+            core = self._core
+            if core is not None and not isinstance(exc, GpuRefStale):
+                _raise_if_rebuilt([core.context], exc)
+            raise
 
     def _context_for(self, refs: Sequence[GpuRef]) -> DeviceContext:
         """The context the handles belong to, re-attaching when they are newer than ours."""
@@ -293,6 +322,7 @@ class LibraryActor(ResilientActor):
         """
         if isinstance(message, GenerationChanged):
             self._ctx = None  # re-attach lazily, on the next piece of work
+            self._drop_core()
             return None
         handler = self._handler(message)
         if handler is None:
@@ -381,6 +411,8 @@ class LibraryActor(ResilientActor):
                 # stream is this actor's own and holds only work it enqueued, which ends (a kernel
                 # that faults ends it with a sticky error, which this wait raises).
                 stream.synchronize()
+                if self._core is not None:
+                    self._core.prune()  # every compiled copy before the wait ran: its buffer may go
         except XlogError as exc:
             # A rebuild that ran on the device actor's thread between the validation above and
             # this work took the context (its streams, its blocks) away: that is a stale handle,

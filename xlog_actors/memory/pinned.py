@@ -76,9 +76,11 @@ class _PinnedMemory:
     """The owner of one pinned allocation: freed (by its finalizer) when the last reference
     goes. Numpy views made from it (``np.asarray(owner)``) have it as their ``base``."""
 
-    __slots__ = ("__weakref__", "_interface", "_view")
+    __slots__ = ("__weakref__", "_interface", "_ptr", "_view")
 
     def __init__(self, driver: Driver, ptr: int, nbytes: int) -> None:
+        #: The memory's address, read by the compiled copies (``_core.library_core``).
+        self._ptr = ptr
         # The driver's own view: on the host driver it holds the bytes themselves.
         self._view = driver.pinned_view(ptr, nbytes)
         self._interface = {

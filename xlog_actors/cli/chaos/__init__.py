@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -143,6 +144,10 @@ def run_chaos(args: argparse.Namespace) -> int:
     Thread rule: the process's main thread.
     """
     _check(args)
+    # A crash of the process (a fault in native code) must leave every thread's stack behind:
+    # it is a broken run like any other, and its place is what the run is for.
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
     choice = choose_driver(args.driver)
     kind = choice.driver.kind
     choice.driver.close()  # each device opens its own (shared memory, an IPC-capable pool)

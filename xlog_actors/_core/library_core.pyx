@@ -1,0 +1,268 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""A library actor's one-handle work in one call: validate the handle, queue the waits its
+tracking asks, enqueue the fill or the pinned copy, record the use and the last write.
+
+Most library messages touch one handle (a fill, a copy in from a pinned buffer, a copy back into
+one). In Python each of their steps is a few frames: the handle's check, the resource's bound
+methods, the driver's stream gate and context check, its pinned-memory lookup, the keep-alive
+event of a host copy and its lock. Here the steps are one C call: the handle check reads
+``HandleCore``'s C fields, the buffer check reads the ``PinnedBuffer``'s slots, the enqueue goes
+through :class:`~xlog_actors._core.ops.DriverOps` (on CUDA the ``libcuda`` entry points with the
+GIL kept), and the tracking stays the resource's (``prepare_block_use`` / ``finish_block_use``).
+
+A call answers False, having done nothing, when its operands are not the plain case: a handle that
+is not a live handle of the core's context, a context that closed, a buffer released or of
+another device. The actor then takes its Python path, which raises the precise error.
+
+**Host memory kept until the copy ran.** A copy from or into a pinned buffer that went straight to
+``libcuda`` reads or writes the buffer's memory after the call returns, so the memory's owner (the
+``_PinnedMemory`` every view of the buffer holds) is kept here, with an event recorded after the
+copy, until that event fired: a ``release()`` of the buffer meanwhile frees nothing early. A copy
+back shares the event its ``CopyDone`` carries. Kept owners are let go, oldest first, as later
+copies find their events fired and when the actor's Python path ran (:meth:`EnqueueCore.prune`:
+a copy to pageable memory waits for the stream, so everything before it ran), as the driver's
+streams let go of theirs; :meth:`EnqueueCore.close` waits for the rest (the stream's
+context, when it is gone, was synchronized by its rebuild, which ran every copy). A copy the
+driver's Python method ran is kept by the driver itself.
+
+Invariants: nothing is enqueued unless the handle and the buffer validated and the waits were
+queued; a handle written is recorded as last written on the core's stream after its work was
+enqueued, as ``LibraryActor._run`` records it.
+
+Thread rule: one call at a time per core (the owning actor's ``exclusive`` lock).
+"""
+
+from collections import deque
+
+from cpython.weakref cimport PyWeakref_GetObject
+
+from .context_core cimport ContextCore
+from .handles cimport HandleCore
+from .ops cimport DriverOps, ops_for
+
+__all__ = ["EnqueueCore"]
+
+#: Marker events kept for reuse once their copies ran.
+cdef Py_ssize_t _SPARE = 32
+
+
+cdef class EnqueueCore:
+    """One library actor's compiled enqueue in one attached context (see the module docstring).
+
+    Thread rule: the owning actor serializes every call.
+    """
+
+    cdef DriverOps _ops
+    cdef readonly object context
+    cdef ContextCore _ctx
+    cdef object _driver
+    cdef object _ordinal
+    cdef object _stream
+    cdef object _sid
+    cdef object _prepare
+    cdef object _finish
+    cdef object _read
+    cdef object _write
+    cdef type _pinned_type
+    cdef object _kept
+    cdef list _spare
+
+    def __init__(self, context, stream, stream_id, prepare, finish, read, write, type pinned_type):
+        """Args:
+            context: the attached ``DeviceContext`` (a ``ContextCore``): only its handles are
+                served, and only while it is open.
+            stream: the actor's driver stream in that context.
+            stream_id: its ``StreamId`` (what uses and last writes record).
+            prepare, finish: the resource's ``prepare_block_use`` / ``finish_block_use``.
+            read, write: ``Access.READ`` and ``Access.WRITE``.
+            pinned_type: ``PinnedBuffer``: the only host buffer type the copies take.
+        Raises:
+            TypeError: ``context`` is not a ``ContextCore``.
+        Thread rule: any thread.
+        """
+        self.context = context
+        self._ctx = <ContextCore?>context
+        self._driver = context.driver
+        self._ordinal = context.ordinal
+        self._ops = ops_for(self._driver, self._ordinal)
+        self._stream = stream
+        self._sid = stream_id
+        self._prepare = prepare
+        self._finish = finish
+        self._read = read
+        self._write = write
+        self._pinned_type = pinned_type
+        self._kept = deque()
+        self._spare = []
+
+    cdef object _block(self, object ref):
+        """``ref``'s block when it is a live, unreleased handle of the core's open context, else
+        None (the caller's Python path raises the precise error)."""
+        cdef HandleCore core
+        if not isinstance(ref, HandleCore) or not self._ctx.open:
+            return None
+        core = <HandleCore>ref
+        if (core._context is not self.context or core._cell.token is not core._token or core._released
+                or <object>PyWeakref_GetObject(core._state) is None):
+            return None
+        return core._block
+
+    cdef object _owner(self, object buf):
+        """``buf``'s memory owner when it is an unreleased ``PinnedBuffer`` of the core's device
+        and driver, else None."""
+        if type(buf) is not self._pinned_type:
+            return None
+        owner = buf._owner
+        if owner is None or buf._driver is not self._driver or buf._ordinal != self._ordinal:
+            return None
+        return owner
+
+    def fill(self, ref, int byte):
+        """``Fill(ref, byte)``: every byte of ``ref``'s block set to ``byte``, tracked as a write.
+
+        Args:
+            ref: the handle.
+            byte: 0..255 (the caller checked it).
+        Returns:
+            True when done; False when nothing was done (see the module docstring).
+        Raises:
+            ContextLost, ContextPoisoned, DriverError, and the tracking's errors: as the Python
+                path raises them.
+        """
+        block = self._block(ref)
+        if block is None:
+            return False
+        self._ops.check_context()
+        sid, stream, write = self._sid, self._stream, self._write
+        self._prepare(block, sid, write)
+        self._ops.memset_d8(block.ptr, byte, block.nbytes, stream)
+        self._finish(block, sid, write)
+        (<HandleCore>ref)._last_write = sid
+        return True
+
+    def to_device(self, ref, buf):
+        """``CopyToDevice(ref, buf)`` from a pinned buffer: all of ``buf`` into the start of
+        ``ref``'s block, tracked as a write.
+
+        Args:
+            ref: the handle.
+            buf: the ``PinnedBuffer``.
+        Returns:
+            True when done; False when nothing was done (also when ``buf`` does not fit).
+        Raises:
+            as :meth:`fill`.
+        """
+        owner = self._owner(buf)
+        block = self._block(ref)
+        if owner is None or block is None:
+            return False
+        nbytes = buf._nbytes
+        if nbytes > block.nbytes:
+            return False
+        self._ops.check_context()
+        sid, stream, write = self._sid, self._stream, self._write
+        self._prepare(block, sid, write)
+        if self._ops.copy_htod(block.ptr, buf, owner._ptr, nbytes, stream):
+            self._keep(owner, None)
+        self._finish(block, sid, write)
+        (<HandleCore>ref)._last_write = sid
+        return True
+
+    def to_host(self, ref, buf, nbytes):
+        """``CopyToHost(ref, nbytes, out=buf)``: the first ``nbytes`` of ``ref``'s block into the
+        start of ``buf``, tracked as a read, with an event recorded after the copy.
+
+        Args:
+            ref: the handle.
+            buf: the ``PinnedBuffer``.
+            nbytes: 1..the handle's size (the caller checked it).
+        Returns:
+            the event recorded after the copy (the ``CopyDone``'s); None when nothing was done
+            (also when ``buf`` is smaller than ``nbytes``).
+        Raises:
+            as :meth:`fill`.
+        """
+        owner = self._owner(buf)
+        block = self._block(ref)
+        if owner is None or block is None or nbytes > buf._nbytes or nbytes > block.nbytes:
+            return None
+        self._ops.check_context()
+        sid, stream, read = self._sid, self._stream, self._read
+        self._prepare(block, sid, read)
+        fast = self._ops.copy_dtoh(buf, owner._ptr, block.ptr, nbytes, stream)
+        try:
+            event = stream.record_event()
+        except BaseException:
+            if fast:
+                self._keep(owner, None)  # the copy is enqueued: its memory stays until it ran
+            raise
+        if fast:
+            self._keep(owner, event)
+        self._finish(block, sid, read)
+        return event
+
+    cdef _keep(self, object owner, object event):
+        """Keep ``owner`` until the stream ran past now: ``event`` when given (recorded right
+        after the copy), else a marker event recorded here. Owners whose events fired are let go
+        on the way, so the queue is as long as the copies in flight. Where no marker can be
+        recorded (the context failed), the stream is waited for instead, as the driver does."""
+        cdef list spare = self._spare
+        kept = self._kept
+        if event is None:
+            marker = spare.pop() if spare else None
+            try:
+                if marker is None:
+                    marker = self._ops.create_event()
+                self._ops.record(marker, self._stream)
+            except BaseException:
+                try:
+                    self._stream.synchronize()
+                except BaseException:
+                    pass  # a failed context: its rebuild synchronizes before anything is freed
+                raise
+            kept.append((marker, owner, True))
+        else:
+            kept.append((event, owner, False))
+        self._prune(1)
+
+    cdef _prune(self, Py_ssize_t leave):
+        """Let go of the kept owners whose copies ran, oldest first, leaving at least ``leave``
+        (the newest, just recorded, has not run)."""
+        cdef list spare = self._spare
+        kept = self._kept
+        while len(kept) > leave:
+            mark, _, ours = kept[0]
+            if not self._ops.query(mark):
+                break
+            kept.popleft()
+            if ours and len(spare) < _SPARE:
+                spare.append(mark)
+
+    def prune(self):
+        """Let go of the kept owners whose copies ran (after the actor waited for its stream, or
+        any time).
+
+        Raises:
+            DriverError, ContextPoisoned: an event's context failed (nothing is let go then).
+        """
+        if self._kept:
+            self._prune(0)
+
+    def kept(self):
+        """How many host buffers' memory is kept for copies that may not have run yet."""
+        return len(self._kept)
+
+    def close(self):
+        """Let the kept memory go once its copies ran: wait for the stream when anything is
+        kept and its context still lives (a rebuilt context was synchronized by its rebuild).
+
+        Raises:
+            nothing: a failed wait means a failed context, whose rebuild waits for every copy.
+        """
+        if self._kept and self._ctx.open:
+            try:
+                self._stream.synchronize()
+            except BaseException:
+                pass  # the context failed: its rebuild synchronizes before anything is freed
+        self._kept.clear()
+        self._spare = []
