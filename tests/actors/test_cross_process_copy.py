@@ -78,3 +78,81 @@ def test_cross_process_copy_refuses_what_it_cannot_do(pair: tuple[str, list[pykk
     xa.CopyActor.start(dev0).ask(xa.Fill(fresh, 3))
     copy1.ask(xa.CopyDeviceToDevice(fresh, small))
     assert copy1.ask(xa.CopyToHost(small)) == b"\x03" * 4096
+
+
+@pytest.fixture
+def exports(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The exports asked of an isolated device's process (a round trip each), counted in the parent."""
+    from xlog_actors.actors.isolated import RemoteContext
+
+    asked: list[object] = []
+    real = RemoteContext.export
+
+    def counting(self: RemoteContext, ref: Any) -> Any:
+        asked.append(ref)
+        return real(self, ref)
+
+    monkeypatch.setattr(RemoteContext, "export", counting)
+    return asked
+
+
+def test_copies_of_an_unchanged_source_ask_its_process_for_one_export(
+    pair: tuple[str, list[pykka.ActorRef[Any]]], exports: list[object]
+) -> None:
+    """The copy actor keeps the export of a source of another isolated device while that device
+    gets no library work: its event still marks the source's last write. A write on the source's
+    device (here a Fill) makes the next copy ask for a fresh export, which orders it after that
+    write."""
+    _, (dev0, dev1) = pair
+    copy0, copy1 = xa.CopyActor.start(dev0), xa.CopyActor.start(dev1)
+    nbytes = 4096
+    src, dst = dev0.ask(xa.Allocate(nbytes)), dev1.ask(xa.Allocate(nbytes))
+    copy0.ask(xa.Fill(src, 7))
+    for _ in range(5):
+        copy1.ask(xa.CopyDeviceToDevice(src, dst))
+    assert len(exports) == 1
+    sent, answered = src.context.work.mark()
+    assert sent == answered >= 1, "the Fill was counted as sent and answered before its reply"
+    assert copy1.ask(xa.CopyToHost(dst)) == b"\x07" * nbytes
+    copy0.ask(xa.Fill(src, 9))  # library work on the source's device: the kept export is not its last write
+    copy1.ask(xa.CopyDeviceToDevice(src, dst))
+    assert len(exports) == 2 and copy1.ask(xa.CopyToHost(dst)) == b"\x09" * nbytes
+    copy1.ask(xa.CopyDeviceToDevice(src, dst))
+    assert len(exports) == 2
+    src.release()
+    with pytest.raises(xa.GpuRefStale, match="released"):
+        copy1.ask(xa.CopyDeviceToDevice(src, dst))
+    assert len(exports) == 2
+
+
+def test_a_copy_actor_keeps_the_exports_of_a_bounded_number_of_sources(
+    pair: tuple[str, list[pykka.ActorRef[Any]]], exports: list[object]
+) -> None:
+    from xlog_actors.actors.isolated._library import KEPT_EXPORTS
+
+    _, (dev0, dev1) = pair
+    copy1 = xa.CopyActor.start(dev1)
+    dst = dev1.ask(xa.Allocate(4096))
+    sources = [dev0.ask(xa.Allocate(4096)) for _ in range(KEPT_EXPORTS + 1)]
+    for src in sources:
+        copy1.ask(xa.CopyDeviceToDevice(src, dst))
+    assert len(exports) == KEPT_EXPORTS + 1
+    copy1.ask(xa.CopyDeviceToDevice(sources[-1], dst))
+    assert len(exports) == KEPT_EXPORTS + 1, "the latest is kept"
+    copy1.ask(xa.CopyDeviceToDevice(sources[0], dst))
+    assert len(exports) == KEPT_EXPORTS + 2, "the least recently used was dropped for the bound"
+
+
+def test_an_asker_of_an_isolated_devices_copy_actor_spins_for_its_reply_as_for_an_in_process_one(
+    pair: tuple[str, list[pykka.ActorRef[Any]]],
+) -> None:
+    """A copy replies once landed: an asker that slept through it would pay a wake-up on top
+    (``hot_waits``); it spins first, as an in-process library actor's asker does."""
+    from xlog_actors.actors.hot_waits import SpinningFuture
+
+    _, (_, dev1) = pair
+    copy1 = xa.CopyActor.start(dev1)
+    ref = dev1.ask(xa.Allocate(4096))
+    future = copy1.ask(xa.Fill(ref, 1), block=False)
+    assert isinstance(future, SpinningFuture)
+    future.get(timeout=30.0)

@@ -15,8 +15,9 @@ One table per device state (per device, per owning process), in a shared-memory 
 **Lifetime, the reference count in shared memory.** Pickling a handle takes one count for the
 pickle (``pin``): the importer that unpickles it adopts that count, and gives it back when its
 handle is released or collected. While a slot's count is above zero the table holds the owner's
-``GpuRef`` (and what the export needs alive, such as a CUDA IPC event), so the memory lives
-whether or not the owner still holds its handle. The importer whose give-back brings a count to
+``GpuRef`` (and what the export needs alive, such as a CUDA IPC event: each one once, however
+many exports of the slot reuse it), so the memory lives whether or not the owner still holds its
+handle. The importer whose give-back brings a count to
 zero sends one datagram to the table's abstract unix socket; the table's sweeper thread then
 drops its pins with a zero count, and the owner's ``GpuRef`` frees as any dropped handle does,
 through its device actor. So memory is freed only by its device process. A new generation (or a
@@ -163,7 +164,8 @@ class ExportTable:
 
         Args:
             ref: the owner's ``GpuRef``, validated by the caller.
-            keep: what the export needs alive while it is held (an IPC event).
+            keep: what the export needs alive while it is held (an IPC event); kept beside what
+                earlier exports of the slot keep, an object already kept (reused) counted once.
         Returns:
             ``(slot, serial)`` for the descriptor.
         Raises:
@@ -181,13 +183,26 @@ class ExportTable:
                 self._slot_of[id(ref)] = slot
             # Every export's keep-alive stays: an importer may open an earlier export's event yet.
             earlier = self._pins.get(slot)
-            kept = keep if earlier is None else earlier[1] + keep
+            kept = keep if earlier is None else earlier[1] + tuple(
+                k for k in keep if not any(k is e for e in earlier[1])
+            )
             self._pins[slot] = (ref, kept, state_word(ref.generation, STATUS_RUNNING))
             offset, length = COUNTS_RANGE
             with self.segment.locked(offset, length):
                 self._cells[HEADER_CELLS + 2 * slot] += 1
                 serial = int(self._cells[HEADER_CELLS + 2 * slot + 1])
             return slot, serial
+
+    def kept(self, ref: Any) -> tuple[object, ...]:
+        """What the pin of ``ref`` keeps alive now (its exports' IPC events), or ``()`` when it is
+        not pinned: an export may reuse one of them (see ``shared_ref.export_ref``).
+
+        Thread rule: any thread.
+        """
+        with self._lock:
+            slot = self._slot_of.get(id(ref))
+            pin = None if slot is None else self._pins.get(slot)
+            return () if pin is None or pin[0] is not ref else pin[1]
 
     def count(self, slot: int) -> int:
         """The count of ``slot``. Thread rule: any thread."""

@@ -14,18 +14,22 @@ the entry lives.
 **The key** is what names one export of one allocation in one generation: the owner's table, the
 slot and its serial (bumped whenever the slot is freed), the generation cell and the generation
 the handle was exported under. A block freed and reallocated gets a new slot or a new serial, so a
-new key: it is never read through the old mapping. Each copy still gets its own fresh export
-(the owner records the interprocess event of the source's *current* last write, which orders the
-copy; a reused descriptor would carry an older write's event), and the copy validates and waits
-for that fresh handle; only the mapping comes from the cache.
+new key: it is never read through the old mapping. A copy's source handle carries an export whose
+event marks the source's last write: a fresh export, or, for a copy asked of an isolated device's
+copy actor, the export that actor keeps while the source's device got no library work since (see
+:mod:`.isolated._library`; a descriptor kept past a later write would carry an older write's
+event). The copy validates and waits for its own handle; only the mapping comes from the cache
+(and the opened CUDA event, which the cached handle keeps for the handles of its slot).
 
 **Lifetime rule.** An entry is kept open (its count held, its mapping open) until one of:
 
 * it is evicted, least recently used first, when a new key would make more than
   :data:`CAPACITY` entries in this process;
 * it has served :data:`REUSE_MAX` copies: it is dropped after the copy it serves last, and that
-  copy's own handle is not cached, so that the slot's count can reach zero and the owner can let
-  go of the interprocess events its exports keep alive (one per export while the slot is pinned);
+  copy's own handle is not cached, so that no entry pins its block for ever: the slot's count can
+  reach zero (unless a copy actor keeps the export too), and the owner can free a block its user
+  dropped and let go of the interprocess events its exports keep alive (one per stream that wrote
+  the block while the slot was pinned);
 * its owner's generation cell no longer says the handle's generation is running (a rebuild, a
   restart of an isolated device, a poisoning, a stop, an owner process that ended): every lookup
   drops every such entry first, so a handle of a dead owner is never served (the copy's own handle

@@ -7,11 +7,12 @@ imported handle is a reader's (a write through it would be recorded as no handle
 
 * **Order.** Before anything is enqueued, the source's exported last write is waited for
   (``SharedGpuRef.wait_write``: the interprocess event recorded at its export, a CUDA
-  ``CU_EVENT_INTERPROCESS`` event or the host driver's emulated one). The destination's use is
-  tracked as any copy's (the copy waits for its readers and writers on this device and becomes its
-  last write). The copy's reply comes once it has *landed*, so the source may be written, released
-  or freed by its owner as soon as the asker has the reply: the owner's tracking cannot see a read
-  made in another process, so the copy does not leave one behind.
+  ``CU_EVENT_INTERPROCESS`` event or the host driver's emulated one; on CUDA the event is opened
+  once per export slot in this process, so a write that landed long ago costs one query). The
+  destination's use is tracked as any copy's (the copy waits for its readers and writers on this
+  device and becomes its last write). The copy's reply comes once it has *landed*, so the source
+  may be written, released or freed by its owner as soon as the asker has the reply: the owner's
+  tracking cannot see a read made in another process, so the copy does not leave one behind.
 * **The path on CUDA: CUDA IPC plus ``cuMemcpyPeerAsync``.** The source's memory is opened in this
   process (``cuIpcOpenMemHandle``, or a pool import for an IPC-capable pool) in the *source*
   device's primary context, and copied with ``cuMemcpyPeerAsync`` from there to the destination:
@@ -24,7 +25,9 @@ imported handle is a reader's (a write through it would be recorded as no handle
   second copy of the same exported allocation (same export slot and serial, same owner
   generation) reads through the mapping the first one opened, held open with its count by a
   bounded LRU of this process (the lifetime rule is that module's). The copy's own handle is
-  still the one validated and waited for: its export recorded the source's current last write.
+  still the one validated and waited for: its export's event marks the source's last write (a
+  fresh export, or one an isolated device's copy actor kept because the source's device got no
+  library work since: :mod:`.isolated._library`).
 * **The path on the host driver**: the source's bytes are the owner's shared-memory segment,
   mapped here, and copied into the destination on the copy actor's stream.
 

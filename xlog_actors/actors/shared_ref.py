@@ -5,10 +5,12 @@ Pickling a ``GpuRef`` (``pickle``, a ``multiprocessing`` queue or pipe) exports 
 shared-memory segment and offset on the host driver, a CUDA IPC memory handle on the GPU, or
 for a block of an IPC-capable pool its pool's export data) and
 records an interprocess event at the end of the stream of the handle's last write (of its
-allocation stream when nothing wrote it yet), and the device's :class:`ExportTable` takes one
-reference count for the pickle. The bytes carry a :class:`GpuRefExport`; unpickling it anywhere
-on the node (:func:`import_ref`) gives a :class:`SharedGpuRef`: the same memory, zero-copy, with
-no ``DeviceActor`` in the receiving process.
+allocation stream when nothing wrote it yet; on the GPU the event an earlier export of the block
+recorded on that same stream, recorded again, see :mod:`..driver.cuda.ipc`), and the device's
+:class:`ExportTable` takes one reference count for the pickle. The bytes carry a
+:class:`GpuRefExport`; unpickling it anywhere on the node (:func:`import_ref`) gives a
+:class:`SharedGpuRef`: the same memory, zero-copy, with no ``DeviceActor`` in the receiving
+process.
 
 Invariants:
 
@@ -20,7 +22,9 @@ Invariants:
 * Reads are ordered after the exported last write: :meth:`SharedGpuRef.wait_write` (which
   :meth:`SharedGpuRef.view` and the CUDA exports call) waits for the interprocess event.
   ``view(ordered=False)`` skips it, for a caller that orders the read itself (and for the hazard
-  test that shows what the event prevents).
+  test that shows what the event prevents). On the GPU a handle opens the event once and keeps
+  the opening (shared with the other handles of the same export slot in the process, which the
+  import cache keeps), so a wait on an event already reached is one query.
 * The memory lives while any process holds a handle (the count in the table), and only the
   device's process frees it (see :mod:`.export_table`). An imported handle is a reader's: a
   write through it is not recorded as the handle's last write anywhere.
@@ -162,7 +166,12 @@ def export_ref(ref: _Exportable) -> GpuRefExport:
         from ..driver.cuda import ipc as cuda_ipc
 
         memory = cuda_ipc.export_memory(driver, context.ordinal, block.ptr, block.nbytes)
-        raw_event = None if stream is None else cuda_ipc.record_event(driver, stream)
+        raw_event = None
+        if stream is not None:
+            # The event an earlier export of the block recorded on this stream, recorded again.
+            earlier = [k for k in ExportTable.of(state).kept(ref)
+                       if isinstance(k, cuda_ipc.RecordedEvent) and k.recorded_on(stream)]
+            raw_event = cuda_ipc.record_event(driver, stream, earlier[-1] if earlier else None)
         event = None if raw_event is None else raw_event.handle
         keep = () if raw_event is None else (raw_event,)
     table = ExportTable.of(state)
@@ -187,12 +196,15 @@ def import_ref(export: GpuRefExport) -> SharedGpuRef:
     return SharedGpuRef(export)
 
 
-def _give_back(table: str, slot: int, serial: int, opened: list[Any]) -> None:
+def _give_back(table: str, slot: int, serial: int, opened: list[Any], events: list[Any]) -> None:
     """Give back one count of ``slot`` (a handle released or collected); tell the owner at zero.
-    The handle's CUDA mapping (``opened``) is dropped first: CUDA wants a pool block freed in
-    every importer before its owner frees it. Runs from a finalizer: it never raises."""
+    The handle's CUDA mapping (``opened``) and its opened event (``events``) are dropped first:
+    CUDA wants a pool block freed in every importer before its owner frees it, and an opening
+    found later under the slot's key must be of an event the owner still keeps. Runs from a
+    finalizer: it never raises."""
     try:
         opened.clear()
+        events.clear()
         segment = mapped_if_open(table)
         if segment is None:
             return
@@ -216,7 +228,8 @@ class SharedGpuRef:
     """
 
     __slots__ = (
-        "__weakref__", "_cell", "_export", "_finalizer", "_gone", "_memory", "_opened", "_released", "_word",
+        "__weakref__", "_cell", "_events", "_export", "_finalizer", "_gone", "_memory", "_opened", "_released",
+        "_word",
     )
 
     def __init__(self, export: GpuRefExport) -> None:
@@ -229,6 +242,7 @@ class SharedGpuRef:
         # The CUDA mapping lives in a list the finalizer holds too, so that it is dropped before
         # the count goes back even when the handle is collected (a slot would be cleared after).
         self._opened: list[Any] = []
+        self._events: list[Any] = []  # the opened CUDA event, dropped before the count as the mapping is
         self._released = False
         try:
             cells = _table_cells(export.table)
@@ -238,11 +252,13 @@ class SharedGpuRef:
             self._gone = str(exc)
             self._cell = memoryview(array("q", [-1]))
             self._released = True
-            self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial, [])
+            self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial, [], [])
             self._finalizer.detach()
             return
         self._cell = _table_cells(export.cell)[0:1]
-        self._finalizer = weakref.finalize(self, _give_back, export.table, export.slot, export.serial, self._opened)
+        self._finalizer = weakref.finalize(
+            self, _give_back, export.table, export.slot, export.serial, self._opened, self._events
+        )
         if cells[HEADER_CELLS + 2 * export.slot + 1] != export.serial:
             # The owner freed the slot before this import (a late pickle): never adopt a stranger.
             self._finalizer.detach()
@@ -293,9 +309,15 @@ class SharedGpuRef:
         if isinstance(event, HostIpcEvent):
             event.wait(timeout_s, self.access)
         else:
-            from ..driver.cuda import ipc as cuda_ipc
+            if not self._events:
+                from ..driver.cuda import ipc as cuda_ipc
 
-            cuda_ipc.wait_event(self._export.ordinal, event, timeout_s, self.access)
+                e = self._export
+                opened = cuda_ipc.open_event(e.ordinal, event, (e.table, e.slot, e.serial, e.generation, event))
+                if self._released:  # released meanwhile: the finalizer has run, keep nothing
+                    raise GpuRefStale("released", e.where())
+                self._events.append(opened)
+            self._events[0].wait(timeout_s, self.access)
         self.access()
 
     # -- the bytes ------------------------------------------------------------------------------

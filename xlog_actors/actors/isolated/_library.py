@@ -23,6 +23,18 @@ Invariants:
   host driver or the CUDA driver in this process). It is exported here, on this actor's thread
   (an ask of its device: the proxies never wait on each other), and crosses as a
   ``SharedGpuRef``; the child's copy actor pulls it (``actors/shared_copy.py``).
+* **Kept exports.** The export of a source of another *isolated* device is a round trip to that
+  device's process, which records the interprocess event of the source's last write. This actor
+  keeps the imported result (its count held) for the next copies of the same handle, as long as
+  the source's device got no library work since and had none in flight when it exported
+  (:class:`~._remote.LibraryWorkCount`): everything that writes an isolated device's memory is
+  library work, so the kept export's event still marks the source's last write, and a copy of an
+  unchanged source costs no round trip to its owner. At most :data:`KEPT_EXPORTS` are kept, the
+  least recently used dropped first; one whose handle was released or went stale is dropped at
+  the next copy, and all of them when this actor stops. The cost: a source dropped (not
+  released) by its owner's user stays allocated while it is kept.
+* **Waits.** An asker of this actor spins a while for the reply before it sleeps
+  (``hot_waits.SpinningFuture``), as the asker of an in-process library actor does.
 * **Restarts.** This actor's ``ActorRef`` stays valid across child restarts: the new child starts
   its library actor on the next message; a message in flight when a child dies is answered with
   the death's typed error; a device stopped for good answers ``DeviceUnavailable``.
@@ -35,21 +47,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Final
 
 import pykka
 
 from ...errors import DeviceUnavailable, GpuRefStale, InvalidRequest
 from ...memory.pinned import PinnedBuffer
 from ..gpu_ref import GpuRef
+from ..hot_waits import FUTURE_SPIN_S, SpinningFuture, spin_budget
 from ..library_messages import BufferArg, CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch, Launches
 from ..messages import GetStats
 from ..pykka_internals import ResilientActor, ask_into
-from ..shared_ref import export_ref, import_ref
+from ..shared_ref import SharedGpuRef, export_ref, import_ref
 from ._protocol import LibraryStop, LibraryWork, RemoteHandle
 from ._remote import RemoteContext
 
-__all__ = ["IsolatedLibrary", "map_refs", "start_library", "to_child"]
+__all__ = ["KEPT_EXPORTS", "IsolatedLibrary", "map_refs", "start_library", "to_child"]
+
+#: Exports of other isolated devices' sources a copy actor keeps for its next copies.
+KEPT_EXPORTS: Final = 4
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +182,28 @@ class _Answer:
             logger.warning("%s dropped a told message that failed: %r", self._what, exc_info[1])
 
 
+class _Kept:
+    """An export this actor keeps: the source handle, its import here, and its device's library
+    work count when it was asked."""
+
+    __slots__ = ("mark", "ref", "shared")
+
+    def __init__(self, ref: GpuRef, shared: SharedGpuRef, mark: tuple[int, int]) -> None:
+        self.ref = ref
+        self.shared = shared
+        self.mark = mark
+
+    def usable(self) -> bool:
+        """Neither handle released nor stale."""
+        if self.ref.released or self.shared.released:
+            return False
+        try:
+            self.shared.access()
+        except GpuRefStale:
+            return False
+        return True
+
+
 class IsolatedLibrary(ResilientActor):
     """A ``CopyActor`` or ``KernelActor`` of an isolated device, in the parent; see the module
     docstring. It serves whatever its class serves, with the same replies and errors, except
@@ -184,9 +223,19 @@ class IsolatedLibrary(ResilientActor):
         self._device = device
         self._class = actor_class
         self._track = track
+        #: Exports of other isolated devices' sources, by the source handle's id (the entry
+        #: holds the handle, so the id is not reused while it is there).
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"IsolatedLibrary({self._class.__name__}, {self._device})"
+
+    @staticmethod
+    def _create_future() -> SpinningFuture:
+        # pykka's hook, for ``ask``: the asker spins a while for the reply before it sleeps, as
+        # the asker of an in-process library actor does (hot_waits): a copy that replies once it
+        # landed answers within the spin, and the asker does not pay a wake-up on top.
+        return SpinningFuture(spin_budget(FUTURE_SPIN_S))
 
     def _handle_envelope(self, envelope: Any, receive: Any = None) -> None:
         # Not answered here: the proxy's reader thread answers the asker once the child replied.
@@ -196,13 +245,37 @@ class IsolatedLibrary(ResilientActor):
         message = envelope.message
         if type(message) is CopyDeviceToDevice and self._foreign(message.src):
             try:  # a handle of another device: it crosses as a SharedGpuRef (see the module docstring)
-                shared: Any = import_ref(self._export(message.src))
+                shared: Any = self._shared_source(message.src)  # the message's type names a GpuRef
                 message = dataclasses.replace(message, src=shared)
             except Exception:  # noqa: BLE001 - the asker's answer
                 _Answer(envelope.reply_to, repr(self)).set_exception()
                 return
         work = LibraryWork(self.actor_urn, self._class, self._track, message)
         ask_into(self._device, work, _Answer(envelope.reply_to, repr(self)))
+
+    def _shared_source(self, ref: GpuRef) -> SharedGpuRef:
+        """``ref`` (a handle of another device) as the child gets it: the export kept for it when
+        it is still that of its last write (see the module docstring), else a fresh one."""
+        ctx = ref.context
+        if not isinstance(ctx, RemoteContext):
+            return import_ref(self._export(ref))  # exported in this process: no round trip to save
+        ref.access()  # a stale or released source is refused as its export would refuse it
+        kept = self._kept
+        for key, entry in list(kept.items()):
+            if not entry.usable():
+                del kept[key]  # its count goes back with the handle
+        mark = ctx.work.mark()  # before the export: work sent meanwhile makes it differ next time
+        entry = kept.get(id(ref))
+        if entry is not None and entry.ref is ref and entry.mark == mark:
+            kept.move_to_end(id(ref))
+            return entry.shared
+        kept.pop(id(ref), None)
+        shared = import_ref(self._export(ref))
+        if mark[0] == mark[1]:  # no library work in flight: the export's event covers every write
+            kept[id(ref)] = _Kept(ref, shared, mark)
+            while len(kept) > KEPT_EXPORTS:
+                kept.popitem(last=False)
+        return shared
 
     def _export(self, ref: GpuRef) -> Any:
         """``ref`` exported for the child, or ``InvalidRequest`` naming why it cannot cross."""
@@ -229,7 +302,9 @@ class IsolatedLibrary(ResilientActor):
         return not isinstance(ctx, RemoteContext) or ctx.owner != self._device.actor_urn
 
     def on_stop(self) -> None:
-        """Have the child stop its library actor. Thread rule: this actor's thread."""
+        """Drop the kept exports (their counts go back) and have the child stop its library
+        actor. Thread rule: this actor's thread."""
+        self._kept.clear()
         try:
             self._device.tell(LibraryStop(self.actor_urn))
         except pykka.ActorDeadError:

@@ -40,7 +40,7 @@ from ...driver.shared_memory import SharedSegment
 from ...errors import InvalidRequest
 from ..device_state import DeviceState
 from ._process import ChildProcess
-from ._remote import RemoteContext, RemoteDriverFace
+from ._remote import LibraryWorkCount, RemoteContext, RemoteDriverFace
 
 __all__ = ["ChildLink", "Flush"]
 
@@ -94,6 +94,8 @@ class ChildLink:
         self.frees: deque[tuple[int, int]] = deque()
         self.face = RemoteDriverFace(kind)
         self.wake: Callable[[], None] = lambda: None
+        #: The library work sent to this child and answered (see ``LibraryWorkCount``).
+        self.work = LibraryWorkCount()
         self.ctx = self.context(0, self.state.token)
         self.reader: threading.Thread | None = None
 
@@ -101,7 +103,7 @@ class ChildLink:
         """A new context of the child's ``child_generation``, validated against ``token``."""
         return RemoteContext(
             self.owner, self.state, self.base + child_generation, token, child_generation, self.frees,
-            self.wake, self.face,
+            self.wake, self.face, self.work,
         )
 
     # -- asks and frees (the proxy's side) ------------------------------------------------------

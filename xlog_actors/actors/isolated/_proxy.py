@@ -294,7 +294,14 @@ class IsolatedDevice(ResilientActor):
                 payload = dataclasses.replace(
                     message, message=to_child(message.message, self.actor_urn, child.ctx, self._ordinal)
                 )
-            if child.send_ask(payload, future, message):
+                child.work.sent += 1  # before it can run: see _library's kept exports
+            try:
+                sent = child.send_ask(payload, future, message)
+            except InvalidRequest:
+                if isinstance(message, LibraryWork):
+                    child.work.sent -= 1  # it could not be pickled: nothing went
+                raise
+            if sent:
                 return
             keeper.restart(child)
         raise DeviceUnavailable(f"isolated device {self._ordinal}: no child process could take the request")

@@ -46,7 +46,7 @@ from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, spin_budget
 from ..supervisor import EXIT_POISONED
 from ._link import ChildLink
-from ._protocol import RemoteBlock, decode_error
+from ._protocol import LibraryWork, RemoteBlock, decode_error
 
 __all__ = ["RING_AFTER_RELEASE", "ChildExited", "ChildStopped", "Notify", "Reissue", "start_reader"]
 
@@ -158,6 +158,8 @@ def _resolve(link: ChildLink, rid: int, ok: bool, value: Any) -> Doorbell | None
     if entry is None:
         return None
     future, message = entry
+    if type(message) is LibraryWork:
+        link.work.answered += 1  # before the asker hears: a copy it asks next sees the write counted
     error: BaseException | None = None
     if ok:
         try:

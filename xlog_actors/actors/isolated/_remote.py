@@ -8,9 +8,13 @@ error. Its drop or ``release()`` queues its address in the child's free queue, w
 sends to that child (batched); a context whose child died, or whose generation was replaced, is
 closed and frees nothing, so nothing is ever freed into a newer child.
 
+The context also carries its child's :class:`LibraryWorkCount`: how much library work (the only
+way anything writes the child's memory) was sent and answered, which tells a copy actor of another
+device whether an export it keeps is still that of the handle's last write.
+
 Thread rule: ``reclaim`` may run on any thread (a garbage collector's included): it appends to a
 ``deque`` (atomic) and may call the wake-up, a pykka ``tell``; everything else is read-only after
-construction but ``open``, which the proxy clears.
+construction but ``open``, which the proxy clears, and the work count (see its class).
 """
 
 from __future__ import annotations
@@ -31,7 +35,30 @@ from ._protocol import ExportHandle
 #: How long pickling a parent-side handle waits for its child's export, in seconds.
 EXPORT_TIMEOUT_S = 30.0
 
-__all__ = ["RemoteContext", "RemoteDriverFace"]
+__all__ = ["LibraryWorkCount", "RemoteContext", "RemoteDriverFace"]
+
+
+class LibraryWorkCount:
+    """The ``LibraryWork`` messages the proxy sent to one child (``sent``) and the replies the
+    reader read for them (``answered``). Every write to the child's memory that a handle's last
+    write records is library work; so while the pair reads the same and nothing was in flight
+    when an export was made, that export's event still marks its handle's last write.
+
+    Thread rule: ``sent`` is counted by the proxy's thread before it sends the work, ``answered``
+    by the reader thread before it answers the asker (one writer each); any thread reads
+    :meth:`mark`.
+    """
+
+    __slots__ = ("answered", "sent")
+
+    def __init__(self) -> None:
+        """Nothing sent, nothing answered."""
+        self.sent = 0
+        self.answered = 0
+
+    def mark(self) -> tuple[int, int]:
+        """``(sent, answered)`` now. Thread rule: any thread."""
+        return (self.sent, self.answered)
 
 
 class RemoteDriverFace:
@@ -55,14 +82,15 @@ class RemoteContext:
 
     Fields: ``owner`` (the proxy's actor URN), ``generation`` (the parent's),
     ``child_generation`` (the child's own, sent back with frees), ``state_ref`` and ``token``
-    (what ``make_handle`` takes), ``ordinal``, ``driver`` (a :class:`RemoteDriverFace`), ``open``.
+    (what ``make_handle`` takes), ``ordinal``, ``driver`` (a :class:`RemoteDriverFace`), ``open``,
+    ``work`` (the child's :class:`LibraryWorkCount`).
 
     Thread rule: see the module docstring.
     """
 
     __slots__ = (
         "__weakref__", "_frees", "_state", "_wake", "child_generation", "driver", "generation", "open", "ordinal",
-        "owner", "state_ref", "token",
+        "owner", "state_ref", "token", "work",
     )
 
     def __init__(
@@ -75,6 +103,7 @@ class RemoteContext:
         frees: deque[tuple[int, int]],
         wake: Callable[[], None],
         driver: RemoteDriverFace,
+        work: LibraryWorkCount | None = None,
     ) -> None:
         """Args:
             owner: the proxy's actor URN (``Free`` checks a handle is its own).
@@ -87,6 +116,7 @@ class RemoteContext:
             frees: the child's queue of ``(child_generation, ptr)`` to free.
             wake: asks the proxy to send the queue now.
             driver: the face the handles show as their driver.
+            work: the child's library work count (a fresh one when None).
         Thread rule: the proxy's threads.
         """
         self._state = state
@@ -100,6 +130,7 @@ class RemoteContext:
         self.open = True
         self._frees = frees
         self._wake = wake
+        self.work = LibraryWorkCount() if work is None else work
 
     def __repr__(self) -> str:
         return (

@@ -13,15 +13,24 @@ node, which needs no ``CudaDriver`` of its own: it retains the device's primary 
   one of the device's default pool, which is not IPC-capable, is refused with ``InvalidRequest``.
 * **Events**: ``cuEventCreate(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)``, recorded on
   the writer's stream, its ``cuIpcGetEventHandle`` carried in the descriptor. The owner keeps the
-  event (a :class:`RecordedEvent`) while the export is held; the importer opens it with
-  ``cuIpcOpenEventHandle`` and polls ``cuEventQuery`` with a deadline and an abort check (a
-  ``cuEventSynchronize`` could not be interrupted by a restart).
+  event (a :class:`RecordedEvent`) while the export is held, and a later export of the same block
+  whose last write is on the same stream records the same event again rather than making one
+  (creating an interprocess event and reading its handle cost the owner far more than a record):
+  a later point of one stream covers every earlier one, so an importer of the earlier export
+  waits, at worst, for more work, never for less. The importer opens it with
+  ``cuIpcOpenEventHandle`` once (an :class:`OpenedEvent`, shared by the handles of one export
+  slot that carry it, destroyed when the last one drops it) and polls ``cuEventQuery`` with a
+  deadline and an abort check (a ``cuEventSynchronize`` could not be interrupted by a restart,
+  and a stream wait on the event of an owner that died could leave the copy's stream waiting for
+  ever); an event already reached costs one query.
 
 Handles are 64 opaque bytes: they travel as ``bytes`` and are copied in and out of the bindings'
 structs through their addresses (:mod:`.importer`, which also retains an importer's context).
 
 Invariants: an opened mapping is closed only once no ``SharedGpuRef`` of it is left in the
-process (the table holds mappings weakly); nothing here frees the owner's memory.
+process (the table holds mappings weakly), and so is an opened event (the table holds them weakly
+too, keyed by the export slot and serial whose count the handles hold, so the owner's event is
+alive while its opening is); nothing here frees the owner's memory.
 
 Thread rule: any thread. The importer's table of opened mappings is guarded by
 :data:`.importer.lock`; every
@@ -43,9 +52,11 @@ from .importer import ImportedMapping, bytes_of, lock, make_current, struct_of
 
 __all__ = [
     "CudaMemoryExport",
+    "OpenedEvent",
     "OpenedMemory",
     "RecordedEvent",
     "export_memory",
+    "open_event",
     "open_memory",
     "record_event",
     "wait_event",
@@ -53,6 +64,7 @@ __all__ = [
 
 _POLL_MAX_S = 0.001
 _opened: weakref.WeakValueDictionary[tuple[int, bytes], OpenedMemory] = weakref.WeakValueDictionary()
+_events: weakref.WeakValueDictionary[tuple[Any, ...], OpenedEvent] = weakref.WeakValueDictionary()
 
 
 class CudaMemoryExport(NamedTuple):
@@ -164,17 +176,24 @@ def open_memory(
 
 class RecordedEvent:
     """An interprocess event the owner recorded; ``handle`` is its 64-byte IPC handle. The owner
-    keeps the object while the export is held; dropping it destroys the event.
+    keeps the object while an export of it is held; dropping it destroys the event. It remembers
+    the stream it was recorded on (weakly), so that :func:`record_event` records it again only on
+    that very stream.
 
     Thread rule: any thread.
     """
 
-    __slots__ = ("_event", "handle")
+    __slots__ = ("_event", "_stream", "handle")
 
-    def __init__(self, event: Any, handle: bytes) -> None:
+    def __init__(self, event: Any, handle: bytes, stream: Any) -> None:
         """Made by :func:`record_event`."""
         self._event = event
         self.handle = handle
+        self._stream = weakref.ref(stream)
+
+    def recorded_on(self, stream: Any) -> bool:
+        """Whether it was recorded on ``stream`` (the same live stream object). Thread rule: any thread."""
+        return self._stream() is stream
 
     def __del__(self) -> None:
         try:
@@ -183,14 +202,26 @@ class RecordedEvent:
             return
 
 
-def record_event(driver: Any, stream: Any) -> RecordedEvent:
+def record_event(driver: Any, stream: Any, again: RecordedEvent | None = None) -> RecordedEvent:
     """Record an interprocess event at the current end of ``stream`` (a ``CudaStream``).
 
+    Args:
+        driver: the owner's ``CudaDriver``.
+        stream: the stream of the export's last write.
+        again: an event an earlier export of the same block recorded: when it was recorded on
+            ``stream``, it is recorded again and returned (no new event; see the module
+            docstring); otherwise a new event is made.
+    Returns:
+        The recorded event: ``again`` or a new one.
     Raises:
         DriverError, ContextPoisoned: from the driver.
     Thread rule: any thread.
     """
     driver.make_current(stream.ordinal)
+    if again is not None and again.recorded_on(stream):
+        (err,) = cu.cuEventRecord(again._event, cu.CUstream(stream.handle))
+        check(err, "cuEventRecord (interprocess, again)")
+        return again
     flags = cu.CUevent_flags.CU_EVENT_INTERPROCESS | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
     err, event = cu.cuEventCreate(flags)
     check(err, "cuEventCreate(INTERPROCESS)")
@@ -202,11 +233,75 @@ def record_event(driver: Any, stream: Any) -> RecordedEvent:
     except BaseException:
         cu.cuEventDestroy(event)
         raise
-    return RecordedEvent(event, bytes_of(handle))
+    return RecordedEvent(event, bytes_of(handle), stream)
+
+
+class OpenedEvent:
+    """One process's opening of an owner's interprocess event (made by :func:`open_event`),
+    shared by the handles that carry it; ``cuEventDestroy`` when the last one drops it.
+
+    Thread rule: any thread.
+    """
+
+    __slots__ = ("__weakref__", "_event", "_ordinal")
+
+    def __init__(self, ordinal: int, event: Any) -> None:
+        """Made by :func:`open_event`."""
+        self._ordinal = ordinal
+        self._event = event
+
+    def wait(self, timeout_s: float, abort: Callable[[], object]) -> None:
+        """Block until the owner's latest record of the event completed.
+
+        Args:
+            timeout_s: how long to wait at most.
+            abort: called between polls; it raises to end the wait.
+        Raises:
+            DeviceUnavailable: not complete within ``timeout_s``.
+            DriverError, ContextPoisoned: from the driver.
+        Thread rule: any thread.
+        """
+        make_current(self._ordinal)
+        _poll(self._ordinal, self._event, timeout_s, abort)
+
+    def __del__(self) -> None:
+        try:
+            cu.cuEventDestroy(self._event)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone with the process
+            return
+
+
+def open_event(ordinal: int, handle: bytes, key: tuple[Any, ...]) -> OpenedEvent:
+    """The owner's interprocess event ``handle``, opened in this process: the opening held under
+    ``key`` already, or a new one (``cuIpcOpenEventHandle``).
+
+    Args:
+        ordinal: the owner's device.
+        handle: the event's IPC handle.
+        key: names the export slot, its serial and generation, and ``handle``: while a handle
+            holding that slot's count lives, the owner keeps the event, so an opening found under
+            the key is of the live event.
+    Returns:
+        The opening; the caller keeps it as long as it may wait on it, and drops it before it
+        gives its count back.
+    Raises:
+        DriverError: CUDA refused the open (the owner ended), or no GPU.
+    Thread rule: any thread.
+    """
+    with lock:
+        opened = _events.get(key)
+        if opened is not None:
+            return opened
+        make_current(ordinal)
+        err, event = cu.cuIpcOpenEventHandle(struct_of(cu.CUipcEventHandle, handle))
+        check(err, "cuIpcOpenEventHandle")
+        opened = OpenedEvent(ordinal, event)
+        _events[key] = opened
+        return opened
 
 
 def wait_event(ordinal: int, handle: bytes, timeout_s: float, abort: Callable[[], object]) -> None:
-    """Block until the owner's recorded event completed.
+    """Block until the owner's recorded event completed, opening it for this wait only.
 
     Args:
         ordinal: the owner's device.
@@ -222,17 +317,23 @@ def wait_event(ordinal: int, handle: bytes, timeout_s: float, abort: Callable[[]
     err, event = cu.cuIpcOpenEventHandle(struct_of(cu.CUipcEventHandle, handle))
     check(err, "cuIpcOpenEventHandle")
     try:
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        while True:
-            (err,) = cu.cuEventQuery(event)
-            if err != NOT_READY:
-                check(err, "cuEventQuery (interprocess)")
-                return
-            abort()
-            if time.monotonic() >= deadline:
-                raise DeviceUnavailable(f"device {ordinal}: interprocess event not reached in {timeout_s} s")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+        _poll(ordinal, event, timeout_s, abort)
     finally:
         cu.cuEventDestroy(event)
+
+
+def _poll(ordinal: int, event: Any, timeout_s: float, abort: Callable[[], object]) -> None:
+    """Query ``event`` until it is reached: at once when it is, else sleeping between queries
+    (doubling from 10 µs up to :data:`_POLL_MAX_S`), ``abort`` called between them."""
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while True:
+        (err,) = cu.cuEventQuery(event)
+        if err != NOT_READY:
+            check(err, "cuEventQuery (interprocess)")
+            return
+        abort()
+        if time.monotonic() >= deadline:
+            raise DeviceUnavailable(f"device {ordinal}: interprocess event not reached in {timeout_s} s")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
