@@ -15,6 +15,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors._core.library_core import EnqueueCore
+from xlog_actors.actors.library_messages import BufferArg
 from xlog_actors.memory.block import Access
 from xlog_actors.memory.pinned import PinnedBuffer
 
@@ -50,7 +51,7 @@ def _core(ref: xa.GpuRef) -> tuple[EnqueueCore, _Spy, Any, Any]:
     sid = runtime.stream_pool.acquire()
     stream = runtime.stream_pool.resolve(sid)
     spy = _Spy(runtime)
-    core = EnqueueCore(ctx, stream, sid, spy.prepare, spy.finish, Access.READ, Access.WRITE, PinnedBuffer)
+    core = EnqueueCore(ctx, stream, sid, spy.prepare, spy.finish, Access.READ, Access.WRITE, PinnedBuffer, BufferArg)
     return core, spy, stream, sid
 
 
@@ -177,3 +178,115 @@ def test_a_pinned_buffer_stays_until_its_compiled_copy_ran(driver: xa.Driver, de
     core.close()  # waits for the stream: the memory may go
     assert core.kept() == 0
 
+
+
+_PACK_SOURCE = r"""
+extern "C" __global__ void xlog_test_pack(unsigned long long* out, const float* in, int a, unsigned int b,
+                                          long long c, unsigned long long d, float e, double f) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out[0] = (unsigned long long)(long long)a;
+        out[1] = b;
+        out[2] = (unsigned long long)c;
+        out[3] = d;
+        out[4] = __float_as_uint(e);
+        out[5] = (unsigned long long)__double_as_longlong(f);
+        out[6] = __float_as_uint(in[0]);
+    }
+}
+"""
+
+
+def _pack_host(mem: Any, grid: Any, block: Any, out: int, src: int, a: int, b: int, c: int, d: int, e: float,
+               f: float) -> None:
+    words = mem.array(out, 7, np.uint64)
+    words[0] = np.int64(a).view(np.uint64)
+    words[1], words[3] = b, d
+    words[2] = np.int64(c).view(np.uint64)
+    words[4] = np.float32(e).view(np.uint32)
+    words[5] = np.float64(f).view(np.uint64)
+    words[6] = mem.array(src, 1, np.float32).view(np.uint32)[0]
+
+
+PACK = xa.Kernel(name="xlog_test_pack", source=_PACK_SOURCE,
+                 params=("ptr", "ptr", "i32", "u32", "i64", "u64", "f32", "f64"), host=_pack_host)
+
+
+def _expected(a: int, b: int, c: int, d: int, e: float, f: float, first: float) -> list[int]:
+    return [int(np.int64(a).view(np.uint64)), b, int(np.int64(c).view(np.uint64)), d,
+            int(np.float32(e).view(np.uint32)), int(np.float64(f).view(np.uint64)),
+            int(np.float32(first).view(np.uint32))]
+
+
+def test_a_learned_launch_is_packed_tracked_and_recorded(device: pykka.ActorRef[Any]) -> None:
+    """The first launch of a kernel and its dimensions takes the Python path; learned, the next
+    ones are packed here: every kind at the edges of its range lands in the kernel as the
+    driver's own packing puts it (on CUDA through ``cuLaunchKernel`` straight)."""
+    out = device.ask(xa.Allocate(64))
+    src = device.ask(xa.Allocate(64))
+    copier = xa.CopyActor.start(device)
+    launcher = xa.KernelActor.start(device)
+    copier.ask(xa.CopyToDevice(src, np.array([2.5] * 16, dtype=np.float32)))
+    first = xa.Launch(PACK, 1, 1, [xa.Out(out), xa.In(src), 1, 2, 3, 4, 5.0, 6.0])
+    launcher.ask(first)  # the Python path: judged, loaded, then learned
+    assert copier.ask(xa.CopyToHost(out, 56)) == np.array(_expected(1, 2, 3, 4, 5.0, 6.0, 2.5), np.uint64).tobytes()
+    core, spy, stream, sid = _core(out)
+    assert core.learn(PACK, 1, 1, ((1, 1, 1), (1, 1, 1))) is True
+    edges = (-(1 << 31), (1 << 32) - 1, -(1 << 63), (1 << 64) - 1, -1.5e38, -2.2250738585072014e-308)
+    msg = xa.Launch(PACK, 1, 1, [xa.Out(out), xa.In(src), *edges])
+    assert core.launch(msg) is True
+    assert spy.calls == [("prepare", Access.WRITE), ("prepare", Access.READ),
+                         ("finish", Access.WRITE), ("finish", Access.READ)]
+    assert out.last_write_stream == sid and src.last_write_stream != sid
+    stream.synchronize()
+    got = copier.ask(xa.CopyToHost(out, 56))
+    assert got == np.array(_expected(*edges, 2.5), np.uint64).tobytes()
+    ints = xa.Launch(PACK, 1, 1, [xa.Out(out), xa.In(src), 0, 0, 0, 0, 7, 8])  # ints for the reals
+    assert core.launch(ints) is True
+    stream.synchronize()
+    assert copier.ask(xa.CopyToHost(out, 56)) == np.array(_expected(0, 0, 0, 0, 7.0, 8.0, 2.5), np.uint64).tobytes()
+    core.close()
+
+
+def test_launches_it_does_not_pack_are_left_untouched(device: pykka.ActorRef[Any]) -> None:
+    out = device.ask(xa.Allocate(64))
+    src = device.ask(xa.Allocate(64))
+    core, spy, _, _ = _core(out)
+
+    def launch(*args: object, grid: object = 1, block: object = 1, kernel: xa.Kernel = PACK) -> bool:
+        return bool(core.launch(xa.Launch(kernel, grid, block, list(args))))
+
+    good = [xa.Out(out), xa.In(src), 1, 2, 3, 4, 5.0, 6.0]
+    assert launch(*good) is False  # not learned yet
+    assert core.learn(PACK, 1, 1, ((1, 1, 1), (1, 1, 1))) is True
+    assert core.learn(PACK, (1, 1), 1, ((1, 1, 1), (1, 1, 1))) is False  # dimensions not plain ints
+    assert launch(*good, grid=2) is False  # another triple
+    assert launch(*good, grid=(1, 1)) is False
+    assert launch(*good[:-1]) is False
+    assert launch(*good, 7) is False
+    stale = device.ask(xa.Allocate(64))
+    stale.release()
+    rows: list[list[object]] = [
+        [out, xa.In(src), 1, 2, 3, 4, 5.0, 6.0],  # a bare handle
+        [xa.Out(stale), xa.In(src), 1, 2, 3, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(out), 1, 2, 3, 4, 5.0, 6.0],  # one handle twice
+        [xa.Out(out), xa.In(src), True, 2, 3, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1 << 31, 2, 3, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, -1, 3, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, 1 << 32, 3, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 1 << 63, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 3, -1, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 3, 1 << 64, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 3.0, 4, 5.0, 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 3, 4, 1e39, 6.0],  # saturates on the Python path
+        [xa.Out(out), xa.In(src), 1, 2, 3, 4, 10**400, 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 3, 4, "5", 6.0],
+        [xa.Out(out), xa.In(src), 1, 2, 3, 4, 5.0, np.float64(6.0)],
+    ]
+    for row in rows:
+        assert launch(*row) is False, row
+    assert spy.calls == []
+    assert core.launch(xa.Launch(PACK, 1, 1, tuple(good))) is True  # a tuple of arguments is served
+    spy.calls.clear()
+    device.ask(xa.Rebuild("test"))
+    assert launch(*good) is False  # the core's context closed
+    assert spy.calls == []

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""A library actor's one-handle work in one call: validate the handle, queue the waits its
-tracking asks, enqueue the fill or the pinned copy, record the use and the last write.
+"""A library actor's common work in one call: validate the handles, queue the waits their
+tracking asks, enqueue the fill, the pinned copy or the kernel launch, record the uses and the
+last writes.
 
 Most library messages touch one handle (a fill, a copy in from a pinned buffer, a copy back into
 one). In Python each of their steps is a few frames: the handle's check, the resource's bound
@@ -12,7 +13,16 @@ GIL kept), and the tracking stays the resource's (``prepare_block_use`` / ``fini
 
 A call answers False, having done nothing, when its operands are not the plain case: a handle that
 is not a live handle of the core's context, a context that closed, a buffer released or of
-another device. The actor then takes its Python path, which raises the precise error.
+another device, a launch whose kernel and dimensions have not yet been launched through the
+Python path (:meth:`EnqueueCore.learn`), an argument its slot does not take as is, a handle passed
+twice. The actor then takes its Python path, which raises the precise error.
+
+**Launches.** A launch's kernel, grid and block (plain ints) are learned once the Python path
+launched them: that path judged the dimensions against the device's limits and loaded the kernel.
+Later launches of the same triple pack their arguments here, each into its 8-byte slot as the
+driver packs them (a pointer, an integer of its kind's range, a real number), and call
+``cuLaunchKernel`` through the ops, which go to the driver's method where the kernel is not loaded
+in the current epoch.
 
 **Host memory kept until the copy ran.** A copy from or into a pinned buffer that went straight to
 ``libcuda`` reads or writes the buffer's memory after the call returns, so the memory's owner (the
@@ -35,6 +45,7 @@ Thread rule: one call at a time per core (the owning actor's ``exclusive`` lock)
 from collections import deque
 
 from cpython.weakref cimport PyWeakref_GetObject
+from libc.string cimport memcpy
 
 from .context_core cimport ContextCore
 from .handles cimport HandleCore
@@ -44,6 +55,14 @@ __all__ = ["EnqueueCore"]
 
 #: Marker events kept for reuse once their copies ran.
 cdef Py_ssize_t _SPARE = 32
+#: The most parameters a compiled launch packs (more take the Python path), and the most
+#: (kernel, grid, block) triples a core learns.
+DEF _MAX_PARAMS = 32
+cdef Py_ssize_t _MAX_PLANS = 256
+
+#: Parameter kinds as the packing loop reads them.
+cdef dict _KIND_CODES = {"ptr": 0, "u64": 1, "i64": 2, "u32": 3, "i32": 4, "f32": 5, "f64": 6}
+cdef double _F32_MAX = 3.4028234663852886e38
 
 
 cdef class EnqueueCore:
@@ -66,8 +85,14 @@ cdef class EnqueueCore:
     cdef type _pinned_type
     cdef object _kept
     cdef list _spare
+    cdef type _buffer_arg_type
+    cdef dict _plans
+    cdef unsigned long long _slots[_MAX_PARAMS]
+    cdef void* _params[_MAX_PARAMS]
+    cdef unsigned int _dims[6]
 
-    def __init__(self, context, stream, stream_id, prepare, finish, read, write, type pinned_type):
+    def __init__(self, context, stream, stream_id, prepare, finish, read, write, type pinned_type,
+                 type buffer_arg_type):
         """Args:
             context: the attached ``DeviceContext`` (a ``ContextCore``): only its handles are
                 served, and only while it is open.
@@ -76,6 +101,7 @@ cdef class EnqueueCore:
             prepare, finish: the resource's ``prepare_block_use`` / ``finish_block_use``.
             read, write: ``Access.READ`` and ``Access.WRITE``.
             pinned_type: ``PinnedBuffer``: the only host buffer type the copies take.
+            buffer_arg_type: ``BufferArg``: a launch's buffer arguments (``In``/``Out``/``InOut``).
         Raises:
             TypeError: ``context`` is not a ``ContextCore``.
         Thread rule: any thread.
@@ -94,6 +120,11 @@ cdef class EnqueueCore:
         self._pinned_type = pinned_type
         self._kept = deque()
         self._spare = []
+        self._buffer_arg_type = buffer_arg_type
+        self._plans = {}
+        cdef Py_ssize_t i
+        for i in range(_MAX_PARAMS):
+            self._params[i] = <void*>&self._slots[i]
 
     cdef object _block(self, object ref):
         """``ref``'s block when it is a live, unreleased handle of the core's open context, else
@@ -200,6 +231,159 @@ cdef class EnqueueCore:
             self._keep(owner, event)
         self._finish(block, sid, read)
         return event
+
+    def learn(self, kernel, grid, block, dims):
+        """Take later launches of ``kernel`` with this ``grid`` and ``block`` (plain ints) on the
+        compiled path: the Python path launched them, judging the dimensions and loading the
+        kernel.
+
+        Args:
+            kernel: the ``Kernel``.
+            grid, block: the ints the launch gave.
+            dims: ``((gx, gy, gz), (bx, by, bz))`` as the launch checks returned them.
+        Returns:
+            True when learned (or known); False when not (a parameter kind or count it does not
+            pack, dimensions that are not plain ints, the table full).
+        """
+        if type(grid) is not int or type(block) is not int:
+            return False
+        key = (kernel, grid, block)
+        if key in self._plans:
+            return True
+        params = kernel.params
+        if len(params) > _MAX_PARAMS or len(self._plans) >= _MAX_PLANS:
+            return False
+        codes = []
+        for kind in params:
+            code = _KIND_CODES.get(kind)
+            if code is None:
+                return False
+            codes.append(code)
+        (gx, gy, gz), (bx, by, bz) = dims
+        self._plans[key] = (bytes(codes), (gx, gy, gz, bx, by, bz))
+        return True
+
+    def launch(self, msg):
+        """``Launch(kernel, grid, block, args)`` of a learned triple (see :meth:`learn`): the
+        buffer arguments validated and tracked as their access says, the arguments packed, the
+        kernel launched, the handles written recorded.
+
+        Args:
+            msg: the ``Launch``.
+        Returns:
+            True when done; False when nothing was done (see the module docstring).
+        Raises:
+            as :meth:`fill`.
+        """
+        cdef Py_ssize_t i, n, nbuf
+        cdef unsigned long long* slots = self._slots
+        cdef unsigned int* dims = self._dims
+        cdef bytes codes
+        cdef unsigned char code
+        cdef double real
+        cdef float single
+        cdef long long whole
+        grid, block = msg.grid, msg.block
+        if type(grid) is not int or type(block) is not int:
+            return False
+        kernel = msg.kernel
+        try:
+            plan = self._plans.get((kernel, grid, block))
+        except TypeError:  # an unhashable kernel: not one the Python path would take either
+            return False
+        if plan is None:
+            return False
+        args = msg.args
+        if type(args) is not list and type(args) is not tuple:
+            return False
+        codes = plan[0]
+        n = len(codes)
+        if len(args) != n:
+            return False
+        blocks = []
+        refs = []
+        accesses = []
+        for i in range(n):
+            value = args[i]
+            code = codes[i]
+            if code == 0:
+                if type(value) is not self._buffer_arg_type:
+                    return False
+                ref = value.ref
+                found = self._block(ref)
+                if found is None:
+                    return False
+                for other in refs:
+                    if other is ref:
+                        return False  # passed twice: the Python path merges its uses
+                refs.append(ref)
+                blocks.append(found)
+                accesses.append(value.access)
+                slots[i] = <unsigned long long>found.ptr
+            elif code == 5 or code == 6:
+                if type(value) is not float and type(value) is not int:
+                    return False
+                try:
+                    real = <double>value
+                except OverflowError:
+                    return False
+                if code == 6:
+                    memcpy(&slots[i], &real, 8)
+                else:
+                    if real > _F32_MAX or real < -_F32_MAX:
+                        return False  # the Python path saturates it as numpy does
+                    single = <float>real
+                    slots[i] = 0
+                    memcpy(&slots[i], &single, 4)
+            else:
+                if type(value) is not int:
+                    return False
+                if code == 1:
+                    if value < 0 or value > 0xFFFFFFFFFFFFFFFF:
+                        return False
+                    slots[i] = <unsigned long long>value
+                elif code == 2:
+                    if value < -0x8000000000000000 or value > 0x7FFFFFFFFFFFFFFF:
+                        return False
+                    whole = <long long>value
+                    memcpy(&slots[i], &whole, 8)
+                elif code == 3:
+                    if value < 0 or value > 0xFFFFFFFF:
+                        return False
+                    slots[i] = <unsigned long long>value
+                else:
+                    if value < -0x80000000 or value > 0x7FFFFFFF:
+                        return False
+                    whole = <long long>value
+                    slots[i] = <unsigned long long>(<unsigned int>(<int>whole))
+        d = plan[1]
+        for i in range(6):
+            dims[i] = <unsigned int>d[i]
+        self._ops.check_context()
+        sid, stream = self._sid, self._stream
+        prepare, finish = self._prepare, self._finish
+        nbuf = len(blocks)
+        for i in range(nbuf):
+            prepare(blocks[i], sid, accesses[i])
+        if not self._ops.launch(kernel, dims, self._params, stream):
+            self._driver.launch(kernel, grid, block, self._values(args, codes, blocks), stream)
+        for i in range(nbuf):
+            finish(blocks[i], sid, accesses[i])
+        for i in range(nbuf):
+            if accesses[i].writes:
+                (<HandleCore>refs[i])._last_write = sid
+        return True
+
+    cdef object _values(self, object args, bytes codes, list blocks):
+        """The launch's arguments as the driver's method takes them: each buffer argument as its
+        block's pointer."""
+        values = list(args)
+        cdef Py_ssize_t i, at = 0
+        for i in range(len(codes)):
+            if codes[i] == 0:
+                values[i] = blocks[at].ptr
+                at += 1
+        return values
 
     cdef _keep(self, object owner, object event):
         """Keep ``owner`` until the stream ran past now: ``event`` when given (recorded right

@@ -19,6 +19,8 @@ ctypedef CUresult (*PrimaryCtxGetState_t)(int, unsigned int*, int*) noexcept nog
 ctypedef CUresult (*MemsetD8Async_t)(CUdeviceptr, unsigned char, size_t, CUstream) noexcept nogil
 ctypedef CUresult (*MemcpyHtoDAsync_t)(CUdeviceptr, const void*, size_t, CUstream) noexcept nogil
 ctypedef CUresult (*MemcpyDtoHAsync_t)(void*, CUdeviceptr, size_t, CUstream) noexcept nogil
+ctypedef CUresult (*LaunchKernel_t)(void*, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+                                    unsigned int, unsigned int, CUstream, void**, void**) noexcept nogil
 
 
 cdef class DriverOps:
@@ -39,6 +41,7 @@ cdef class DriverOps:
                         object stream) except -1
     cdef bint copy_dtoh(self, object buf, unsigned long long address, object ptr, object nbytes,
                         object stream) except -1
+    cdef bint launch(self, object kernel, const unsigned int* dims, void** params, object stream) except -1
 
 
 cdef class CudaOps(DriverOps):
@@ -82,6 +85,9 @@ cdef class CudaOps(DriverOps):
     cdef MemsetD8Async_t _memset_d8
     cdef MemcpyHtoDAsync_t _memcpy_htod
     cdef MemcpyDtoHAsync_t _memcpy_dtoh
+    cdef LaunchKernel_t _launch_kernel
+    cdef dict _functions
+    cdef object _functions_token
     cdef int _cudev
     cdef bint _current(self)
     cdef object _thread_token(self)

@@ -28,8 +28,8 @@ stream (under its gate, in Python, holding the GIL) either before the check, whi
 or after the call, whose work the rebuild's synchronize then waits for.
 
 Why one module, longer than 400 lines: every fast path here (allocation, free, event record and
-wait, query, graph launch and rebinding, the context check, a library actor's fill and pinned
-copies) rests on the same cached view of the
+wait, query, graph launch and rebinding, the context check, a library actor's fill, pinned
+copies and kernel launch) rests on the same cached view of the
 device and the same stream verdict, and each must be read beside the checks it trusts.
 
 Thread rule: any thread; an ops object's only mutable state is its cached view of the device,
@@ -130,6 +130,13 @@ cdef class DriverOps:
         self.driver.copy_to_host_into(ptr, buf.view()[:nbytes], stream)
         return False
 
+    # A kernel launch straight through ``cuLaunchKernel``: ``dims`` (grid x, y, z, block x, y, z)
+    # and ``params`` (the ``void*[]`` of the packed values), both checked and packed by the
+    # caller. True when launched; False when there is no such path (here, or a kernel not loaded
+    # in the current epoch): nothing was done, and the caller takes the driver's ``launch``.
+    cdef bint launch(self, object kernel, const unsigned int* dims, void** params, object stream) except -1:
+        return False
+
 
 cdef class CudaOps(DriverOps):
     """The CUDA driver's calls through ``libcuda`` entry points, with the Python driver as the
@@ -196,6 +203,9 @@ cdef class CudaOps(DriverOps):
         self._memset_d8 = <MemsetD8Async_t>PyLong_AsVoidPtr(entry_points["cuMemsetD8Async"])
         self._memcpy_htod = <MemcpyHtoDAsync_t>PyLong_AsVoidPtr(entry_points["cuMemcpyHtoDAsync"])
         self._memcpy_dtoh = <MemcpyDtoHAsync_t>PyLong_AsVoidPtr(entry_points["cuMemcpyDtoHAsync"])
+        self._launch_kernel = <LaunchKernel_t>PyLong_AsVoidPtr(entry_points["cuLaunchKernel"])
+        self._functions = {}
+        self._functions_token = None
         self._cudev = int(device.cudev)
 
     cdef bint _current(self):
@@ -439,6 +449,28 @@ cdef class CudaOps(DriverOps):
         err = self._memcpy_dtoh(<void*>address, <CUdeviceptr>ptr, <size_t>nbytes, self._handle_of(stream))
         if err != 0:
             self._dev.fail(self._cuda_result(err), f"cuMemcpyDtoHAsync({nbytes} bytes from {ptr:#x}, stream {stream._id})")
+        return True
+
+    cdef bint launch(self, object kernel, const unsigned int* dims, void** params, object stream) except -1:
+        # The kernel must be loaded in the current epoch already (the device's ``functions``, which
+        # a rebuild empties; its handles are kept here by epoch): a first launch, which compiles and
+        # loads it, goes to the driver's method.
+        cdef CUresult err
+        if not self._current() or not self._stream_ok(stream):
+            return False
+        if self._functions_token is not self._live_token:
+            self._functions = {}
+            self._functions_token = self._live_token
+        found = self._functions.get(kernel)
+        if found is None:
+            loaded = self._dev.functions.get(kernel)
+            if loaded is None:
+                return False
+            found = self._functions[kernel] = int(loaded)
+        err = self._launch_kernel(PyLong_AsVoidPtr(found), dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], 0,
+                                  self._handle_of(stream), params, NULL)
+        if err != 0:
+            self._dev.fail(self._cuda_result(err), f"cuLaunchKernel({kernel.name}, stream {stream._id})")
         return True
 
     cdef object alloc(self, object nbytes):

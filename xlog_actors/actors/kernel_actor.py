@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..driver.checks import check_launch
+from ..driver.checks import check_launch, checked_dims
 from ..driver.kernel import Kernel
 from ..driver.protocol import Driver, Stream
 from ..errors import InvalidRequest
@@ -41,7 +41,16 @@ class KernelActor(LibraryActor):
         return type(message) in (Launch, Launches)  # a launch only enqueues
 
     def _launch(self, msg: Launch) -> None:
+        core = self._core
+        if core is not None and self._compiled(core.launch, msg):
+            return
         self._launch_all([_checked_fast(msg)])
+        # Launched through the driver, which judged the dimensions and loaded the kernel: the
+        # next launch of the same kernel and dimensions may take the compiled path.
+        dims = checked_dims(msg.grid, msg.block)
+        core = self._core
+        if dims is not None and core is not None:
+            core.learn(msg.kernel, msg.grid, msg.block, dims)
 
     def _launches(self, msg: Launches) -> None:
         launches = msg.launches

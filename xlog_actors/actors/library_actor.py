@@ -29,6 +29,7 @@ from .gpu_ref import GpuRef
 from .hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, SpinningInbox, spin_budget
 from .isolated._library import start_library
 from .isolated._proxy import IsolatedDevice
+from .library_messages import BufferArg
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
 from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
@@ -282,7 +283,7 @@ class LibraryActor(ResilientActor):
         if self._tracking:
             runtime = ctx.runtime
             self._core = EnqueueCore(ctx, stream, self._stream_id, runtime.prepare_block_use,
-                                     runtime.finish_block_use, Access.READ, Access.WRITE, PinnedBuffer)
+                                     runtime.finish_block_use, Access.READ, Access.WRITE, PinnedBuffer, BufferArg)
         self._ctx = ctx
         self._attaching = None
         return ctx

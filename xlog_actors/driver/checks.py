@@ -267,6 +267,15 @@ def check_launch(kernel: Kernel, grid: Dims, block: Dims, args: Sequence[object]
 _GOOD_DIMS: dict[tuple[int, int] | None, tuple[Dim3, Dim3]] = {}
 
 
+def checked_dims(grid: object, block: object) -> tuple[Dim3, Dim3] | None:
+    """The padded dimensions a launch with this ``grid`` and ``block`` (plain ints) passed
+    :func:`check_launch` with, or None when no launch with them passed it yet (or they are not
+    plain ints). Thread rule: any thread."""
+    if type(grid) is not int or type(block) is not int:
+        return None
+    return _GOOD_DIMS.get((grid, block))
+
+
 def writable_bytes(out: Any) -> memoryview:
     """View the destination of a device-to-host copy as writable bytes.
 
