@@ -84,3 +84,73 @@ def test_export_data_of_the_wrong_size_is_refused(data: object) -> None:
 
     with pytest.raises(InvalidRequest, match="64 bytes"):
         struct_of(cu.CUmemPoolPtrExportData, data)  # type: ignore[arg-type]
+
+
+class _FakeCu:
+    """``cuda.bindings.driver`` for the importer's pool calls, counted (the rest is the real
+    module)."""
+
+    def __init__(self, real: object) -> None:
+        self._real = real
+        self.pools = 0
+        self.destroyed: list[int] = []
+        self.freed: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def cuMemPoolImportFromShareableHandle(self, _fd: int, _kind: object, _flags: int) -> tuple[object, int]:
+        self.pools += 1
+        return self._real.CUresult.CUDA_SUCCESS, 0x1000 * self.pools  # type: ignore[attr-defined]
+
+    def cuMemPoolImportPointer(self, pool: int, data: object) -> tuple[object, int]:
+        return self._real.CUresult.CUDA_SUCCESS, pool + 0x10 + len(self.freed)  # type: ignore[attr-defined]
+
+    def cuMemFree(self, base: int) -> tuple[object]:
+        self.freed.append(base)
+        return (self._real.CUresult.CUDA_SUCCESS,)  # type: ignore[attr-defined]
+
+    def cuMemPoolDestroy(self, pool: int) -> tuple[object]:
+        self.destroyed.append(pool)
+        return (self._real.CUresult.CUDA_SUCCESS,)  # type: ignore[attr-defined]
+
+
+def test_an_imported_pool_no_block_uses_goes_when_its_device_imports_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An imported pool keeps its owner's memory alive after the owner destroyed it (a rebuild
+    retires the owner's pool): it goes at the next first import of a pool of the same device,
+    once no block of it is imported here; a pool still in use waits for the next one."""
+    import gc
+
+    from cuda.bindings import driver as real_cu
+
+    from xlog_actors.driver.cuda import importer
+
+    fake = _FakeCu(real_cu)
+    monkeypatch.setattr(pool_ipc, "cu", fake)
+    monkeypatch.setattr(pool_ipc, "make_current", lambda _ordinal: None)
+    monkeypatch.setattr(importer, "make_current", lambda _ordinal: None)
+    monkeypatch.setattr(pool_ipc, "fetch_fd", lambda *_args: os.open(os.devnull, os.O_RDONLY))
+    monkeypatch.setattr(pool_ipc, "_imported_pools", {})
+
+    def export(key: str, n: int) -> CudaPoolExport:
+        return CudaPoolExport("\0xlog-fds-fake", key, bytes([n]) * HANDLE_BYTES, 64, OTHER_PID, 0x1000)
+
+    first = open_pointer(0, export("pool-0-1", 1))
+    second = open_pointer(0, export("pool-0-2", 2))  # the owner's next pool: the first is still used
+    assert fake.pools == 2 and fake.destroyed == []
+    del first
+    gc.collect()
+    assert fake.freed == [0x1010]
+    other_device = open_pointer(1, export("pool-1-1", 3))  # another device's pools are not touched
+    assert fake.destroyed == []
+    third = open_pointer(0, export("pool-0-3", 4))
+    assert fake.destroyed == [0x1000], "the unused pool of device 0 goes; the used one stays"
+    assert set(pool_ipc._imported_pools) == {("\0xlog-fds-fake", k) for k in ("pool-0-2", "pool-1-1", "pool-0-3")}
+    del second
+    gc.collect()
+    again = open_pointer(0, export("pool-0-3", 5))  # a pool imported already: nothing is dropped
+    assert fake.destroyed == [0x1000]
+    fourth = open_pointer(0, export("pool-0-4", 6))
+    assert sorted(fake.destroyed) == [0x1000, 0x2000], "the second goes once its block went"
+    del other_device, third, again, fourth
+    gc.collect()

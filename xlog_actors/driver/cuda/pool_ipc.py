@@ -14,8 +14,11 @@ other processes of the node.
   handle, carried in the picklable :class:`CudaPoolExport` with the server's address and the key.
 * **Import** (:func:`open_pointer`, in any process). Once per pool and process: the fd is fetched
   over the server's socket (``SCM_RIGHTS``), imported with ``cuMemPoolImportFromShareableHandle``,
-  and the received fd closed; the imported pool is kept until the process ends (one small
-  handle per exporter pool: a few per exporter restart). Each block: ``cuMemPoolImportPointer``,
+  and the received fd closed. An imported pool holds device memory of its owner's pool (a 32 MiB
+  chunk on an H100) even after its owner destroyed it: it is destroyed here when a pool of the
+  same device is first imported (the owner's next context, or another owner) and no block of it
+  is imported in this process any more (one that still is goes at the next such import), so a
+  process keeps at most one pool per device that it no longer uses. Each block: ``cuMemPoolImportPointer``,
   one :class:`ImportedPointer` shared by the handles of the block in the process, freed with
   ``cuMemFree`` when the last one drops it. CUDA requires importers to free before the exporter:
   ``SharedGpuRef`` drops its pointer *before* it gives its reference count back, and the owner
@@ -73,7 +76,8 @@ class _Owned:
 _owned: dict[int, _Owned] = {}
 _owned_lock = threading.Lock()
 _serials = itertools.count()
-_imported_pools: dict[tuple[str, str], Any] = {}
+#: (server, key) -> (the imported pool, the device's ordinal); see the module docstring.
+_imported_pools: dict[tuple[str, str], tuple[Any, int]] = {}
 _pointers: weakref.WeakValueDictionary[tuple[str, str, bytes], ImportedPointer] = weakref.WeakValueDictionary()
 
 
@@ -197,6 +201,18 @@ class ImportedPointer(ImportedMapping):
         cu.cuMemFree(base)
 
 
+def _drop_unused_pools(ordinal: int) -> None:
+    """Destroy the imported pools of device ``ordinal`` that no block imported in this process
+    uses (a block's entry leaves :data:`_pointers` only after its ``cuMemFree``). The caller holds
+    :data:`.importer.lock` and made the device's context current."""
+    used = {key[:2] for key in list(_pointers.keys())}
+    for name, (pool, of) in list(_imported_pools.items()):
+        if of == ordinal and name not in used:
+            del _imported_pools[name]
+            with contextlib.suppress(Exception):  # best effort: its owner's memory goes either way at exit
+                cu.cuMemPoolDestroy(pool)
+
+
 def open_pointer(ordinal: int, export: CudaPoolExport) -> ImportedPointer:
     """Import ``export``'s block in this process (the pool once per process, the block once while
     any handle of it here holds the result).
@@ -220,8 +236,8 @@ def open_pointer(ordinal: int, export: CudaPoolExport) -> ImportedPointer:
         imported = _pointers.get(key)
         if imported is not None:
             return imported
-        pool = _imported_pools.get(key[:2])
-        if pool is None:
+        found = _imported_pools.get(key[:2])
+        if found is None:
             fd = fetch_fd(export.server, export.key, FETCH_TIMEOUT_S)
             try:
                 make_current(ordinal)
@@ -229,8 +245,10 @@ def open_pointer(ordinal: int, export: CudaPoolExport) -> ImportedPointer:
             finally:
                 os.close(fd)  # the imported pool holds what it needs
             check(err, f"cuMemPoolImportFromShareableHandle (device {ordinal}, {export.key})")
-            _imported_pools[key[:2]] = pool
+            _drop_unused_pools(ordinal)
+            _imported_pools[key[:2]] = (pool, ordinal)
         else:
+            pool = found[0]
             make_current(ordinal)
         err, base = cu.cuMemPoolImportPointer(pool, struct_of(cu.CUmemPoolPtrExportData, export.data))
         check(err, f"cuMemPoolImportPointer (device {ordinal}, {export.key})")
