@@ -290,3 +290,25 @@ def test_launches_it_does_not_pack_are_left_untouched(device: pykka.ActorRef[Any
     device.ask(xa.Rebuild("test"))
     assert launch(*good) is False  # the core's context closed
     assert spy.calls == []
+
+
+def test_a_copy_back_event_is_reused_only_once_nobody_holds_it(device: pykka.ActorRef[Any]) -> None:
+    """A ``CopyDone``'s event is re-recorded for a later copy back only when nothing but the core
+    holds it: one still held keeps marking its own copy."""
+    ref = device.ask(xa.Allocate(4 * KiB))
+    out = device.ask(xa.AllocatePinned(4 * KiB))
+    core, _, stream, _ = _core(ref)
+    first = core.to_host(ref, out, 16)
+    second = core.to_host(ref, out, 16)
+    assert first is not None and second is not None and first is not second
+    first_id = id(first)
+    held = second
+    del first, second
+    stream.synchronize()
+    third = core.to_host(ref, out, 16)
+    assert id(third) == first_id, "the first event, dropped by everyone, is recorded again"
+    fourth = core.to_host(ref, out, 16)
+    assert fourth is not held and fourth is not third, "an event still held is never moved"
+    fourth.synchronize()
+    assert held.query() and third.query()
+    core.close()

@@ -28,7 +28,9 @@ in the current epoch.
 ``libcuda`` reads or writes the buffer's memory after the call returns, so the memory's owner (the
 ``_PinnedMemory`` every view of the buffer holds) is kept here, with an event recorded after the
 copy, until that event fired: a ``release()`` of the buffer meanwhile frees nothing early. A copy
-back shares the event its ``CopyDone`` carries. Kept owners are let go, oldest first, as later
+back shares the event its ``CopyDone`` carries; those events are re-recorded in turn once nothing
+but the core holds them (a ``CopyDone`` dropped, with every reference to its event), so a copy back
+does not create one. Kept owners are let go, oldest first, as later
 copies find their events fired and when the actor's Python path ran (:meth:`EnqueueCore.prune`:
 a copy to pageable memory waits for the stream, so everything before it ran), as the driver's
 streams let go of theirs; :meth:`EnqueueCore.close` waits for the rest (the stream's
@@ -44,6 +46,7 @@ Thread rule: one call at a time per core (the owning actor's ``exclusive`` lock)
 
 from collections import deque
 
+from cpython.ref cimport Py_REFCNT
 from cpython.weakref cimport PyWeakref_GetObject
 from libc.string cimport memcpy
 
@@ -55,6 +58,8 @@ __all__ = ["EnqueueCore"]
 
 #: Marker events kept for reuse once their copies ran.
 cdef Py_ssize_t _SPARE = 32
+#: The most ``CopyDone`` events a core re-records in turn.
+cdef Py_ssize_t _DONE_RING = 64
 #: The most parameters a compiled launch packs (more take the Python path), and the most
 #: (kernel, grid, block) triples a core learns.
 DEF _MAX_PARAMS = 32
@@ -85,6 +90,8 @@ cdef class EnqueueCore:
     cdef type _pinned_type
     cdef object _kept
     cdef list _spare
+    cdef list _done
+    cdef Py_ssize_t _done_at
     cdef type _buffer_arg_type
     cdef dict _plans
     cdef unsigned long long _slots[_MAX_PARAMS]
@@ -120,6 +127,8 @@ cdef class EnqueueCore:
         self._pinned_type = pinned_type
         self._kept = deque()
         self._spare = []
+        self._done = []
+        self._done_at = 0
         self._buffer_arg_type = buffer_arg_type
         self._plans = {}
         cdef Py_ssize_t i
@@ -222,7 +231,7 @@ cdef class EnqueueCore:
         self._prepare(block, sid, read)
         fast = self._ops.copy_dtoh(buf, owner._ptr, block.ptr, nbytes, stream)
         try:
-            event = stream.record_event()
+            event = self._done_event()
         except BaseException:
             if fast:
                 self._keep(owner, None)  # the copy is enqueued: its memory stays until it ran
@@ -385,6 +394,27 @@ cdef class EnqueueCore:
                 at += 1
         return values
 
+    cdef object _done_event(self):
+        """An event recorded now on the stream, for a ``CopyDone``: the ring's next one when
+        nothing but the ring holds it any more (its ``CopyDone`` and every wait on it are gone, so
+        no one can see it move), else a new one, added to the ring while it has room."""
+        done = self._done
+        cdef Py_ssize_t n = len(done)
+        if self._kept:
+            self._prune(0)  # a kept copy that ran lets go of its event too
+        if n:
+            event = done[self._done_at]
+            if Py_REFCNT(event) == 2:  # the ring's reference and this one
+                self._ops.record(event, self._stream)
+                self._done_at = (self._done_at + 1) % n
+                return event
+            del event
+        event = self._ops.create_event()
+        self._ops.record(event, self._stream)
+        if n < _DONE_RING:
+            done.append(event)
+        return event
+
     cdef _keep(self, object owner, object event):
         """Keep ``owner`` until the stream ran past now: ``event`` when given (recorded right
         after the copy), else a marker event recorded here. Owners whose events fired are let go
@@ -450,3 +480,4 @@ cdef class EnqueueCore:
                 pass  # the context failed: its rebuild synchronizes before anything is freed
         self._kept.clear()
         self._spare = []
+        self._done = []
