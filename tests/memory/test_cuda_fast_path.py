@@ -1,4 +1,5 @@
-"""The compiled core's CUDA fast path (``CudaOps``), run without a GPU.
+"""The compiled core's CUDA fast path (``CudaOps``, and a library actor's ``EnqueueCore`` over it),
+run without a GPU.
 
 The entry points ``CudaOps`` calls are C function pointers; here they point at ctypes callbacks
 that play a CUDA driver, and the stream, event and device objects are stand-ins carrying exactly
@@ -11,7 +12,9 @@ the context is not current, a foreign event), and that a failed C call is mapped
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
+import weakref
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +22,17 @@ from typing import Any
 
 import pytest
 
+from xlog_actors._core.context_core import ContextCore
+from xlog_actors._core.handles import HandleCore, TokenCell, make_handle
+from xlog_actors._core.library_core import EnqueueCore
 from xlog_actors._core.ops import ops_for
+from xlog_actors.actors.library_messages import BufferArg, In, Launch, Out
 from xlog_actors.driver.cuda.context import Stamped
+from xlog_actors.driver.kernel import Kernel
 from xlog_actors.errors import ContextLost, DriverError, OutOfMemory
 from xlog_actors.memory import AsyncCudaResource, DirectCudaResource
-from xlog_actors.memory.block import Access, BlockId, StreamId
+from xlog_actors.memory.block import Access, AllocTag, BlockId, StreamId
+from xlog_actors.memory.pinned import PinnedBuffer, _PinnedMemory
 
 _ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t, ctypes.c_void_p,
                           ctypes.c_void_p)
@@ -36,6 +45,11 @@ _GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _NODE_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _PRIMARY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int))
+_MEMSET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p)
+_HTOD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_DTOH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p)
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY's value
 
@@ -59,7 +73,13 @@ class FakeCuda:
             "cuEventQuery": _QUERY(lambda e: self._call("query", e)),
             "cuGraphExecMemcpyNodeSetParams": _NODE_SET(lambda g, n, p, c: self._call("node_set", g, n, p, c)),
             "cuDevicePrimaryCtxGetState": _PRIMARY(self._primary_state),
+            "cuMemsetD8Async": _MEMSET(lambda p, b, n, s: self._call("memset", p, b, n, s)),
+            "cuMemcpyHtoDAsync": _HTOD(lambda d, h, n, s: self._call("htod", d, h, n, s)),
+            "cuMemcpyDtoHAsync": _DTOH(lambda h, d, n, s: self._call("dtoh", h, d, n, s)),
+            "cuLaunchKernel": _LAUNCH(self._launch),
         }
+        #: The parameter kinds of the next launches, to read their packed values back.
+        self.launch_kinds: tuple[str, ...] = ()
         self.primary_active = 1
         self.entry_points = {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self.callbacks.items()}
 
@@ -73,6 +93,16 @@ class FakeCuda:
         self.log.append(entry)
         err, self.fail_next = self.fail_next, 0
         return err
+
+    def _launch(self, fn: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int, stream: int,
+                params: Any, extra: Any) -> int:
+        codes = {"ptr": "Q", "u64": "Q", "i64": "q", "u32": "I", "i32": "i", "f32": "f", "f64": "d"}
+        values = []
+        for i, kind in enumerate(self.launch_kinds):
+            code = codes[kind]
+            raw = ctypes.string_at(params[i], struct.calcsize(code))
+            values.append(struct.unpack("<" + code, raw)[0])
+        return self._call("launch", fn, (gx, gy, gz), (bx, by, bz), shared, stream, tuple(values), extra)
 
     def _alloc_from_pool(self, out: Any, size: int, pool: Any, stream: Any) -> int:
         err = self._call("alloc_from_pool", size, pool, stream)
@@ -103,6 +133,7 @@ class FakeDevice(Stamped):
         self.direct_live: set[int] = set()
         self.failed: list[Any] = []
         self.cudev = 7
+        self.functions: dict[Any, int] = {}
 
     def fail(self, err: object, what: str, requested: int = 0) -> None:
         self.failed.append((err, what))
@@ -168,6 +199,15 @@ class FakeCudaDriver:
     def create_event(self, ordinal: int) -> FakeEvent:
         self._events += 1
         return FakeEvent(self.dev, 0xE000 + self._events)
+
+    def pinned_view(self, ptr: int, nbytes: int) -> memoryview:
+        return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+    def fill(self, ptr: int, byte: int, nbytes: int, stream: Any) -> None:
+        self.slow.append("fill")
+
+    def launch(self, kernel: Any, grid: Any, block: Any, values: list[object], stream: Any) -> None:
+        self.slow.append(f"launch {values}")
 
 
 class FakePool:
@@ -465,3 +505,86 @@ def test_every_function_that_sets_a_current_context_writes_the_threads_mark() ->
                 if "set_thread_token" not in called:
                     silent.append(f"{path.name}: {node.name}")
     assert seen >= 2 and not silent, silent
+
+
+# -- a library actor's compiled path (``_core.library_core.EnqueueCore``) on the same stand-ins --
+
+
+class _State:
+    """A device state stand-in: the token cell a handle validates against."""
+
+    def __init__(self, token: object) -> None:
+        self.cell = TokenCell()
+        self.cell.token = token
+
+
+class _Context(ContextCore):
+    """A device context of the stand-in driver: its handles' frees go nowhere."""
+
+    def reclaim(self, block: Any) -> None:
+        pass
+
+
+KINDS = Kernel(name="k", source="", params=("ptr", "ptr", "i32", "u32", "i64", "u64", "f32", "f64"),
+               host=lambda *_: None)
+
+
+@pytest.fixture
+def lib(rig: Any) -> Any:
+    token = object()
+    state = _State(token)
+    ctx = _Context(rig.res, 0, weakref.ref(state), token, HandleCore)
+    ctx.open = True
+    ctx.driver, ctx.ordinal = rig.driver, 0  # type: ignore[attr-defined]
+    core = EnqueueCore(ctx, rig.s0, StreamId(0), rig.res.prepare_block_use, rig.res.finish_block_use,
+                       Access.READ, Access.WRITE, PinnedBuffer, BufferArg)
+    blocks = [rig.res.allocate(4096), rig.res.allocate(4096)]
+    refs = [make_handle(HandleCore, block, ctx) for block in blocks]
+    host = ctypes.create_string_buffer(4096)
+    buf = PinnedBuffer(_PinnedMemory(rig.driver, ctypes.addressof(host), 4096), rig.driver, 0, 4096,
+                       AllocTag.UNTAGGED)  # type: ignore[arg-type]
+    rig.cuda.log.clear()
+    return type("Lib", (), {"core": core, "ctx": ctx, "state": state, "refs": refs, "blocks": blocks,
+                            "host": host, "buf": buf, "address": ctypes.addressof(host)})
+
+
+def test_a_fill_and_the_pinned_copies_go_to_libcuda(rig: Any, lib: Any) -> None:
+    ptr = lib.blocks[0].ptr
+    assert lib.core.fill(lib.refs[0], 9) is True
+    assert ("memset", ptr, 9, 4096, 0x5000) in rig.cuda.log
+    assert lib.core.to_device(lib.refs[0], lib.buf) is True
+    assert ("htod", ptr, lib.address, 4096, 0x5000) in rig.cuda.log
+    assert lib.core.kept() == 1, "the buffer's memory is kept until the copy ran"
+    event = lib.core.to_host(lib.refs[0], lib.buf, 100)
+    assert isinstance(event, FakeEvent)
+    assert ("dtoh", lib.address, ptr, 100, 0x5000) in rig.cuda.log
+    assert ("record", event._h, 0x5000) in rig.cuda.log
+    lib.core.prune()  # the stand-in's queries answer done
+    assert lib.core.kept() == 0
+    assert rig.driver.slow == [], "no Python driver call"
+
+
+def test_a_launch_packs_every_kind_as_the_driver_does(rig: Any, lib: Any) -> None:
+    rig.dev.functions[KINDS] = 0xF1
+    rig.cuda.launch_kinds = KINDS.params
+    edges = (-(1 << 31), (1 << 32) - 1, -(1 << 63), (1 << 64) - 1, -1.5e38, 2.5e-300)
+    msg = Launch(KINDS, 4, 128, [Out(lib.refs[0]), In(lib.refs[1]), *edges])
+    assert lib.core.launch(msg) is False, "not learned yet"
+    assert lib.core.learn(KINDS, 4, 128, ((4, 1, 1), (128, 1, 1))) is True
+    assert lib.core.launch(msg) is True
+    launches = [entry for entry in rig.cuda.log if entry[0] == "launch"]
+    ptrs = (lib.blocks[0].ptr, lib.blocks[1].ptr)
+    f32 = struct.unpack("<f", struct.pack("<f", -1.5e38))[0]
+    assert launches == [("launch", 0xF1, (4, 1, 1), (128, 1, 1), 0, 0x5000, (*ptrs, *edges[:4], f32, edges[5]), None)]
+    assert lib.refs[0]._last_write == StreamId(0) and lib.refs[1]._last_write is None
+    assert rig.driver.slow == []
+    other = Kernel(name="k2", source="", params=KINDS.params, host=lambda *_: None)
+    assert lib.core.learn(other, 4, 128, ((4, 1, 1), (128, 1, 1))) is True
+    assert lib.core.launch(Launch(other, 4, 128, msg.args)) is True  # not loaded: the driver's method
+    assert rig.driver.slow == [f"launch {[*ptrs, *edges]}"]
+
+
+def test_the_library_path_goes_to_the_driver_where_the_context_is_not_current(rig: Any, lib: Any) -> None:
+    rig.driver.set_token(None)
+    assert lib.core.fill(lib.refs[0], 1) is True
+    assert rig.driver.slow[-1] == "fill" and not [e for e in rig.cuda.log if e[0] == "memset"]
