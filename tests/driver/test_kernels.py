@@ -4,6 +4,10 @@ the one judge of a launch both drivers call, at the exact device limits."""
 from __future__ import annotations
 
 import inspect
+import os
+import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -111,3 +115,14 @@ def test_every_public_function_and_method_has_a_docstring(module: str) -> None:
 
 def test_checks_module_lists_check_launch() -> None:
     assert "check_launch" in checks.__all__ and "Dim3" in checks.__all__
+
+
+def test_a_kernel_sent_to_another_process_hashes_as_the_equal_kernel_there() -> None:
+    """A kernel's hash is computed once (a launch's plan lookup hashes it), and a string's hash
+    differs between processes: an unpickled kernel must hash as the equal kernel made there."""
+    code = ("import pickle, sys; from xlog_actors.kernels import FILL_F32; "
+            "k = pickle.loads(sys.stdin.buffer.read()); print(k == FILL_F32, {FILL_F32: 'found'}.get(k))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # a seed unlike this process's random one
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(FILL_F32), capture_output=True,
+                         timeout=60, env=env, check=True)
+    assert out.stdout.split() == [b"True", b"found"]

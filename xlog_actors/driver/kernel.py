@@ -79,5 +79,16 @@ class Kernel:
     host: Callable[..., None] = field(compare=False)
     options: tuple[str, ...] = ()
 
+    #: The hash of the compared fields, computed once: a launch's plan lookup hashes the kernel.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.name, self.source, self.params, self.options)))
+
     def __hash__(self) -> int:
-        return hash((self.name, self.source, self.params, self.options))
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Kernel], tuple[object, ...]]:
+        # Rebuilt from its fields in the receiving process: a string's hash differs between
+        # processes, so the hash computed here must not travel with it.
+        return (type(self), (self.name, self.source, self.params, self.host, self.options))
