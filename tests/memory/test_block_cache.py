@@ -6,6 +6,7 @@ the work of its last use is done."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import xlog_actors as xa
 from xlog_actors._core import alloc_bridge
+from xlog_actors._core.ptr_table import fail_a_grow
 from xlog_actors.memory.adaptors import MAX_CACHED, BlockCacheResource, size_class
 from xlog_actors.memory.block import Access, BlockId, StreamId
 from xlog_actors.memory.history import MemoryHistory
@@ -179,6 +181,97 @@ def test_hazard_a_free_orders_the_stream_after_uses_elsewhere(
     got = host_driver.copy_to_host(new.ptr, new.nbytes, stream(pool, s1))
     stream(pool, s1).synchronize()
     assert bytes(got) == b"\x55" * new.nbytes
+
+
+def test_a_block_let_go_is_handed_out_again_and_one_still_held_never_changes(cache: BlockCacheResource) -> None:
+    """A hit rewrites the block it handed out last only when nobody else holds it: a block kept
+    by its user stays as it was (and stale), the next user gets a block of its own."""
+    held = cache.allocate(4000)
+    before = (held.ptr, held.nbytes, held.generation, held.tag, held.alloc_stream)
+    stale_id = BlockId.from_block(held)
+    cache.deallocate(held)
+    again = cache.allocate(3700, tag=xa.AllocTag("w"))  # the same class, so the same memory
+    assert again is not held and again.ptr == held.ptr
+    assert (held.ptr, held.nbytes, held.generation, held.tag, held.alloc_stream) == before
+    assert again.nbytes == 3700 and again.tag == "w" and again.generation > held.generation
+    with pytest.raises(xa.UseAfterFree):
+        cache.deallocate(held)
+    with pytest.raises(xa.UseAfterFree):
+        cache.prepare_block_use(stale_id, StreamId.DEFAULT, Access.READ)
+    cache.deallocate(again)
+    address, generation, last = again.ptr, again.generation, id(again)
+    del again  # nobody holds it now: the next hit hands the same object out, rewritten
+    third = cache.allocate(4096)
+    assert id(third) == last and third.ptr == address and third.nbytes == 4096
+    assert third.generation > generation and third.tag == xa.AllocTag.UNTAGGED
+    assert cache.held_size(third.ptr) == 4096 and [b.nbytes for b in cache.live_blocks()] == [4096]
+    cache.prepare_block_use(BlockId.from_block(third), StreamId.DEFAULT, Access.WRITE)
+    cache.deallocate(third)
+    assert cache.held_size(address) is None and cache.bytes_outstanding() == 0
+
+
+def test_sizes_of_any_int_type_and_the_largest_pass_the_hit_path(cache: BlockCacheResource) -> None:
+    class Size(int):
+        pass
+
+    block = cache.allocate(Size(1000))
+    assert type(block.nbytes) is int and block.nbytes == 1000
+    cache.deallocate(block)
+    assert cache.allocate(1024).ptr == block.ptr  # one class
+    huge = MAX_CACHED + 1  # past the largest class: passes through, and the device refuses it
+    with pytest.raises(xa.OutOfMemory):
+        cache.allocate(huge)
+    with pytest.raises(xa.OutOfMemory):
+        cache.allocate(1 << 80)
+
+
+def test_many_threads_on_one_client_lose_no_block(host_driver: xa.HostDriver, run_threads: Any) -> None:
+    """8 threads allocating and freeing the same size through one client: every pair after the
+    first few is a hit, and when they are done every block is kept and none is the user's."""
+    device = xa.DeviceActor.start(0, driver=host_driver, resource="async+cache")
+    try:
+        client = device.ask(xa.GetClient())
+        pairs = 2000
+
+        def work() -> None:
+            for i in range(pairs):
+                ref = client.allocate(4 * KiB, tag=xa.AllocTag("t"))
+                if i % 7 == 0:
+                    held = ref  # a handle kept a while: the next hits must not change it
+                    client.free(client.allocate(4 * KiB))
+                    assert held.block.nbytes == 4 * KiB and held.block.tag == "t"
+                client.free(ref)
+
+        assert run_threads(work, 8, 60.0) == []
+        stats = device.ask(xa.GetStats())
+        cache_figures = stats.report["block_cache"]
+        assert stats.bytes_outstanding == 0
+        assert cache_figures["hits"] + cache_figures["misses"] == 8 * (pairs + (pairs + 6) // 7)
+        assert cache_figures["cached_blocks"] == cache_figures["misses"] <= 16
+    finally:
+        device.stop()
+
+
+def test_a_slot_table_that_cannot_grow_refuses_the_miss_and_changes_nothing(
+    host_driver: xa.HostDriver, cache: BlockCacheResource, run_threads: Any
+) -> None:
+    """The cache's own address table failing to grow (the upstream's grew): that allocation is
+    refused, its block given back upstream, the figures as they were, the lock free."""
+    held = [cache.allocate(KiB * (1 + i % 4)) for i in range(32)]  # both tables full to their first growth
+    before = (cache.figures(), len(cache.live_blocks()))
+    fail_a_grow(1)  # the upstream's grow passes, the cache's fails
+    try:
+        with pytest.raises(MemoryError):
+            cache.allocate(64 * KiB)
+    finally:
+        fail_a_grow(-1)
+    assert (cache.figures(), len(cache.live_blocks())) == (replace(before[0], misses=before[0].misses + 1), before[1])
+    cache.reap_pending()
+    assert cache.bytes_outstanding() == sum(b.nbytes for b in held)
+    assert run_threads(lambda: cache.deallocate(cache.allocate(64 * KiB)), 1, 10.0) == []
+    for b in held:
+        cache.deallocate(b)
+    assert cache.bytes_outstanding() == 0
 
 
 # -- trims ------------------------------------------------------------------------------------

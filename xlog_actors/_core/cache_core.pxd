@@ -4,16 +4,25 @@
 from libc.stdint cimport uint64_t
 
 from .async_core cimport AsyncCore, _Entry
+from .blocks cimport DeviceBlock
 from .ptr_table cimport PtrTable
 from .resource_core cimport ResourceCore
+
+
+cdef class _StreamBins
 
 
 cdef class _Slot:
     cdef object ptr
     cdef uint64_t key
-    cdef _Entry entry
-    cdef size_t cls
+    cdef _Entry entry  # the upstream's entry of the block
+    cdef size_t cls  # the block's size upstream (its class, for a cached size)
+    cdef Py_ssize_t idx  # its class index; -1: not a cached size (its free goes upstream)
+    cdef size_t asked  # while handed out: the size asked
+    cdef bint kept  # in its stream's list (or being trimmed); else handed out
     cdef long long seq  # the home stream's put count when the block was kept
+    cdef _StreamBins bins  # the lists of the stream it is handed out on (entry.stream's); None: idx -1
+    cdef DeviceBlock block  # the block it handed out last (see _hand_out)
     cdef _Slot newer
     cdef _Slot older
 
@@ -25,7 +34,7 @@ cdef class _Bin:
 
 cdef class _StreamBins:
     cdef object sid
-    cdef list bins  # class index -> _Bin or None
+    cdef list bins  # class index -> _Bin
     cdef long long seq  # blocks kept on this stream, ever
     cdef object fence  # an event recorded on the stream, or None
     cdef long long fence_seq  # ``seq`` when ``fence`` was recorded
@@ -36,8 +45,9 @@ cdef class CacheCore(ResourceCore):
     cdef readonly object _upstream
     cdef AsyncCore _up
     cdef int* _lk  # the upstream's lock: the cache's state and the upstream's entries move together
-    cdef PtrTable _held  # address -> the user's block, for every block handed out
-    cdef dict _by_stream  # stream id -> _StreamBins
+    cdef PtrTable _held  # address -> _Slot, for every block the cache holds (handed out or kept)
+    cdef dict _by_stream  # stream id -> _StreamBins; only grows
+    cdef _StreamBins _last  # the lists last looked up (a look-up tries its id by identity first)
     cdef bint _enabled
     cdef long long _limit  # most bytes kept idle; -1: no limit
     cdef long long _cached_bytes
@@ -51,12 +61,13 @@ cdef class CacheCore(ResourceCore):
     cdef long long _trimmed_blocks
     cdef long long _trimmed_bytes
     cdef long long _dropped_bytes
+    cdef _StreamBins _bins_for(self, object sid)
     cdef object _alloc_c(self, object nbytes, object stream, object tag)
     cdef object _dealloc_c(self, object block)
-    cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag)
+    cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag,
+                      _StreamBins sb, object generation)
     cdef _Slot _take_across(self, object stream, Py_ssize_t idx)
-    cdef void _push(self, _StreamBins sb, Py_ssize_t idx, _Slot slot)
     cdef list _detach_all(self)
     cdef long long _trim_all(self, bint quiet) except -1
-    cdef void _keep_again(self, _Slot s)
+    cdef int _keep_again(self, _Slot s) except -1
     cdef list _kept(self)

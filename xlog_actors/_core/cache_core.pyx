@@ -13,8 +13,9 @@ whatever layer they ask.
   for the class's size. A request above ``MAX_CACHED`` bytes is neither rounded nor kept.
 * **Free** (``deallocate``): the block's stream is made to wait for every use the upstream
   tracked on another stream (as the upstream's own free does), those uses are forgotten (their
-  events go back to the pool), and the block is kept in its stream's list of its class with a new
-  generation, so a second free or a use of the old handle is refused as a use after free.
+  events go back to the pool), and the block is kept in its stream's list of its class, its
+  upstream entry marked kept (generation 0, which no allocation is ever given), so a second free
+  or a use of the old handle is refused as a use after free.
 * **Same stream**: an allocation takes the newest block kept on its stream, at once: the stream's
   own order puts the new user's work after every use of the old one.
 * **Another stream**: an allocation that finds nothing on its stream takes the oldest block of its
@@ -30,7 +31,16 @@ whatever layer they ask.
 * **Counts.** ``bytes_outstanding()`` is what the user holds (at the sizes asked) plus the
   upstream's queued frees: kept blocks do not count, so a budget above the cache counts what its
   user holds. ``statistics()`` gives the kept bytes and blocks, hits (across streams too), misses,
-  fences and trims.
+  fences and trims: C counters, made Python ints only when read.
+
+**A hit's cost.** A hit and its free make no driver call, so they cost only this module's own
+work, and that work is kept to C operations on objects that live as long as the block stays with
+the cache: each block the cache holds from its upstream has one ``_Slot`` (its upstream entry, its
+class, the size asked, kept or handed out, its place in its stream's list) for its whole stay, in
+one address table, so a hit and a free add and remove nothing there; a stream's lists are found by
+identity with the stream id last asked for; and the ``DeviceBlock`` a slot handed out last is
+handed out again, rewritten, when the slot holds the only reference to it (nobody can see it
+change; any other holder gets a new block).
 
 The module is past 400 lines because the hit, the miss, the free, the trims and the figures all
 move the same kept blocks and upstream entries under one lock, by one rule: apart, each part would
@@ -38,17 +48,20 @@ have to export the cache's internals to the others.
 
 Thread rule: every method may be called from any thread at any time. One lock, the upstream's,
 guards the cache's lists and counters and the upstream's entries together; the upstream's own
-allocate, free and reap run outside it, and so does recording into a history.
+allocate, free and reap run outside it, and so does recording into a history. No Python code runs
+and nothing is allocated while a hit or its free holds it, so with the GIL threads never wait on
+it there: one lock per stream would save nothing.
 """
 
 cimport cython
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_SetDefault
 from cpython.list cimport PyList_GET_ITEM
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
 from .async_core cimport AsyncCore, _Entry
-from .blocks cimport DeviceBlock, new_block, next_generation
+from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
 from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
@@ -56,23 +69,35 @@ from .resource_core cimport ResourceCore, block_clock
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.limits import ALIGNMENT
-from ..errors import InvalidRequest, OutOfMemory
-from .blocks import AllocTag, BlockState, LiveBlock, StreamId
+from ..errors import DriverError, InvalidRequest, OutOfMemory
+from .blocks import AllocTag, BlockState, Generation, LiveBlock, StreamId
 
 __all__ = ["MAX_CACHED", "CacheCore", "size_class"]
 
 #: The largest request the cache rounds and keeps (256 TiB); larger ones pass through.
 MAX_CACHED = 1 << 48
 
-cdef size_t _MAX_CACHED = MAX_CACHED
+cdef long long _MAX_CACHED = MAX_CACHED
 cdef Py_ssize_t _CLASSES = 152  # class indices of sizes up to MAX_CACHED
 cdef object _LIVE = BlockState.LIVE
 cdef object _ALIGNMENT = ALIGNMENT
 cdef object _DEFAULT_STREAM = StreamId.DEFAULT
 cdef object _UNTAGGED = AllocTag.UNTAGGED
+# The generation of a kept block's upstream entry: generations start at 1, so no handle, the
+# freed one included, matches it.
+cdef object _KEPT = Generation(0)
 
 
 cdef extern from *:
+    """
+    /* True when `o`'s one reference is the caller's borrowed one (only a GIL build can say). */
+    #ifdef Py_GIL_DISABLED
+    #define xa_sole_ref(o) 0
+    #else
+    #define xa_sole_ref(o) (Py_REFCNT(o) == 1)
+    #endif
+    """
+    bint xa_sole_ref(PyObject* o) noexcept
     int __builtin_clzll(unsigned long long) nogil
 
 
@@ -113,10 +138,10 @@ def size_class(nbytes):
     return _class_of(<size_t>nbytes)
 
 
-@cython.freelist(64)
 @cython.final
 cdef class _Slot:
-    """A kept block: its upstream entry, its class, and its place in its (stream, class) list."""
+    """A block the cache holds from its upstream, from the miss that brought it to the free or
+    trim that gives it back: handed out or kept (see the .pxd)."""
 
 
 @cython.final
@@ -126,11 +151,12 @@ cdef class _Bin:
 
 @cython.final
 cdef class _StreamBins:
-    """The kept blocks of one stream, by class, and the stream's fence."""
+    """The kept blocks of one stream, by class (a list per class, all made with it), and the
+    stream's fence."""
 
     def __init__(self, sid):
         self.sid = sid
-        self.bins = [None] * _CLASSES
+        self.bins = [_Bin.__new__(_Bin) for _ in range(_CLASSES)]
 
 
 cdef inline void _unlink(_Bin b, _Slot s) noexcept:
@@ -144,6 +170,35 @@ cdef inline void _unlink(_Bin b, _Slot s) noexcept:
         s.older.newer = s.newer
     s.newer = None
     s.older = None
+
+
+cdef inline void _push(_StreamBins sb, _Slot s) noexcept:
+    # Under the lock: ``s`` becomes the newest kept block of its (stream, class).
+    cdef _Bin b = <_Bin>PyList_GET_ITEM(sb.bins, s.idx)
+    s.older = b.newest
+    s.newer = None
+    if b.newest is None:
+        b.oldest = s
+    else:
+        b.newest.newer = s
+    b.newest = s
+
+
+cdef inline object _pool_stream(AsyncCore up, object sid):
+    # ``up._stream_of(sid)`` (None: not a stream of the pool), the pool's dict read in C.
+    cdef PyObject* found
+    if type(up._streams) is dict:
+        found = PyDict_GetItemWithError(<dict>up._streams, sid)
+        return None if found == NULL else <object>found
+    return up._stream_of(sid)
+
+
+cdef inline object _generation_of(object block):
+    if type(block) is DeviceBlock:
+        return (<DeviceBlock>block).generation
+    if type(block) is BlockId:
+        return (<BlockId>block).generation
+    return block.generation
 
 
 cdef class CacheCore(ResourceCore):
@@ -176,8 +231,23 @@ cdef class CacheCore(ResourceCore):
         self._lk = &self._up._lock
         self._held = PtrTable()
         self._by_stream = {}
+        self._last = None
         self._enabled = True
         self._limit = -1 if limit is None else min(limit, MAX_CACHED)
+
+    cdef _StreamBins _bins_for(self, object sid):
+        # The lists of stream ``sid``, made on first use. No lock: ``_by_stream`` only grows, by
+        # setdefault (atomic with the GIL), so every caller gets the one object a stream has.
+        cdef _StreamBins sb = self._last
+        cdef PyObject* found
+        if sb is not None and sb.sid is sid:
+            return sb
+        found = PyDict_GetItem(self._by_stream, sid)
+        if found == NULL:
+            found = PyDict_SetDefault(self._by_stream, sid, _StreamBins(sid))
+        sb = <_StreamBins>found
+        self._last = sb  # one field: a reader sees the old lists or the new, both right for their id
+        return sb
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
@@ -201,91 +271,82 @@ cdef class CacheCore(ResourceCore):
         return self._alloc_c(nbytes, stream, tag)
 
     cdef object _alloc_c(self, object nbytes, object stream, object tag):
-        cdef _StreamBins sb = None
+        cdef _StreamBins sb
         cdef _Bin b
-        cdef _Slot s = None
+        cdef _Slot s
         cdef _Entry entry
-        cdef PyObject* found
-        cdef size_t n, cls
+        cdef long long n = 0
+        cdef int overflow = 0
+        cdef size_t cls
         cdef Py_ssize_t idx
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = check_nbytes(nbytes)
-        if nbytes > MAX_CACHED or not self._enabled:
-            return self._miss(nbytes, -1, 0, stream, tag)
-        n = <size_t>nbytes
-        cls = _class_of(n)
+        if type(nbytes) is int:
+            n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+        if type(nbytes) is not int or (overflow == 0 and n <= 0) or overflow < 0:
+            nbytes = check_nbytes(nbytes)  # raises; a positive int of another type comes back as one
+            n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+        if overflow or n > _MAX_CACHED or not self._enabled:
+            return self._miss(nbytes, -1, 0, stream, tag, None, None)
+        cls = _class_of(<size_t>n)
         idx = _index_of(cls)
-        if self._up._stream_of(stream) is None:
+        if _pool_stream(self._up, stream) is None:
             raise unknown_stream("BlockCacheResource.allocate", self._ordinal, stream)
+        sb = self._bins_for(stream)
         generation = next_generation()  # made outside the lock, as the block below
         lock_acquire(self._lk)
-        found = PyDict_GetItem(self._by_stream, stream)
-        if found != NULL:
-            sb = <_StreamBins>found
-            found = PyList_GET_ITEM(sb.bins, idx)
-            if <object>found is not None:
-                b = <_Bin>found
-                s = b.newest
-                if s is not None:
-                    _unlink(b, s)
+        b = <_Bin>PyList_GET_ITEM(sb.bins, idx)
+        s = b.newest
         if s is None:
             lock_release(self._lk)
-            return self._miss(nbytes, idx, cls, stream, tag)
-        try:
-            _room(self._held)  # the one step that can fail, before the first change
-        except BaseException:
-            self._push(sb, idx, s)
-            lock_release(self._lk)
-            raise
+            return self._miss(nbytes, idx, cls, stream, tag, sb, generation)
+        _unlink(b, s)
         entry = s.entry
         entry.generation = generation
         entry.tag = tag
         entry.created = block_clock()
-        self._held.insert(s.key, nbytes)
-        self._cached_bytes -= cls
+        s.kept = False
+        s.asked = <size_t>n
+        self._cached_bytes -= <long long>cls
         self._cached_blocks -= 1
-        self._slack += cls - n
+        self._slack += <long long>(cls - <size_t>n)
         self._hits += 1
         lock_release(self._lk)
-        block = new_block(s.ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+        block = _hand_out(self, s, nbytes, stream, tag, generation)
         if self._history is not None:
             _note(self, block, HISTORY_CACHE_HIT)
         return block
 
-    cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag):
+    cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag,
+                      _StreamBins sb, object generation):
         # Nothing kept on this stream: a block kept on another one whose fence is complete, else
-        # the upstream (trimmed and tried once more if it refuses). ``idx`` -1: not cached at all.
+        # the upstream (trimmed and tried once more if it refuses). ``idx`` -1: not cached at all
+        # (``sb`` and ``generation`` are None then).
         cdef _Slot s = None
         cdef _Entry entry
-        cdef uint64_t key
+        cdef PyObject* found
         if idx >= 0:
-            generation = next_generation()
             lock_acquire(self._lk)
             try:
                 s = self._take_across(stream, idx)
                 if s is None:
                     self._misses += 1
                 else:
-                    try:
-                        _room(self._held)
-                    except BaseException:
-                        self._push(<_StreamBins>self._by_stream[s.entry.stream], idx, s)
-                        raise
                     entry = s.entry
                     entry.generation = generation
                     entry.tag = tag
                     entry.stream = stream  # its free, and the lazy fence of its uses, go there now
                     entry.created = block_clock()
-                    self._held.insert(s.key, nbytes)
-                    self._cached_bytes -= cls
+                    s.kept = False
+                    s.asked = <size_t>nbytes
+                    s.bins = sb
+                    self._cached_bytes -= <long long>cls
                     self._cached_blocks -= 1
-                    self._slack += cls - <size_t>nbytes
+                    self._slack += <long long>(cls - <size_t>nbytes)
                     self._hits += 1
                     self._cross_hits += 1
             finally:
                 lock_release(self._lk)
             if s is not None:
-                block = new_block(s.ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+                block = _hand_out(self, s, nbytes, stream, tag, generation)
                 if self._history is not None:
                     _note(self, block, HISTORY_CACHE_HIT)
                 return block
@@ -304,18 +365,32 @@ cdef class CacheCore(ResourceCore):
             except OutOfMemory as again:
                 again.requested = nbytes
                 raise
-        ptr = (<DeviceBlock>up).ptr
-        block = new_block(ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, (<DeviceBlock>up).generation, _LIVE)
-        key_of(ptr, &key)  # the upstream's live table took it as a key
+        # The block's slot, made outside the lock (the upstream made its entry and its key).
+        s = _Slot.__new__(_Slot)
+        s.ptr = (<DeviceBlock>up).ptr
+        key_of(s.ptr, &s.key)
+        s.idx = idx
+        s.asked = <size_t>nbytes
+        s.bins = sb
+        block = new_block(s.ptr, self._ordinal, stream, nbytes, _ALIGNMENT, tag, (<DeviceBlock>up).generation, _LIVE)
+        s.block = block
         lock_acquire(self._lk)
         try:
-            self._held.insert(key, nbytes)
+            _room(self._held)
         except BaseException:
             lock_release(self._lk)
             self._up._dealloc_c(up)
             raise
+        found = self._up._live.find(s.key)  # nobody else holds the block yet: still there
+        if found == NULL:
+            lock_release(self._lk)
+            raise DriverError(f"BlockCacheResource on device {self._ordinal}: the upstream lost the block it "
+                              f"just handed out ({s.ptr:#x})")
+        s.entry = <_Entry>found
+        s.cls = <size_t>s.entry.nbytes
+        self._held.insert(s.key, s)
         if idx >= 0:
-            self._slack += cls - <size_t>nbytes
+            self._slack += <long long>(cls - <size_t>nbytes)
         lock_release(self._lk)
         if self._history is not None:
             _note(self, block, HISTORY_ALLOC)
@@ -330,8 +405,8 @@ cdef class CacheCore(ResourceCore):
         for sb in list(self._by_stream.values()):
             if sb.sid == stream:
                 continue
-            b = <_Bin>sb.bins[idx] if sb.bins[idx] is not None else None
-            if b is None or b.oldest is None:
+            b = <_Bin>PyList_GET_ITEM(sb.bins, idx)
+            if b.oldest is None:
                 continue
             s = b.oldest
             if sb.fence is not None and sb.fence_seq >= s.seq:
@@ -353,20 +428,6 @@ cdef class CacheCore(ResourceCore):
                 self._fences += 1
         return None
 
-    cdef void _push(self, _StreamBins sb, Py_ssize_t idx, _Slot s):
-        # Under the lock: ``s`` becomes the newest kept block of its (stream, class).
-        cdef _Bin b
-        if sb.bins[idx] is None:
-            sb.bins[idx] = _Bin.__new__(_Bin)
-        b = <_Bin>sb.bins[idx]
-        s.older = b.newest
-        s.newer = None
-        if b.newest is None:
-            b.oldest = s
-        else:
-            b.newest.newer = s
-        b.newest = s
-
     # -- free -------------------------------------------------------------------------------
     def deallocate(self, block):
         """Keep ``block`` for reuse on its stream (after the stream was made to wait for its
@@ -387,32 +448,37 @@ cdef class CacheCore(ResourceCore):
         self._dealloc_c(block)
 
     cdef object _dealloc_c(self, object block):
+        cdef _Slot s
         cdef _Entry entry
         cdef _StreamBins sb
-        cdef _Slot s = _Slot.__new__(_Slot)  # made outside the lock
-        cdef bint kept = False
         cdef PyObject* found
         cdef uint64_t key
-        cdef long long slack = 0
+        cdef bint kept = False
         if type(block) is DeviceBlock:
             ptr = (<DeviceBlock>block).ptr
-            if (<DeviceBlock>block).device_ordinal != self._ordinal:
-                check_device("BlockCacheResource.deallocate", self._ordinal, block)
+            generation = (<DeviceBlock>block).generation
+            ordinal = (<DeviceBlock>block).device_ordinal
         else:
-            check_device("BlockCacheResource.deallocate", self._ordinal, block)
             ptr = block.ptr
+            generation = _generation_of(block)
+            ordinal = block.device_ordinal
+        if ordinal is not self._ordinal and ordinal != self._ordinal:
+            check_device("BlockCacheResource.deallocate", self._ordinal, block)
+        if not key_of(ptr, &key):
+            raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
         lock_acquire(self._lk)
         try:
-            entry = self._up._checked_entry("BlockCacheResource.deallocate", block, ptr, &key)
             found = self._held.find(key)
-            if found == NULL:  # the upstream's, but not handed out by the cache: kept already
+            if found == NULL or (<_Slot>found).kept:  # never the cache's, or kept already
                 raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
-            asked = <object>found
-            slack = entry.nbytes - <long long>asked
-            if self._enabled and entry.nbytes <= MAX_CACHED and (
-                    self._limit < 0 or self._cached_bytes + entry.nbytes <= self._limit):
+            s = <_Slot>found
+            entry = s.entry
+            if entry.generation is not generation and entry.generation != generation:
+                raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, int(entry.generation))
+            if self._enabled and s.idx >= 0 and (
+                    self._limit < 0 or self._cached_bytes + <long long>s.cls <= self._limit):
                 sid = entry.stream
-                home = self._up._stream_of(sid)
+                home = _pool_stream(self._up, sid)
                 if home is None:
                     raise unknown_stream("BlockCacheResource.deallocate", self._ordinal, sid)
                 # Order the stream after every use elsewhere, as the upstream's free would. A
@@ -423,33 +489,25 @@ cdef class CacheCore(ResourceCore):
                     for rsid, event in entry.reads.items():
                         if rsid != sid:
                             self._up._ops.wait(home, event)
-                found = PyDict_GetItem(self._by_stream, sid)
-                if found == NULL:
-                    sb = _StreamBins(sid)
-                    self._by_stream[sid] = sb
-                else:
-                    sb = <_StreamBins>found
                 if entry.lw_event is not None:
                     self._up._events._free.append(entry.lw_event)
+                    entry.lw_event = None
+                    entry.lw_stream = None
                 if entry.reads:
                     self._up._events._free.extend(entry.reads.values())
-                entry.lw_event = None
-                entry.lw_stream = None
-                entry.reads = None
-                entry.generation = next_generation()  # the old handle is stale from here on
-                s.ptr = ptr
-                s.key = key
-                s.entry = entry
-                s.cls = <size_t>entry.nbytes
+                    entry.reads = None
+                entry.generation = _KEPT  # the old handle is stale from here on
+                sb = s.bins
                 sb.seq += 1
                 s.seq = sb.seq
-                self._push(sb, _index_of(s.cls), s)
-                self._cached_bytes += entry.nbytes
+                s.kept = True
+                _push(sb, s)
+                self._cached_bytes += <long long>s.cls
                 self._cached_blocks += 1
                 kept = True
-            # kept, or on its way upstream: no longer the user's (put back if the upstream refuses)
-            self._held.remove_if(key, asked)
-            self._slack -= slack
+            else:
+                self._held.remove_if(key, s)  # on its way upstream (put back if the upstream refuses)
+            self._slack -= <long long>(s.cls - s.asked)  # no longer the user's
         finally:
             lock_release(self._lk)
         if not kept:
@@ -457,30 +515,31 @@ cdef class CacheCore(ResourceCore):
                 self._up._dealloc_c(block)
             except BaseException:
                 lock_acquire(self._lk)
-                self._held.insert(key, asked)  # its slot was just freed: no growth
-                self._slack += slack
-                lock_release(self._lk)
+                try:
+                    self._held.insert(key, s)  # its place was just freed: no growth
+                    self._slack += <long long>(s.cls - s.asked)
+                finally:
+                    lock_release(self._lk)
                 raise
         if self._history is not None:
             _note(self, block, HISTORY_FREE)
 
     # -- trimming ---------------------------------------------------------------------------
     cdef list _detach_all(self):
-        # Under the lock: every kept slot, out of the cache; the fences back to the pool.
+        # Under the lock: every kept slot, out of its list (still kept: no free takes it); the
+        # fences back to the pool.
         cdef _StreamBins sb
         cdef _Bin b
         cdef _Slot s
+        cdef Py_ssize_t i
         out = []
         for sb in self._by_stream.values():
             for i in range(_CLASSES):
-                if sb.bins[i] is None:
-                    continue
-                b = <_Bin>sb.bins[i]
-                s = b.oldest
-                while s is not None:
+                b = <_Bin>PyList_GET_ITEM(sb.bins, i)
+                while b.newest is not None:
+                    s = b.newest
+                    _unlink(b, s)
                     out.append(s)
-                    s = s.newer
-                sb.bins[i] = None
             if sb.fence is not None:
                 self._up._events._free.append(sb.fence)
                 sb.fence = None
@@ -500,6 +559,7 @@ cdef class CacheCore(ResourceCore):
                 s.entry.stream = _DEFAULT_STREAM
         lock_release(self._lk)
         error = None
+        gone = []
         for s in slots:
             entry = s.entry
             block = new_block(s.ptr, self._ordinal, entry.stream, entry.nbytes, _ALIGNMENT, entry.tag,
@@ -507,17 +567,18 @@ cdef class CacheCore(ResourceCore):
             try:
                 self._up._dealloc_c(block)
             except BaseException as exc:  # kept again; the first error is raised after the rest
-                lock_acquire(self._lk)
                 self._keep_again(s)
-                lock_release(self._lk)
                 if error is None:
                     error = exc
                 continue
+            gone.append(s)
             freed += entry.nbytes
             count += 1
             if self._history is not None:
                 _note(self, block, HISTORY_TRIM)
         lock_acquire(self._lk)
+        for s in gone:  # only its own entry: the upstream may have handed the address out again
+            self._held.remove_if(s.key, s)
         if count:
             self._trims += 1
             self._trimmed_blocks += count
@@ -527,17 +588,18 @@ cdef class CacheCore(ResourceCore):
             raise error
         return freed
 
-    cdef void _keep_again(self, _Slot s):
-        cdef _StreamBins sb
-        sid = s.entry.stream
-        if sid not in self._by_stream:
-            self._by_stream[sid] = _StreamBins(sid)
-        sb = <_StreamBins>self._by_stream[sid]
+    cdef int _keep_again(self, _Slot s) except -1:
+        # A kept block whose free upstream failed, back into its stream's list.
+        cdef _StreamBins sb = self._bins_for(s.entry.stream)  # outside the lock: it may make them
+        lock_acquire(self._lk)
+        s.bins = sb
         sb.seq += 1
         s.seq = sb.seq
-        self._push(sb, _index_of(s.cls), s)
-        self._cached_bytes += s.entry.nbytes
+        _push(sb, s)
+        self._cached_bytes += <long long>s.cls
         self._cached_blocks += 1
+        lock_release(self._lk)
+        return 0
 
     def trim(self):
         """Give every kept block back to the upstream (stream-ordered frees on their streams).
@@ -575,6 +637,7 @@ cdef class CacheCore(ResourceCore):
         lock_acquire(self._lk)
         try:
             for s in self._detach_all():
+                self._held.remove_if(s.key, s)
                 if self._up._live.remove_if(s.key, s.entry):
                     self._up._live_bytes -= s.entry.nbytes
                     dropped += s.entry.nbytes
@@ -646,8 +709,8 @@ cdef class CacheCore(ResourceCore):
         for b in listed:
             if key_of(b.ptr, &key):
                 found = self._held.find(key)
-                if found != NULL:
-                    pairs.append((b, <object>found))
+                if found != NULL and not (<_Slot>found).kept:
+                    pairs.append((b, (<_Slot>found).asked))
         lock_release(self._lk)
         return [LiveBlock(b.ptr, asked, b.tag, b.stream, b.age_s) for b, asked in pairs]
 
@@ -672,11 +735,10 @@ cdef class CacheCore(ResourceCore):
         out = []
         for sb in self._by_stream.values():
             for b in sb.bins:
-                if b is not None:
-                    s = (<_Bin>b).newest
-                    while s is not None:
-                        out.append(s)
-                        s = s.older
+                s = (<_Bin>b).newest
+                while s is not None:
+                    out.append(s)
+                    s = s.older
         return out
 
     def held_size(self, ptr):
@@ -690,7 +752,26 @@ cdef class CacheCore(ResourceCore):
         if not key_of(ptr, &key):
             return None
         found = self._held.find(key)
-        return None if found == NULL else <object>found
+        if found == NULL or (<_Slot>found).kept:
+            return None
+        return (<_Slot>found).asked
+
+
+cdef inline DeviceBlock _hand_out(CacheCore core, _Slot s, object nbytes, object stream, object tag,
+                              object generation):
+    # The block of slot ``s``, just handed out (so only this thread touches ``s.block``): the
+    # one it handed out last, rewritten, when the slot's reference is its only one, else new.
+    cdef DeviceBlock block
+    if xa_sole_ref(<PyObject*>s.block):  # None has more references than one
+        block = s.block
+        block.alloc_stream = stream
+        block.nbytes = nbytes
+        block.tag = tag
+        block.generation = generation
+        return block
+    block = new_block(s.ptr, core._ordinal, stream, nbytes, _ALIGNMENT, tag, generation, _LIVE)
+    s.block = block
+    return block
 
 
 cdef int _note(CacheCore core, object block, int action) except -1:
