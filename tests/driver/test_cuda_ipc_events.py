@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from cuda.bindings import driver as real_cu
 
 from xlog_actors.driver.cuda import ipc
 from xlog_actors.driver.cuda.importer import HANDLE_BYTES
+from xlog_actors.errors import DriverError
 
 SUCCESS = real_cu.CUresult.CUDA_SUCCESS
 NOT_READY = real_cu.CUresult.CUDA_ERROR_NOT_READY
@@ -38,6 +40,8 @@ class FakeCu:
         self.made = 0
         self.live: set[int] = set()
         self.reached = True
+        #: The gate of the stream being recorded on, checked held at each record.
+        self.gate: Any = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(real_cu, name)
@@ -50,6 +54,8 @@ class FakeCu:
 
     def cuEventRecord(self, event: int, _stream: Any) -> tuple[Any]:
         self.calls.append(f"record {event}")
+        if self.gate is not None and not self.gate.locked():
+            self.calls.append("outside the gate")
         return (SUCCESS,)
 
     def cuIpcGetEventHandle(self, event: int) -> tuple[Any, _Handle]:
@@ -77,11 +83,19 @@ class _Driver:
 
 
 class _Stream:
-    """A stand-in ``CudaStream``: an ordinal, a handle, weak references."""
+    """A stand-in ``CudaStream``: an ordinal, a handle, weak references, the gate a rebuild
+    retires it through and the liveness check made under it (``retired``: its context was
+    rebuilt)."""
 
     def __init__(self, handle: int) -> None:
         self.ordinal = 0
         self.handle = handle
+        self._gate = threading.Lock()
+        self.retired = False
+
+    def _enter(self) -> None:
+        if self.retired:
+            raise DriverError(f"stream {self.handle} belongs to a destroyed context", code="CUDA_ERROR_INVALID_HANDLE")
 
 
 @pytest.fixture
@@ -113,6 +127,25 @@ def test_a_stream_gone_is_never_taken_for_a_new_one_at_the_same_handle(fake: Fak
     fake.calls.clear()
     assert ipc.record_event(driver, _Stream(1), first) is not first
     assert fake.calls[0] == "create"
+
+
+def test_a_record_holds_the_streams_gate_and_a_retired_stream_is_refused_before_any_call(fake: FakeCu) -> None:
+    """A rebuild retires a stream through its gate before it destroys the stream and the
+    context: the record checks the stream under that gate and calls CUDA only while holding it,
+    so an export racing a rebuild gets ``DriverError`` instead of recording onto a destroyed
+    stream (which crashes the process)."""
+    driver, stream = _Driver(), _Stream(1)
+    fake.gate = stream._gate
+    first = ipc.record_event(driver, stream)
+    ipc.record_event(driver, stream, first)
+    assert "outside the gate" not in fake.calls and fake.calls.count("record 1") == 2
+    fake.calls.clear()
+    stream.retired = True
+    for again in (None, first):
+        with pytest.raises(DriverError, match="destroyed context"):
+            ipc.record_event(driver, stream, again)
+    assert fake.calls == [], "nothing reached CUDA"
+    assert not stream._gate.locked()
 
 
 def test_an_importer_opens_an_event_once_while_a_handle_keeps_the_opening(fake: FakeCu) -> None:

@@ -214,25 +214,34 @@ def record_event(driver: Any, stream: Any, again: RecordedEvent | None = None) -
     Returns:
         The recorded event: ``again`` or a new one.
     Raises:
-        DriverError, ContextPoisoned: from the driver.
-    Thread rule: any thread.
+        DriverError: the stream's context was rebuilt or closed (``CUDA_ERROR_INVALID_HANDLE``),
+            or CUDA refused a call.
+        ContextPoisoned: from the driver.
+    Thread rule: any thread; holds the stream's gate across its calls.
     """
     driver.make_current(stream.ordinal)
-    if again is not None and again.recorded_on(stream):
-        (err,) = cu.cuEventRecord(again._event, cu.CUstream(stream.handle))
-        check(err, "cuEventRecord (interprocess, again)")
-        return again
-    flags = cu.CUevent_flags.CU_EVENT_INTERPROCESS | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-    err, event = cu.cuEventCreate(flags)
-    check(err, "cuEventCreate(INTERPROCESS)")
-    try:
-        (err,) = cu.cuEventRecord(event, cu.CUstream(stream.handle))
-        check(err, "cuEventRecord (interprocess)")
-        err, handle = cu.cuIpcGetEventHandle(event)
-        check(err, "cuIpcGetEventHandle")
-    except BaseException:
-        cu.cuEventDestroy(event)
-        raise
+    # Under the stream's gate, its liveness checked first (``_enter`` raises ``DriverError`` for a
+    # stream of a destroyed context): a rebuild retires the stream through the same gate, so it
+    # cannot destroy the stream, or the context of an event recorded on it, between the check
+    # and these calls. Without it an export racing a rebuild recorded onto a destroyed stream,
+    # which crashed the process (the GPU chaos run found it).
+    with stream._gate:
+        stream._enter()
+        if again is not None and again.recorded_on(stream):
+            (err,) = cu.cuEventRecord(again._event, cu.CUstream(stream.handle))
+            check(err, "cuEventRecord (interprocess, again)")
+            return again
+        flags = cu.CUevent_flags.CU_EVENT_INTERPROCESS | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        err, event = cu.cuEventCreate(flags)
+        check(err, "cuEventCreate(INTERPROCESS)")
+        try:
+            (err,) = cu.cuEventRecord(event, cu.CUstream(stream.handle))
+            check(err, "cuEventRecord (interprocess)")
+            err, handle = cu.cuIpcGetEventHandle(event)
+            check(err, "cuIpcGetEventHandle")
+        except BaseException:
+            cu.cuEventDestroy(event)
+            raise
     return RecordedEvent(event, bytes_of(handle), stream)
 
 
