@@ -48,7 +48,7 @@ import numpy as np
 
 from ..driver.host.ipc import HostIpcEvent, HostMemoryExport, open_memory
 from ..driver.shared_memory import mapped, mapped_if_open
-from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest
+from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from .export_table import (
     COUNTS_RANGE,
     HEADER_CELLS,
@@ -165,13 +165,19 @@ def export_ref(ref: _Exportable) -> GpuRefExport:
     else:
         from ..driver.cuda import ipc as cuda_ipc
 
-        memory = cuda_ipc.export_memory(driver, context.ordinal, block.ptr, block.nbytes)
-        raw_event = None
-        if stream is not None:
-            # The event an earlier export of the block recorded on this stream, recorded again.
-            earlier = [k for k in ExportTable.of(state).kept(ref)
-                       if isinstance(k, cuda_ipc.RecordedEvent) and k.recorded_on(stream)]
-            raw_event = cuda_ipc.record_event(driver, stream, earlier[-1] if earlier else None)
+        try:
+            memory = cuda_ipc.export_memory(driver, context.ordinal, block.ptr, block.nbytes)
+            raw_event = None
+            if stream is not None:
+                # The event an earlier export of the block recorded on this stream, recorded again.
+                earlier = [k for k in ExportTable.of(state).kept(ref)
+                           if isinstance(k, cuda_ipc.RecordedEvent) and k.recorded_on(stream)]
+                raw_event = cuda_ipc.record_event(driver, stream, earlier[-1] if earlier else None)
+        except XlogError:
+            # A rebuild that ran meanwhile retired the stream (or freed the memory): the handle
+            # is stale, and that is the answer, as for a library actor's work.
+            ref.access()
+            raise
         event = None if raw_event is None else raw_event.handle
         keep = () if raw_event is None else (raw_event,)
     table = ExportTable.of(state)
