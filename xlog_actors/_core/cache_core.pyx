@@ -48,9 +48,10 @@ have to export the cache's internals to the others.
 
 Thread rule: every method may be called from any thread at any time. One lock, the upstream's,
 guards the cache's lists and counters and the upstream's entries together; the upstream's own
-allocate, free and reap run outside it, and so does recording into a history. No Python code runs
-and nothing is allocated while a hit or its free holds it, so with the GIL threads never wait on
-it there: one lock per stream would save nothing.
+allocate, free and reap run outside it, and so does recording into a history. A hit, and the free
+of a block used on its own stream only, run no Python code and allocate nothing while they hold
+it, so with the GIL no thread waits on it there: one lock per stream would save nothing. (A free
+that queues waits for uses on other streams calls the driver under it, as the upstream's does.)
 """
 
 cimport cython
