@@ -41,6 +41,10 @@ Invariants: nothing is enqueued unless the handle and the buffer validated and t
 queued; a handle written is recorded as last written on the core's stream after its work was
 enqueued, as ``LibraryActor._run`` records it.
 
+Why one module, longer than 400 lines: the fill, the two pinned copies and the launch share the
+handle check, the tracking order and the kept host memory, and each must be read beside the
+invariants above; the launch's argument packing is most of the length.
+
 Thread rule: one call at a time per core (the owning actor's ``exclusive`` lock).
 """
 
