@@ -33,7 +33,7 @@ from cpython.dict cimport PyDict_GetItemWithError
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
-from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
+from .blocks cimport BlockId, DeviceBlock, generation_of, new_block, next_generation, ordinal_of, ptr_of
 from .history_ring cimport HISTORY_ALLOC, HISTORY_FREE
 from .lock cimport lock_acquire, lock_release
 from .ops cimport DriverOps, ops_for
@@ -124,30 +124,6 @@ cdef class _Entry:
 
 def _by_generation(item):
     return (<_Entry>item[1]).generation
-
-
-cdef inline object _ptr_of(object block_id):
-    if type(block_id) is DeviceBlock:
-        return (<DeviceBlock>block_id).ptr
-    if type(block_id) is BlockId:
-        return (<BlockId>block_id).ptr
-    return block_id.ptr
-
-
-cdef inline object _generation_of(object block_id):
-    if type(block_id) is DeviceBlock:
-        return (<DeviceBlock>block_id).generation
-    if type(block_id) is BlockId:
-        return (<BlockId>block_id).generation
-    return block_id.generation
-
-
-cdef inline object _ordinal_of(object block_id):
-    if type(block_id) is DeviceBlock:
-        return (<DeviceBlock>block_id).device_ordinal
-    if type(block_id) is BlockId:
-        return (<BlockId>block_id).device_ordinal
-    return block_id.device_ordinal
 
 
 cdef class AsyncCore(ResourceCore):
@@ -368,9 +344,9 @@ cdef class AsyncCore(ResourceCore):
         cdef _Pending pending
         cdef PyObject* found
         cdef uint64_t key
-        if _ordinal_of(block) != self._ordinal:
+        if ordinal_of(block) != self._ordinal:
             check_device("AsyncCudaResource.deallocate", self._ordinal, block)
-        ptr = _ptr_of(block)
+        ptr = ptr_of(block)
         lock_acquire(&self._lock)
         try:
             entry = self._checked_entry("AsyncCudaResource.deallocate", block, ptr, &key)
@@ -493,13 +469,13 @@ cdef class AsyncCore(ResourceCore):
         if found == NULL:
             raise unknown_block(owner, self._ordinal, block_id, None)
         entry = <_Entry>found
-        generation = _generation_of(block_id)
+        generation = generation_of(block_id)
         if entry.generation is not generation and entry.generation != generation:
             raise unknown_block(owner, self._ordinal, block_id, int(entry.generation))
         return entry
 
     cdef object _resolve_use(self, str owner, object block_id, object use_stream):
-        if _ordinal_of(block_id) != self._ordinal:
+        if ordinal_of(block_id) != self._ordinal:
             check_device(owner, self._ordinal, block_id)
         stream = self._stream_of(use_stream)
         if stream is None:
@@ -537,7 +513,7 @@ cdef class AsyncCore(ResourceCore):
         cdef _Entry entry
         cdef uint64_t key
         stream = self._resolve_use("AsyncCudaResource.prepare_block_use", block_id, use_stream)
-        ptr = _ptr_of(block_id)
+        ptr = ptr_of(block_id)
         lock_acquire(&self._lock)
         try:
             entry = self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr, &key)
@@ -583,7 +559,7 @@ cdef class AsyncCore(ResourceCore):
         """
         cdef uint64_t key
         stream = self._resolve_use("AsyncCudaResource.finish_block_use", block_id, use_stream)
-        ptr = _ptr_of(block_id)
+        ptr = ptr_of(block_id)
         lock_acquire(&self._lock)
         try:
             self._finish_locked(self._checked_entry("AsyncCudaResource.finish_block_use", block_id, ptr, &key),

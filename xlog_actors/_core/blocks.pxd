@@ -21,3 +21,29 @@ cdef class BlockId(_Frozen):
 cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
                            object align, object tag, object generation, object state)
 cdef object next_generation()
+
+
+# A block's or a block id's fields read in C (any other object's through Python): the resources
+# take either, and their own subclasses or stand-ins too.
+cdef inline object ptr_of(object block):
+    if type(block) is DeviceBlock:
+        return (<DeviceBlock>block).ptr
+    if type(block) is BlockId:
+        return (<BlockId>block).ptr
+    return block.ptr
+
+
+cdef inline object generation_of(object block):
+    if type(block) is DeviceBlock:
+        return (<DeviceBlock>block).generation
+    if type(block) is BlockId:
+        return (<BlockId>block).generation
+    return block.generation
+
+
+cdef inline object ordinal_of(object block):
+    if type(block) is DeviceBlock:
+        return (<DeviceBlock>block).device_ordinal
+    if type(block) is BlockId:
+        return (<BlockId>block).device_ordinal
+    return block.device_ordinal

@@ -62,7 +62,7 @@ from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
 from .async_core cimport AsyncCore, _Entry
-from .blocks cimport BlockId, DeviceBlock, new_block, next_generation
+from .blocks cimport BlockId, DeviceBlock, generation_of, new_block, next_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
 from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
@@ -192,14 +192,6 @@ cdef inline object _pool_stream(AsyncCore up, object sid):
         found = PyDict_GetItemWithError(<dict>up._streams, sid)
         return None if found == NULL else <object>found
     return up._stream_of(sid)
-
-
-cdef inline object _generation_of(object block):
-    if type(block) is DeviceBlock:
-        return (<DeviceBlock>block).generation
-    if type(block) is BlockId:
-        return (<BlockId>block).generation
-    return block.generation
 
 
 cdef class CacheCore(ResourceCore):
@@ -461,7 +453,7 @@ cdef class CacheCore(ResourceCore):
             ordinal = (<DeviceBlock>block).device_ordinal
         else:
             ptr = block.ptr
-            generation = _generation_of(block)
+            generation = generation_of(block)
             ordinal = block.device_ordinal
         if ordinal is not self._ordinal and ordinal != self._ordinal:
             check_device("BlockCacheResource.deallocate", self._ordinal, block)
