@@ -1,7 +1,7 @@
 """Handles across processes on the GPU: CUDA IPC memory and event handles.
 
 The owner side (:func:`export_memory`, :func:`record_event`) runs in the device's process with
-its context; the importer side (:func:`open_memory`, :func:`wait_event`) in any process of the
+its context; the importer side (:func:`open_memory`, :func:`open_event`) in any process of the
 node, which needs no ``CudaDriver`` of its own: it retains the device's primary context itself.
 
 * **Memory**: ``cuIpcGetMemHandle`` on the allocation the block lies in (its base, from
@@ -59,7 +59,6 @@ __all__ = [
     "open_event",
     "open_memory",
     "record_event",
-    "wait_event",
 ]
 
 _POLL_MAX_S = 0.001
@@ -307,28 +306,6 @@ def open_event(ordinal: int, handle: bytes, key: tuple[Any, ...]) -> OpenedEvent
         opened = OpenedEvent(ordinal, event)
         _events[key] = opened
         return opened
-
-
-def wait_event(ordinal: int, handle: bytes, timeout_s: float, abort: Callable[[], object]) -> None:
-    """Block until the owner's recorded event completed, opening it for this wait only.
-
-    Args:
-        ordinal: the owner's device.
-        handle: the event's IPC handle.
-        timeout_s: how long to wait at most.
-        abort: called between polls; it raises to end the wait.
-    Raises:
-        DeviceUnavailable: not complete within ``timeout_s``.
-        DriverError, ContextPoisoned: from the driver.
-    Thread rule: any thread.
-    """
-    make_current(ordinal)
-    err, event = cu.cuIpcOpenEventHandle(struct_of(cu.CUipcEventHandle, handle))
-    check(err, "cuIpcOpenEventHandle")
-    try:
-        _poll(ordinal, event, timeout_s, abort)
-    finally:
-        cu.cuEventDestroy(event)
 
 
 def _poll(ordinal: int, event: Any, timeout_s: float, abort: Callable[[], object]) -> None:
