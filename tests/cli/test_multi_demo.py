@@ -4,6 +4,8 @@ beside N times one device's raw pipeline; a device that fails leaves the others'
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import pykka
 import pytest
@@ -112,25 +114,32 @@ def test_run_on_devices_refuses_bad_arguments() -> None:
         run_on_devices("host", 2, SMALL, "in-process", None)
 
 
-def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
+def _multi_rows(count: int, wanted: Callable[[str], bool]) -> list[Any]:
+    """The results of the rows of several devices that ``wanted`` picks, run in order on a host
+    driver of ``count`` emulated devices (its quick plan)."""
     from xlog_actors.cli.bench.harness import Context, run_group
     from xlog_actors.cli.bench.plan import make_plan
-    from xlog_actors.cli.bench.result import RowResult, Skipped
     from xlog_actors.cli.bench.rows_multi import MULTI
 
+    driver = xa.HostDriver(device_count=count)
+    ctx = Context(driver, make_plan("host", quick=True), wanted, lambda line: None)
+    try:
+        run_group(MULTI, ctx)
+    finally:
+        pykka.ActorRegistry.stop_all()
+        driver.close()
+    return list(ctx.results)
+
+
+def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
+    from xlog_actors.cli.bench.result import RowResult, Skipped
+
     for count in (1, 2):
-        driver = xa.HostDriver(device_count=count)
         # On two devices only the 1 MiB rows run here (a 256 MiB copy through shared memory takes
         # seconds on the host; the copy itself is tested in tests/actors/test_cross_process_copy.py).
         wanted = ("1 MiB", "peer") if count == 1 else ("1 MiB",)
-        ctx = Context(driver, make_plan("host", quick=True), lambda name, wanted=wanted: any(w in name for w in wanted),
-                      lambda line: None)
-        try:
-            run_group(MULTI, ctx)
-        finally:
-            pykka.ActorRegistry.stop_all()
-            driver.close()
-        by_name = {r.name: r for r in ctx.results}
+        results = _multi_rows(count, lambda name, wanted=wanted: any(w in name for w in wanted))
+        by_name = {r.name: r for r in results}
         demo = by_name["demo on N GPUs / N x one GPU 1 MiB"]
         raw = by_name["raw pipeline on N GPUs at once / N x one GPU 1 MiB"]
         if count == 1:
@@ -140,7 +149,7 @@ def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
             assert isinstance(raw, Skipped) and raw.reason == "needs 2 devices or more; the host driver has 1"
         else:
             # The raw row runs first: the demo's note reads it.
-            assert [r.name for r in ctx.results] == [raw.name, demo.name]
+            assert [r.name for r in results] == [raw.name, demo.name]
             assert isinstance(raw, RowResult) and raw.median > 0 and raw.ratio > 0
             assert raw.target is None and raw.informational and raw.kind == "rate"
             assert isinstance(demo, RowResult) and demo.median > 0 and demo.ratio > 0
@@ -149,20 +158,9 @@ def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
 
 
 def test_the_demo_row_says_when_no_raw_row_ran_before_it() -> None:
-    from xlog_actors.cli.bench.harness import Context, run_group
-    from xlog_actors.cli.bench.plan import make_plan
     from xlog_actors.cli.bench.result import RowResult
-    from xlog_actors.cli.bench.rows_multi import MULTI
 
-    driver = xa.HostDriver(device_count=2)
-    ctx = Context(driver, make_plan("host", quick=True), lambda name: name == "demo on N GPUs / N x one GPU 1 MiB",
-                  lambda line: None)
-    try:
-        run_group(MULTI, ctx)
-    finally:
-        pykka.ActorRegistry.stop_all()
-        driver.close()
-    (demo,) = ctx.results
+    (demo,) = _multi_rows(2, lambda name: name == "demo on N GPUs / N x one GPU 1 MiB")
     assert isinstance(demo, RowResult)
     assert "did not run before it, so no ratio to the raw pipeline at once" in demo.note
 
