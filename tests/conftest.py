@@ -82,6 +82,14 @@ def driver(request: pytest.FixtureRequest) -> Iterator[xa.Driver]:
 
 
 @pytest.fixture
+def device(driver: xa.Driver) -> Iterator[pykka.ActorRef[Any]]:
+    """A ``DeviceActor`` on device 0 of ``driver``; every actor is stopped after the test."""
+    ref = xa.DeviceActor.start(0, driver)
+    yield ref
+    pykka.ActorRegistry.stop_all()
+
+
+@pytest.fixture
 def stop_actors(host_driver: xa.HostDriver) -> Iterator[None]:
     """Stops every actor after the test; depends on ``host_driver`` so that the actors stop
     before the driver closes."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,13 +19,6 @@ from xlog_actors.driver.graph import Memset
 from xlog_actors.driver.kernel_library import SCALE_ADD_F32, launch_shape
 
 N = 1 << 14  # float32 elements per buffer
-
-
-@pytest.fixture
-def device(driver: xa.Driver) -> Iterator[pykka.ActorRef[Any]]:
-    ref = xa.DeviceActor.start(0, driver)
-    yield ref
-    pykka.ActorRegistry.stop_all()
 
 
 def _pinned(device: pykka.ActorRef[Any], values: float | None = None, n: int = N) -> xa.PinnedBuffer:

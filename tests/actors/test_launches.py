@@ -3,8 +3,6 @@ once as a whole, and refused as a whole before anything is enqueued."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pykka
 import pytest
@@ -12,13 +10,6 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.driver.kernel_library import CHECKSUM_U32, FILL_F32, SCALE_ADD_F32, launch_shape
 from xlog_actors.errors import DriverError, InvalidRequest
-
-
-@pytest.fixture
-def device(driver: xa.Driver) -> Iterator[pykka.ActorRef]:
-    ref = xa.DeviceActor.start(0, driver)
-    yield ref
-    pykka.ActorRegistry.stop_all()
 
 
 def _f32(copy: pykka.ActorRef, ref: xa.GpuRef) -> np.ndarray:

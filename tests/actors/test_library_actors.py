@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pykka
@@ -19,13 +18,6 @@ from xlog_actors.driver.kernel_library import (
     SUM_F32,
     launch_shape,
 )
-
-
-@pytest.fixture
-def device(driver: xa.Driver) -> Iterator[pykka.ActorRef]:
-    ref = xa.DeviceActor.start(0, driver)
-    yield ref
-    pykka.ActorRegistry.stop_all()
 
 
 def _alloc_f32(device: pykka.ActorRef, n: int) -> xa.GpuRef:

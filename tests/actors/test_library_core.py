@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,13 +19,6 @@ from xlog_actors.memory.block import Access
 from xlog_actors.memory.pinned import PinnedBuffer
 
 KiB = 1 << 10
-
-
-@pytest.fixture
-def device(driver: xa.Driver) -> Iterator[pykka.ActorRef[Any]]:
-    ref = xa.DeviceActor.start(0, driver)
-    yield ref
-    pykka.ActorRegistry.stop_all()
 
 
 class _Spy:

@@ -5,7 +5,7 @@ invariant, bad input, and the accounting in ``GetStats``/``GetReport``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pykka
@@ -14,13 +14,6 @@ import pytest
 import xlog_actors as xa
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def device(driver: xa.Driver) -> Iterator[pykka.ActorRef]:
-    ref = xa.DeviceActor.start(0, driver)
-    yield ref
-    pykka.ActorRegistry.stop_all()
 
 
 def _pinned(device: pykka.ActorRef) -> tuple[int, int]:

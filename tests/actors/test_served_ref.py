@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,13 +17,6 @@ import xlog_actors as xa
 from xlog_actors.actors.copy_actor import CopyActor
 from xlog_actors.actors.library_actor import LibraryActor
 from xlog_actors.actors.served_ref import NOT_SERVED, ServedRef
-
-
-@pytest.fixture
-def device(driver: xa.Driver) -> Iterator[pykka.ActorRef[Any]]:
-    ref = xa.DeviceActor.start(0, driver)
-    yield ref
-    pykka.ActorRegistry.stop_all()
 
 
 class Recorded:
