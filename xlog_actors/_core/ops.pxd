@@ -92,6 +92,7 @@ cdef class CudaOps(DriverOps):
     cdef bint _current(self)
     cdef object _thread_token(self)
     cdef bint _stream_ok(self, object s)
+    cdef bint _enqueue_ok(self, object ptr, object nbytes, object stream)
     cdef CUstream _handle_of(self, object s) except? NULL
 
 

@@ -419,10 +419,13 @@ cdef class CudaOps(DriverOps):
     # The enqueue-only calls of a library actor's one-handle work (``library_core``): a live
     # stream of the current epoch, the context current, a positive size (the caller's block and
     # buffer bound it); anything else goes to the driver's method, which raises the precise error.
+    cdef bint _enqueue_ok(self, object ptr, object nbytes, object stream):
+        return (self._current() and self._stream_ok(stream) and type(ptr) is int and ptr > 0
+                and type(nbytes) is int and nbytes > 0)
+
     cdef memset_d8(self, object ptr, int byte, object nbytes, object stream):
         cdef CUresult err
-        if (not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0
-                or type(nbytes) is not int or nbytes <= 0):
+        if not self._enqueue_ok(ptr, nbytes, stream):
             DriverOps.memset_d8(self, ptr, byte, nbytes, stream)
             return
         err = self._memset_d8(<CUdeviceptr>ptr, <unsigned char>byte, <size_t>nbytes, self._handle_of(stream))
@@ -432,8 +435,7 @@ cdef class CudaOps(DriverOps):
     cdef bint copy_htod(self, object ptr, object buf, unsigned long long address, object nbytes,
                         object stream) except -1:
         cdef CUresult err
-        if (not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0
-                or type(nbytes) is not int or nbytes <= 0 or address == 0):
+        if address == 0 or not self._enqueue_ok(ptr, nbytes, stream):
             return DriverOps.copy_htod(self, ptr, buf, address, nbytes, stream)
         err = self._memcpy_htod(<CUdeviceptr>ptr, <const void*>address, <size_t>nbytes, self._handle_of(stream))
         if err != 0:
@@ -443,8 +445,7 @@ cdef class CudaOps(DriverOps):
     cdef bint copy_dtoh(self, object buf, unsigned long long address, object ptr, object nbytes,
                         object stream) except -1:
         cdef CUresult err
-        if (not self._current() or not self._stream_ok(stream) or type(ptr) is not int or ptr <= 0
-                or type(nbytes) is not int or nbytes <= 0 or address == 0):
+        if address == 0 or not self._enqueue_ok(ptr, nbytes, stream):
             return DriverOps.copy_dtoh(self, buf, address, ptr, nbytes, stream)
         err = self._memcpy_dtoh(<void*>address, <CUdeviceptr>ptr, <size_t>nbytes, self._handle_of(stream))
         if err != 0:
