@@ -18,6 +18,12 @@ batch is one ``cuGraphLaunch``. What the actors give, the graph keeps:
   handle a stage writes records the graph's stream as its last writer. A ``CopyActor`` or
   ``KernelActor`` outside the graph that uses one of the handles afterwards waits for exactly
   the replays it must; the stages inside the graph are ordered by the graph's chain itself.
+* **Lanes.** Stages given as several lists are *lanes*: each list runs in its order, with no
+  order between the lists, so the lanes of one replay may run at the same time on the device
+  (several batches of a pipeline, each on its own buffers, in one launch: the launch's cost is
+  paid once for all of them). No lane may write what another lane names: the recording and
+  every binding refuse it with ``InvalidRequest``. The host driver runs the lanes one after the
+  other, one valid schedule of them.
 * **Bindings.** ``replay(bind)`` replaces operands (a ``GpuRef`` or ``PinnedBuffer`` a stage
   names) with others of the same kind, device and size, with one node update each
   (``cuGraphExecMemcpyNodeSetParams`` and kin). A binding stays until it is replaced (bind a
@@ -47,7 +53,7 @@ from ..memory.pinned import PinnedBuffer
 from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
-from .graph_stages import Operand, Slot, Stage, Views, check_operand, host_bytes, operands, step, view
+from .graph_stages import Operand, Slot, Stage, Views, check_operand, host_bytes, identity, operands, step, view
 from .library_messages import CopyToDevice, CopyToHost
 from .messages import Attach
 from .pykka_internals import is_actor_ref_of
@@ -106,11 +112,12 @@ class BatchGraph:
     Thread rule: any thread; one replay at a time per graph (its lock).
     """
 
-    def __init__(self, ctx: DeviceContext, stages: tuple[Stage, ...], slots: list[Slot],
+    def __init__(self, ctx: DeviceContext, stages: tuple[Stage, ...], lanes: tuple[int, ...], slots: list[Slot],
                  graph: Graph, stream_id: StreamId, stream: Stream, track: bool) -> None:
         """Internal: use :meth:`record`."""
         self._ctx = ctx
         self._stages = stages
+        self._lanes = lanes
         self._slots = slots
         self._graph: Graph | None = graph
         self._stream_id = stream_id
@@ -129,6 +136,14 @@ class BatchGraph:
                 at.append(slot.stage)
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
+        #: With several lanes: id(recorded operand) -> (lane, writes) of each stage naming it,
+        #: and the memory each operand is bound to now -> the recorded operands bound to it.
+        self._lane_use: dict[int, list[tuple[int, bool]]] = {}
+        self._named: dict[int, set[int]] = {}
+        if len(lanes) > 1:
+            for s in slots:
+                self._lane_use.setdefault(id(s.recorded), []).append((s.lane, s.writes))
+            self._index_named()
         self._views: Views = {}
         #: (recorded operand id, buffer id) -> a pinned buffer check_operand found fit for it
         self._checked_host: dict[tuple[int, int], Operand] = {}
@@ -147,11 +162,13 @@ class BatchGraph:
 
     # -- recording --------------------------------------------------------------------------------
     @classmethod
-    def record(cls, device: pykka.ActorRef[Any], stages: Sequence[Stage], *, track: bool = True) -> BatchGraph:
+    def record(cls, device: pykka.ActorRef[Any], stages: Sequence[Stage] | Sequence[Sequence[Stage]], *,
+               track: bool = True) -> BatchGraph:
         """Record ``stages`` as one graph of ``device``'s current generation.
 
         The stages are library messages, as a ``CopyActor`` or ``KernelActor`` takes them, run in
-        their order by each replay:
+        their order by each replay, or several lists of them, the graph's lanes (see the module
+        docstring):
 
         * ``CopyToDevice(ref, data)`` with ``data`` a ``PinnedBuffer`` (all of it is copied);
         * ``CopyToHost(ref, nbytes, out=buffer)`` into a ``PinnedBuffer``;
@@ -161,7 +178,7 @@ class BatchGraph:
 
         Args:
             device: the ``ActorRef`` of a running ``DeviceActor`` (in this process).
-            stages: one or more stages.
+            stages: one or more stages, or one or more non-empty lists of stages (lanes).
             track: False switches the tracking off (tests and demonstrations of the hazards it
                 prevents only): no waits before a replay, no uses and writes recorded after it.
         Returns:
@@ -169,7 +186,8 @@ class BatchGraph:
         Raises:
             InvalidRequest: ``device`` is not a running ``DeviceActor``, no stages, a stage of
                 another type, a malformed one (naming the stage and field), a pageable host
-                buffer, a handle or buffer of another device. Nothing is recorded.
+                buffer, a handle or buffer of another device, an empty lane, a lane writing what
+                another lane names. Nothing is recorded.
             GpuRefStale: a handle is stale (or of an older generation than the device's).
             DriverError, ContextPoisoned, DeviceUnavailable: the device's.
         Thread rule: any thread but the device actor's own.
@@ -180,22 +198,27 @@ class BatchGraph:
             raise InvalidRequest(f"BatchGraph.record: stages must be a non-empty list of stages, got {stages!r}")
         if not isinstance(track, bool):
             raise InvalidRequest(f"BatchGraph.record: track must be a bool, got {track!r}")
-        stages = tuple(stages)
+        flat, lanes = _flatten(stages)
         try:
             ctx = cast(DeviceContext, device.ask(Attach()))
         except pykka.ActorDeadError as exc:
             raise DeviceUnavailable("BatchGraph.record: the DeviceActor was stopped") from exc
         slots: list[Slot] = []
-        for i, stage in enumerate(stages):
-            slots.extend(operands(i, stage, ctx))
+        lane_of = [lane for lane, n in enumerate(lanes) for _ in range(n)]
+        for i, stage in enumerate(flat):
+            for slot in operands(i, stage, ctx):
+                slot.lane = lane_of[i]
+                slots.append(slot)
         for slot in slots:
             check_operand(slot.recorded, slot.recorded, ctx, slot.stage)
-        steps = [step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in stages]
+        if len(lanes) > 1:
+            _check_lanes_apart(slots)
+        steps = [step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in flat]
         stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(stream_id)
         assert stream is not None
-        graph = ctx.driver.record_graph(ctx.ordinal, steps)
-        return cls(ctx, stages, slots, graph, stream_id, stream, track)
+        graph = ctx.driver.record_graph(ctx.ordinal, steps, None if len(lanes) == 1 else lanes)
+        return cls(ctx, flat, lanes, slots, graph, stream_id, stream, track)
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -210,8 +233,15 @@ class BatchGraph:
 
     @property
     def stages(self) -> tuple[Stage, ...]:
-        """The stages as recorded (bindings not applied). Thread rule: any thread."""
+        """The stages as recorded (bindings not applied), the lanes one after the other.
+        Thread rule: any thread."""
         return self._stages
+
+    @property
+    def lanes(self) -> tuple[int, ...]:
+        """Each lane's number of stages, in order (one lane of every stage when recorded from
+        one list). Thread rule: any thread."""
+        return self._lanes
 
     @property
     def closed(self) -> bool:
@@ -232,7 +262,8 @@ class BatchGraph:
             GpuRefStale: a handle (recorded or bound) is stale or released, or the device was
                 rebuilt since recording (the graph is closed then); nothing is launched.
             InvalidRequest: a key of ``bind`` that no stage names, a replacement of another kind,
-                device or size, a released buffer, a closed graph; nothing changes.
+                device or size, a released buffer, a replacement that would have a lane write
+                what another lane names, a closed graph; nothing changes.
             DriverError, ContextPoisoned: the device's.
         Thread rule: any thread; serialized with the graph's other replays.
         """
@@ -281,16 +312,33 @@ class BatchGraph:
                 changed.append((key, new))
         if not changed:
             return
+        if self._lane_use:
+            self._check_lane_binds(changed)
         if not any(self._by_recorded[key].access is not None for key, _ in changed):
-            if len(changed) == 1 and self._bind_fast(changed[0], graph):
-                return
-            self._bind_host(changed, graph)
+            # Host buffers only: each through the compiled core where it can, the rest through
+            # the graph's own updates; all or nothing (a failure puts the fast ones back).
+            fast: list[tuple[int, Operand]] = []
+            try:
+                rest = []
+                for change in changed:
+                    old = bound[change[0]]
+                    if self._bind_fast(change, graph):
+                        fast.append((change[0], old))
+                    else:
+                        rest.append(change)
+                if rest:
+                    self._bind_host(rest, graph)
+            except BaseException:
+                for key, old in reversed(fast):
+                    with contextlib.suppress(XlogError):
+                        self._bind_fast((key, old), graph)
+                raise
             return
         before = dict(bound)
         devices = False
         stages: list[int] = []
         for key, new in changed:
-            bound[key] = new
+            self._set_bound(key, new)
             devices = devices or self._by_recorded[key].access is not None
             for i in self._stages_of[key]:
                 if i not in stages:
@@ -301,6 +349,7 @@ class BatchGraph:
         except BaseException:
             bound.clear()
             bound.update(before)  # what the graph holds for the steps updated before: see below
+            self._index_named()
             for i in stages:  # put every step back as it was (each update is all or nothing)
                 with contextlib.suppress(XlogError):
                     graph.update(i, step(self._stages[i], bound, self._views), checked=True)
@@ -308,6 +357,46 @@ class BatchGraph:
         if devices:
             self._uses = self._merged_uses()
             self._core.set_uses(self._uses)
+
+    def _check_lane_binds(self, changed: list[tuple[int, Operand]]) -> None:
+        """With several lanes: ``InvalidRequest`` when the bindings ``changed`` would have one
+        lane write memory another lane names, or name memory another lane writes."""
+        named, use = self._named, self._lane_use
+        moved = {key: identity(new) for key, new in changed}
+        for key, new in changed:
+            ident = moved[key]
+            others = {k for k in named.get(ident, ()) if moved.get(k, ident) == ident}
+            others.update(k for k, i in moved.items() if i == ident)
+            others.discard(key)
+            for other in others:
+                for lane, writes in use[key]:
+                    for other_lane, other_writes in use[other]:
+                        if lane != other_lane and (writes or other_writes):
+                            raise InvalidRequest(
+                                f"BatchGraph.replay: bind[{self._by_recorded[key].recorded!r}] = {new!r} names memory "
+                                f"lane {other_lane} {'writes' if other_writes else 'names'} in lane {lane}, which "
+                                f"{'writes' if writes else 'reads'} it: lanes run at the same time")
+
+    def _index_named(self) -> None:
+        """With several lanes: index the memory each operand is bound to now, anew."""
+        if not self._lane_use:
+            return
+        self._named = {}
+        for key, operand in self._bound.items():
+            self._named.setdefault(identity(operand), set()).add(key)
+
+    def _set_bound(self, key: int, new: Operand) -> None:
+        """Bind recorded operand ``key`` to ``new``, keeping the lanes' index of memory named."""
+        bound = self._bound
+        if self._lane_use:
+            old = identity(bound[key])
+            keys = self._named.get(old)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._named[old]
+            self._named.setdefault(identity(new), set()).add(key)
+        bound[key] = new
 
     def _bind_fast(self, change: tuple[int, Operand], graph: Graph) -> bool:
         """One host buffer's binding (checked) through the compiled core, when its operand is
@@ -332,7 +421,7 @@ class BatchGraph:
             fast = self._fast_hosts[id(v)] = (v, i, found[0], found[1])
         if not self._core.bind_host(graph, fast[2], v, fast[3]):
             return False
-        self._bound[key] = new
+        self._set_bound(key, new)
         return True
 
     def _bind_host(self, changed: list[tuple[int, Operand]], graph: Graph) -> None:
@@ -351,10 +440,10 @@ class BatchGraph:
                     if replaced is not None:
                         core.retire(replaced)
                     done.append((key, i, bound[key]))
-                bound[key] = new
+                self._set_bound(key, new)
         except BaseException:
             for key, i, old in reversed(done):  # put the steps already updated back
-                bound[key] = old
+                self._set_bound(key, old)
                 stage = stages[i]
                 old_buf = cast(PinnedBuffer, old)
                 nbytes = old_buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
@@ -390,6 +479,38 @@ class BatchGraph:
             graph.close(self._core.take_kept())
 
     def __repr__(self) -> str:
+        lanes = f", lanes={len(self._lanes)}" if len(self._lanes) > 1 else ""
         state = " closed" if self._graph is None else ""
         return (f"BatchGraph(device={self._ctx.ordinal}, generation={self._ctx.generation}, "
-                f"stages={len(self._stages)}{state})")
+                f"stages={len(self._stages)}{lanes}{state})")
+
+
+def _flatten(stages: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """The stages of :meth:`BatchGraph.record` as one tuple, and each lane's length: one lane
+    for a list of stages, one per list for a list of lists (none empty: ``InvalidRequest``)."""
+    if not all(isinstance(lane, (list, tuple)) for lane in stages):
+        return tuple(stages), (len(stages),)
+    flat: list[Any] = []
+    lanes: list[int] = []
+    for n, lane in enumerate(stages):
+        if not lane:
+            raise InvalidRequest(f"BatchGraph.record: lane {n} has no stages")
+        flat.extend(lane)
+        lanes.append(len(lane))
+    return tuple(flat), tuple(lanes)
+
+
+def _check_lanes_apart(slots: list[Slot]) -> None:
+    """``InvalidRequest`` when a stage of one lane writes memory a stage of another lane names:
+    the lanes of a replay run at the same time."""
+    seen: dict[int, list[Slot]] = {}
+    for slot in slots:
+        seen.setdefault(identity(slot.recorded), []).append(slot)
+    for named in seen.values():
+        for a in named:
+            for b in named:
+                if a.lane != b.lane and a.writes:
+                    raise InvalidRequest(
+                        f"BatchGraph.record: stage {a.stage} (lane {a.lane}) writes {a.recorded!r}, which stage "
+                        f"{b.stage} (lane {b.lane}) names: lanes run at the same time, so no lane may write what "
+                        f"another names")

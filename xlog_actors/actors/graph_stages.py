@@ -25,7 +25,7 @@ from .gpu_ref import GpuRef
 from .kernel_actor import _checked
 from .library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch
 
-__all__ = ["Operand", "Slot", "Stage", "Views", "check_operand", "host_bytes", "operands", "step", "view"]
+__all__ = ["Operand", "Slot", "Stage", "Views", "check_operand", "host_bytes", "identity", "operands", "step", "view"]
 
 Stage: TypeAlias = CopyToDevice | CopyToHost | CopyDeviceToDevice | Fill | Launch
 """A stage of a batch: the library message that would do it (see :meth:`BatchGraph.record`)."""
@@ -40,6 +40,23 @@ class Slot:
     stage: int
     recorded: Operand
     access: Access | None  # a GpuRef's access; None for a host buffer
+    host_writes: bool = False  # a host buffer the stage copies into
+    lane: int = 0  # the lane of the stage (set by the graph)
+
+    @property
+    def writes(self) -> bool:
+        """Whether the stage writes the operand."""
+        return self.access.writes if self.access is not None else self.host_writes
+
+
+def identity(operand: Operand) -> int:
+    """What two operands share when they name the same memory: a handle's block address, a
+    pinned buffer's identity (two buffers never share memory).
+    Thread rule: any thread.
+    """
+    if isinstance(operand, GpuRef):
+        return operand.block.ptr
+    return id(operand)
 
 
 def operands(i: int, stage: object, ctx: DeviceContext) -> list[Slot]:
@@ -62,7 +79,7 @@ def operands(i: int, stage: object, ctx: DeviceContext) -> list[Slot]:
         most = min(stage.ref.nbytes, out.nbytes)
         if type(nbytes) is not int or not 0 < nbytes <= most:
             raise InvalidRequest(f"{what} (CopyToHost.nbytes): expected an int in 1..{most}, got {stage.nbytes!r}")
-        return [Slot(i, stage.ref, Access.READ), Slot(i, out, None)]
+        return [Slot(i, stage.ref, Access.READ), Slot(i, out, None, host_writes=True)]
     if isinstance(stage, CopyDeviceToDevice):
         _need(stage.src, GpuRef, f"{what} (CopyDeviceToDevice.src)")
         _need(stage.dst, GpuRef, f"{what} (CopyDeviceToDevice.dst)")

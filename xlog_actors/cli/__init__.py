@@ -66,7 +66,12 @@ def _parser() -> OneLineParser:
     demo.add_argument(
         "--graph",
         action="store_true",
-        help="graph mode: each ring slot's batch recorded once as a device graph (BatchGraph), one replay a batch",
+        help="graph mode: the ring's batches recorded once as device graphs (BatchGraph), replayed per batch",
+    )
+    demo.add_argument(
+        "--graph-lanes", type=at_least(1), default=None, metavar="N",
+        help="with --graph: batches per replay, each a lane of one graph over its own ring slot, 1 .. --depth "
+        "(default: half the ring for batches of at most 256 KiB, else 1)",
     )
     demo.add_argument(
         "--devices", type=device_count, default=None, metavar="all|N",

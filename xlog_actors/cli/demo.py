@@ -10,7 +10,7 @@ from ..driver.protocol import Driver
 from ..errors import XlogError
 from .batches import BatchData
 from .driver_choice import choose_driver
-from .graph_pipeline import run_graph_pipeline
+from .graph_pipeline import lanes_for, run_graph_pipeline
 from .multi_demo import run_multi_demo
 from .options import UsageError
 from .pipeline import PipelineConfig, PipelineResult, run_pipeline
@@ -48,6 +48,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.graph and (args.no_tracking or args.slow_producer_us):
         raise UsageError("--graph: a graph orders its own stages; --no-tracking and --slow-producer-us "
                          "apply to the actor pipeline only")
+    if args.graph_lanes is not None and not args.graph:
+        raise UsageError("--graph-lanes: applies to the graph mode only (add --graph)")
+    if args.graph_lanes is not None and args.graph_lanes > args.depth:
+        raise UsageError(f"--graph-lanes {args.graph_lanes}: expected 1 .. {args.depth} (the ring's --depth)")
     if args.batches is not None and args.rebuild_at is not None and args.rebuild_at >= args.batches:
         raise UsageError(f"--rebuild-at {args.rebuild_at}: expected a batch index from 0 to {args.batches - 1}")
     choice = choose_driver(args.driver)
@@ -69,10 +73,12 @@ def run_demo(args: argparse.Namespace) -> int:
             track=not args.no_tracking,
             producer_delay_us=args.slow_producer_us,
             rebuild_at=args.rebuild_at,
+            graph_lanes=args.graph_lanes,
         )
         print(f"xlog-actors demo: {choice.describe()}", file=sys.stderr)
-        how = ("one recorded graph per ring slot, one replay a batch" if args.graph
-               else "three library actors on 3 streams")
+        lanes = lanes_for(cfg)
+        how = (f"the ring recorded as graphs of {lanes} lane{'s' if lanes > 1 else ''}, one replay per {lanes} "
+               f"batch{'es' if lanes > 1 else ''}" if args.graph else "three library actors on 3 streams")
         print(
             f"xlog-actors demo: copy in -> kernel -> copy out ({how}), {batches} batches of "
             f"{batch_bytes / (1 << 20):g} MiB, {cfg.depth} in flight, device {driver.device_name(0)}",

@@ -33,6 +33,7 @@ import numpy as np
 import pykka
 
 from ..actors import BatchGraph, CopyActor, DeviceActor, GpuRef, GraphDone
+from ..actors.batch_graph import Stage
 from ..actors.library_messages import CopyToDevice, CopyToHost, Fill, In, Launch, Out
 from ..actors.messages import Allocate, GetStats, Rebuild
 from ..driver.kernel_library import SCALE_ADD_CHECKSUM_F32, checksum_tail, launch_shape
@@ -46,16 +47,40 @@ __all__ = ["run_graph_pipeline"]
 
 
 @dataclass
-class _GraphSlot:
-    """One ring slot: its device buffers, its host output, its graph, its batch in flight."""
+class _Lane:
+    """One ring slot: its device buffers, its host output, its batch in flight."""
 
     inp: GpuRef
     out: GpuRef
     host: PinnedBuffer  # where the slot's copies back land (but the kept batches')
-    graph: BatchGraph
     total: int = _POISONED_SUM  # the running checksum after the slot's last verified batch
     batch: int | None = None  # the batch replayed and not yet verified
+    spare: bool = False  # replayed with no batch of its own (the run's last, short group)
+
+
+@dataclass
+class _Group:
+    """Consecutive ring slots recorded as the lanes of one graph: one replay sends a batch
+    through each of them."""
+
+    first: int  # the index of its first slot in the ring
+    lanes: list[_Lane]
+    graph: BatchGraph
     done: GraphDone | None = None
+
+
+def lanes_for(cfg: PipelineConfig) -> int:
+    """How many ring slots one graph holds (batches per replay): ``cfg.graph_lanes``, or when
+    None, half the ring (two replays in flight) for batches of at most 256 KiB, where the launch
+    and its tracking cost more than the batch's copies take, and 1 above; never more than the
+    ring. Thread rule: any thread."""
+    if cfg.graph_lanes is not None:
+        return max(1, min(cfg.graph_lanes, cfg.depth))
+    return max(1, cfg.depth // 2) if cfg.batch_bytes <= SMALL_BATCH else 1
+
+
+#: The largest batch that ``lanes_for`` sends several to a replay.
+SMALL_BATCH = 256 << 10
 
 
 class _GraphRun:
@@ -67,90 +92,120 @@ class _GraphRun:
         self.n = cfg.batch_bytes // 4
         self.tail = checksum_tail(self.n)
         self.out_bytes = self.tail + 8
+        self.per_replay = lanes_for(cfg)
         self.hosts = [_host_buffer(device, self.out_bytes) for _ in range(cfg.depth)]
         self.kept = {index: _host_buffer(device, self.out_bytes) for index in {0, cfg.batches - 1}}
         # Each host output's running checksum as a one-element uint64 view, made once.
         self.sums = {id(h): h.array(np.uint64)[self.tail // 8:] for h in [*self.hosts, *self.kept.values()]}
-        self.slots: list[_GraphSlot] = [self._new_slot(s) for s in range(cfg.depth)]
+        self.groups: list[_Group] = self._new_groups()
+        self.turn = 0  # the group that sends next
         self.todo: deque[int] = deque(range(cfg.batches))
         self.tally = Tally(data, self.kept)
         self.stale_retries = 0
         self.errors: list[str] = []
         self.rebuilt = False
 
-    def _new_slot(self, s: int) -> _GraphSlot:
-        """Slot ``s``'s buffers (poisoned, as :mod:`.pipeline` says why) and its recorded graph."""
+    def _new_groups(self) -> list[_Group]:
+        """The ring's slots in groups of ``per_replay``, each with its buffers (poisoned, as
+        :mod:`.pipeline` says why) and its graph, recorded with lane ``k`` reading input ``k``."""
+        groups = []
+        k = self.per_replay
+        for first in range(0, self.cfg.depth, k):
+            lanes = [self._new_lane(s) for s in range(first, min(first + k, self.cfg.depth))]
+            grid, block = launch_shape(self.n)
+            stages: list[list[Stage]] = [[
+                CopyToDevice(lane.inp, self.inputs[j]),
+                Launch(SCALE_ADD_CHECKSUM_F32, grid, block, [Out(lane.out), In(lane.inp), ALPHA, BETA, self.n]),
+                CopyToHost(lane.out, self.out_bytes, out=lane.host),
+            ] for j, lane in enumerate(lanes)]
+            graph = BatchGraph.record(self.device, stages)
+            groups.append(_Group(first, lanes, graph))
+        return groups
+
+    def _new_lane(self, s: int) -> _Lane:
         inp: GpuRef = self.device.ask(Allocate(self.cfg.batch_bytes, tag=_INPUT), block=True)
         out: GpuRef = self.device.ask(Allocate(self.out_bytes, tag=_OUTPUT), block=True)
         self.copy.ask(Fill(inp, _POISON))
         self.copy.ask(Fill(out, _POISON))
-        grid, block = launch_shape(self.n)
-        graph = BatchGraph.record(self.device, [
-            CopyToDevice(inp, self.inputs[0]),
-            Launch(SCALE_ADD_CHECKSUM_F32, grid, block, [Out(out), In(inp), ALPHA, BETA, self.n]),
-            CopyToHost(out, self.out_bytes, out=self.hosts[s]),
-        ])
-        return _GraphSlot(inp, out, self.hosts[s], graph)
+        return _Lane(inp, out, self.hosts[s])
 
     @property
     def done(self) -> int:
         return self.tally.done
 
-    def _verify(self, slot: _GraphSlot) -> None:
-        """Wait for ``slot``'s batch in flight and check what it added to the running checksum."""
-        index, done = slot.batch, slot.done
-        if index is None or done is None:
+    def _verify(self, group: _Group) -> None:
+        """Wait for ``group``'s replay in flight and check what each of its batches added to its
+        slot's running checksum (a spare lane's sum is taken as it is)."""
+        done = group.done
+        if done is None:
             return
-        slot.batch = slot.done = None
+        group.done = None
         done.wait()
-        host = self.kept.get(index, slot.host)
-        total = int(self.sums[id(host)][0])
-        self.tally.checksum(index, slot.total, total)
-        slot.total = total
+        for lane in group.lanes:
+            index, lane.batch = lane.batch, None
+            spare, lane.spare = lane.spare, False
+            if index is None and not spare:
+                continue
+            host = lane.host if index is None else self.kept.get(index, lane.host)
+            total = int(self.sums[id(host)][0])
+            if index is not None:
+                self.tally.checksum(index, lane.total, total)
+            lane.total = total
 
     def step(self) -> None:
-        """Send the next batch: verify its slot's previous one, then replay the slot's graph."""
-        index = self.todo.popleft()
-        s = index % self.cfg.depth
-        slot = self.slots[s]
-        self._verify(slot)
-        if self.cfg.rebuild_at == index and not self.rebuilt:
+        """Send the next batches: verify the next group's replay in flight, then replay it with
+        one batch a lane (a lane left without one, at the run's end, replays as a spare)."""
+        group = self.groups[self.turn]
+        self._verify(group)
+        todo = self.todo
+        indices = [todo.popleft() if todo else None for _ in group.lanes]
+        at = self.cfg.rebuild_at
+        if at is not None and at in indices and not self.rebuilt:
             self.rebuilt = True
             self.device.ask(Rebuild("demo: rebuild mid-pipeline (graph mode)"))
-        bind: dict[Any, Any] = {self.inputs[0]: self.inputs[index % len(self.inputs)],
-                                self.hosts[s]: self.kept.get(index, self.hosts[s])}
+        bind: dict[Any, Any] = {}
+        inputs = self.inputs
+        for j, (lane, index) in enumerate(zip(group.lanes, indices, strict=True)):
+            if index is not None:
+                bind[inputs[j]] = inputs[index % len(inputs)]
+            # A kept batch's copy back lands in its own buffer; every other one, a spare's too,
+            # in the slot's (lane.host, the operand the lane was recorded with).
+            bind[lane.host] = lane.host if index is None else self.kept.get(index, lane.host)
         try:
-            slot.done = slot.graph.replay(bind)
+            group.done = group.graph.replay(bind)
         except GpuRefStale:
-            self.stale_retries += 1
-            self.todo.appendleft(index)
+            sent = [i for i in indices if i is not None]
+            self.stale_retries += len(sent)
+            todo.extendleft(reversed(sent))
             self._after_rebuild()
             return
-        slot.batch = index
+        for lane, index in zip(group.lanes, indices, strict=True):
+            lane.batch = index
+            lane.spare = index is None
+        self.turn = (self.turn + 1) % len(self.groups)
 
     def _after_rebuild(self) -> None:
         """Every slot's handles are stale: verify what landed, run the rest again, on new slots."""
-        for slot in self.slots:
-            if slot.batch is None:
-                continue
-            index = slot.batch
+        for group in self.groups:
+            in_flight = [lane.batch for lane in group.lanes if lane.batch is not None]
             try:
-                self._verify(slot)
-            except XlogError:  # the copy back's event went with the context: run it again
-                self.stale_retries += 1
-                self.todo.appendleft(index)
-        for slot in self.slots:
-            slot.graph.close()
-        self.slots = [self._new_slot(s) for s in range(self.cfg.depth)]
+                self._verify(group)
+            except XlogError:  # the copies back's event went with the context: run them again
+                self.stale_retries += len(in_flight)
+                self.todo.extendleft(reversed(in_flight))
+        for group in self.groups:
+            group.graph.close()
+        self.groups = self._new_groups()
+        self.turn = 0
 
     def drain(self) -> None:
         """Verify every batch still in flight."""
-        for slot in self.slots:
-            self._verify(slot)
+        for group in self.groups:
+            self._verify(group)
 
     def close(self) -> None:
-        for slot in self.slots:
-            slot.graph.close()
+        for group in self.groups:
+            group.graph.close()
 
 
 def run_graph_pipeline(

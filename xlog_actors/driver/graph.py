@@ -7,6 +7,14 @@ enqueued one by one on the launch stream: a step starts after the one before it 
 launch as a whole is ordered on its stream like any other work (after what was enqueued before it,
 before what is enqueued after it). Launches of one graph never overlap each other.
 
+A graph may also be recorded as several *lanes*: consecutive runs of its steps (``lanes`` gives
+their lengths), each a chain of its own, with no order between the lanes. On the device the lanes
+of one launch may run at the same time (independent work, such as several batches of a pipeline
+on different buffers, overlaps inside one launch); the launch as a whole is still ordered on its
+stream. Running the steps in their listed order is one valid schedule of the lanes, which is what
+the host driver does. The caller keeps the lanes independent: no lane may write memory another
+lane reads or writes.
+
 A step can be replaced between launches by one of the same shape (:func:`same_shape`): the same
 kind, the same byte count, the same kernel and dimensions; its pointers and scalars may differ.
 Launches already enqueued keep the steps they were launched with. What a step reads or writes on
@@ -15,7 +23,7 @@ put until every launch that uses it ran: the graph keeps the views of its curren
 referenced, and a replaced view until the launches before the replacement ran.
 
 On CUDA a graph is a ``CUgraphExec`` of explicit nodes, one per step, each depending on the one
-before it (:mod:`.cuda.graph`); a launch is one ``cuGraphLaunch``, and a replaced step one
+before it in its lane (:mod:`.cuda.graph`); a launch is one ``cuGraphLaunch``, and a replaced step one
 ``cuGraphExec*NodeSetParams``. The host driver replays the steps through its own calls, in order
 (:class:`SteppedGraph`), which is exactly the order a CUDA graph's chain of nodes gives. A graph
 belongs to the context it was recorded in: after that context is rebuilt (or its driver closed),
@@ -69,6 +77,7 @@ __all__ = [
     "KernelStep",
     "Memset",
     "SteppedGraph",
+    "check_lanes",
     "check_steps",
     "host_step",
     "same_shape",
@@ -197,6 +206,28 @@ def host_step(steps: Sequence[GraphStep], index: int, view: memoryview) -> HostT
     return DeviceToHost(view, old.src)
 
 
+def check_lanes(lanes: Sequence[int] | None, nsteps: int) -> tuple[int, ...]:
+    """The lane lengths of a graph of ``nsteps`` steps: ``lanes`` as a tuple, or one lane of
+    every step when None.
+
+    Args:
+        lanes: each lane's number of steps, in order; they sum to ``nsteps``.
+        nsteps: how many steps the graph has.
+    Returns:
+        the lengths, as a tuple of positive ints.
+    Raises:
+        InvalidRequest: ``lanes`` is not a non-empty list of positive ints summing to ``nsteps``.
+    Thread rule: any thread.
+    """
+    if lanes is None:
+        return (nsteps,)
+    if (not isinstance(lanes, (list, tuple)) or not lanes
+            or not all(type(n) is int and n > 0 for n in lanes) or sum(lanes) != nsteps):
+        raise InvalidRequest(f"a graph's lanes must be positive step counts summing to its {nsteps} steps, "
+                             f"got {lanes!r}")
+    return tuple(lanes)
+
+
 def check_steps(steps: Sequence[object]) -> tuple[GraphStep, ...]:
     """``steps`` as a tuple once each is a :data:`GraphStep` with sane fields; else
     ``InvalidRequest`` naming the first one at fault.
@@ -253,6 +284,12 @@ class Graph(Protocol):
     @property
     def steps(self) -> tuple[GraphStep, ...]:
         """The steps the next launch runs. Thread rule: any thread."""
+        ...
+
+    @property
+    def lanes(self) -> tuple[int, ...]:
+        """Each lane's number of steps, in order (one lane of every step unless recorded with
+        lanes). Thread rule: any thread."""
         ...
 
     def launch(self, stream: Any) -> None:
@@ -340,11 +377,13 @@ class SteppedGraph:
     """
 
     def __init__(self, driver: _StepCalls, ordinal: int, steps: Sequence[GraphStep], epoch: Callable[[], int],
-                 pinned: Callable[[memoryview], bool] | None = None) -> None:
+                 pinned: Callable[[memoryview], bool] | None = None, lanes: tuple[int, ...] | None = None) -> None:
         """Args:
             driver: the driver whose calls replay the steps.
             ordinal: the device.
-            steps: checked steps (:func:`check_steps`).
+            steps: checked steps (:func:`check_steps`), replayed in this order whatever the
+                lanes (one valid schedule of them).
+            lanes: checked lane lengths (:func:`check_lanes`); None for one lane.
             epoch: reads the device context's epoch now; a launch or update runs only while it
                 reads what it read at recording.
             pinned: whether a host view lies in the driver's pinned memory (None: not checked).
@@ -354,6 +393,7 @@ class SteppedGraph:
         self._driver = driver
         self._ordinal = ordinal
         self._steps = list(steps)
+        self._lanes = lanes if lanes is not None else (len(self._steps),)
         self._epoch_now = epoch
         self._epoch = epoch()
         self._closed = False
@@ -368,6 +408,11 @@ class SteppedGraph:
     def steps(self) -> tuple[GraphStep, ...]:
         """The steps the next launch runs. Thread rule: any thread."""
         return tuple(self._steps)
+
+    @property
+    def lanes(self) -> tuple[int, ...]:
+        """Each lane's number of steps (see :class:`Graph`). Thread rule: any thread."""
+        return self._lanes
 
     def _check_open(self) -> None:
         if self._closed:

@@ -486,18 +486,21 @@ class Driver(Protocol[S, E_co]):
         """
         ...
 
-    def record_graph(self, ordinal: int, steps: Sequence[GraphStep]) -> Graph:
+    def record_graph(self, ordinal: int, steps: Sequence[GraphStep], lanes: Sequence[int] | None = None) -> Graph:
         """Record ``steps`` once as a graph of device ``ordinal``, to be launched many times
         (see :mod:`.graph` for what a launch runs, what may be replaced and what it keeps).
 
         Args:
             ordinal: the device.
             steps: one or more :data:`~.graph.GraphStep`; host views must be of pinned memory.
+            lanes: each lane's number of steps, summing to ``len(steps)``: consecutive runs of
+                the steps with no order between them (see :mod:`.graph`); None for one chain.
         Returns:
             The graph, valid until closed or until the device's context is rebuilt.
         Raises:
-            InvalidRequest: a malformed step (:func:`~.graph.check_steps`), a host view that is
-                not of pinned memory, a bad ordinal.
+            InvalidRequest: a malformed step (:func:`~.graph.check_steps`) or lane list
+                (:func:`~.graph.check_lanes`), a host view that is not of pinned memory, a bad
+                ordinal.
             DriverError: the kernel does not compile; a step's pointer is no device pointer.
             ContextPoisoned: the device saw a sticky error.
         Thread rule: any thread.

@@ -4,8 +4,9 @@ checksum) at three batch sizes, in both modes, each beside the tight raw three-s
 
 * ``demo pipeline <size>``: :func:`..pipeline.run_pipeline`, three library actors (their asks
   served in the orchestrating thread while they are idle);
-* ``demo graph <size>``: :func:`..graph_pipeline.run_graph_pipeline`, one ``BatchGraph`` per ring
-  slot, one replay a batch.
+* ``demo graph <size>``: :func:`..graph_pipeline.run_graph_pipeline`, the ring's slots recorded
+  as ``BatchGraph`` lanes, as many batches a replay as :func:`..graph_pipeline.lanes_for` gives
+  for the size (the row's description says how many).
 
 Each row's note carries the CPU time of the process (all threads) per batch over the timed part,
 ours and the raw twin's, medians over the rounds.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..batches import BatchData
-from ..graph_pipeline import run_graph_pipeline
+from ..graph_pipeline import lanes_for, run_graph_pipeline
 from ..pipeline import PipelineConfig, PipelineResult, run_pipeline
 from ..raw_pipeline import raw_pipeline
 from .harness import Context, Group, Row, given, no_gc
@@ -34,8 +35,8 @@ _Runner = Callable[..., PipelineResult]
 _MODES: dict[str, tuple[_Runner, str]] = {
     "pipeline": (run_pipeline, "run_pipeline: copy in -> kernel -> copy out asked of a CopyActor, a KernelActor "
                  "and a CopyActor on 3 streams"),
-    "graph": (run_graph_pipeline, "run_graph_pipeline: copy in -> kernel -> copy out recorded once per ring slot "
-              "as a BatchGraph, one replay a batch, its input bound per batch"),
+    "graph": (run_graph_pipeline, "run_graph_pipeline: copy in -> kernel -> copy out of each ring slot recorded once "
+              "as a lane of a BatchGraph, each replay one batch a lane, its inputs bound per batch"),
 }
 
 
@@ -112,13 +113,21 @@ _TARGETS = {
 }
 
 
+def _lanes_text(mode: str, plan: Plan, size: int) -> str:
+    """How many batches a replay of the graph mode sends at this size ("" for the actor mode)."""
+    if mode != "graph":
+        return ""
+    lanes = lanes_for(PipelineConfig(batch_bytes=_size(plan, size)[0], depth=DEPTH))
+    return f", {lanes} batch{'es' if lanes > 1 else ''} a replay"
+
+
 def _row(mode: str, size: int, label: str) -> Row:
     cpu = _Cpu()
     what = _MODES[mode][1]
     return Row(
         f"demo {mode} {label}",
-        lambda f, p: f"{what}: {_size(p, size)[1]} batches of {size_text(_size(p, size)[0])}, {DEPTH} in flight, "
-        "each verified by a device checksum",
+        lambda f, p: f"{what}: {_size(p, size)[1]} batches of {size_text(_size(p, size)[0])}, {DEPTH} in flight"
+        f"{_lanes_text(mode, p, size)}, each verified by a device checksum",
         given, None, None, lambda p: (p.pipe_rounds, 1),
         reference=f"the tight raw three-stream pipeline: the same copies and kernel on 3 streams ordered by events, "
         f"a ring of {DEPTH} device buffer pairs, pinned host buffers, every handle and argument made before the "

@@ -52,7 +52,7 @@ import numpy as np
 
 from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
 from ..checks import check_launch, check_microseconds
-from ..graph import DeviceToDevice, GraphStep, KernelStep, Memset, check_steps
+from ..graph import DeviceToDevice, GraphStep, KernelStep, Memset, check_lanes, check_steps
 from ..kernel import Kernel
 from ..protocol import Driver
 from .call import (
@@ -410,19 +410,20 @@ class CudaDriver(CudaPeer, CudaMemory):
         if err != SUCCESS:
             dev.fail(err, f"cuLaunchKernel({kernel.name}, grid={g}, block={b}, stream {s._id})")
 
-    def record_graph(self, ordinal: int, steps: Sequence[GraphStep]) -> CudaGraph:
-        """Record ``steps`` as a ``CUgraphExec`` of explicit nodes, one per step in a chain
-        (:mod:`.graph`); kernels are compiled and loaded first.
+    def record_graph(self, ordinal: int, steps: Sequence[GraphStep], lanes: Sequence[int] | None = None) -> CudaGraph:
+        """Record ``steps`` as a ``CUgraphExec`` of explicit nodes, one per step, a chain per
+        lane (:mod:`.graph`); kernels are compiled and loaded first.
 
         Arguments and result: as ``Driver.record_graph``.
         Raises:
-            InvalidRequest: a malformed step, a host view outside pinned memory, kernel arguments
-                that do not match the kernel, a bad ordinal.
+            InvalidRequest: a malformed step or lane list, a host view outside pinned memory,
+                kernel arguments that do not match the kernel, a bad ordinal.
             DriverError: a kernel does not compile or load; the driver refuses a node.
             ContextPoisoned: the device saw a sticky error.
         Thread rule: any thread; loading a kernel takes the device lock.
         """
         checked = check_steps(steps)
+        lane_lengths = check_lanes(lanes, len(checked))
         dev = self._device(ordinal)
         dev.enter()
         functions = []
@@ -437,7 +438,7 @@ class CudaDriver(CudaPeer, CudaMemory):
                     check_ptr(step.src, f"device {ordinal}: graph step")
         with dev.lock:
             dev.enter()
-            return CudaGraph(dev, checked, functions, _pack_args, self._is_pinned)
+            return CudaGraph(dev, checked, functions, _pack_args, self._is_pinned, lane_lengths)
 
     # -- context lifetime -------------------------------------------------------------------
     def check_context(self, ordinal: int) -> None:

@@ -117,12 +117,14 @@ class CudaGraph:
     """
 
     def __init__(self, dev: CudaDevice, steps: Sequence[GraphStep], functions: Sequence[Any],
-                 pack: Any, is_pinned: Any) -> None:
+                 pack: Any, is_pinned: Any, lanes: tuple[int, ...] | None = None) -> None:
         """Record ``steps`` (checked) on ``dev``, current in the calling thread.
 
         Args:
             dev: the device, entered by the caller.
             steps: the checked steps.
+            lanes: the checked lane lengths; each lane's first node depends on nothing, the
+                others on the node before them. None: one lane.
             functions: each ``KernelStep``'s ``CUfunction`` (in order of the kernel steps).
             pack: ``(kernel, args) -> (slots, params)``, the driver's argument packer.
             is_pinned: ``(address, nbytes) -> bool``, the driver's pinned-memory test.
@@ -146,6 +148,7 @@ class CudaGraph:
         # and pinned while it is a key): a rebound view is then checked once, not per update.
         self._pinned_views: dict[int, tuple[memoryview, int]] = {}
         self._functions = list(functions)
+        self._lanes = lanes if lanes is not None else (len(steps),)
         self._nodes: list[_Node] = []
         err, self._graph = cu.cuGraphCreate(0)
         if err != SUCCESS:
@@ -154,7 +157,13 @@ class CudaGraph:
         try:
             fn_at = 0
             prev: list[Any] = []
+            starts, at = set(), 0
+            for n in self._lanes:
+                starts.add(at)
+                at += n
             for i, step in enumerate(steps):
+                if i in starts:
+                    prev = []  # a lane's first node: no order with the lanes before it
                 fn = None
                 if isinstance(step, KernelStep):
                     fn = self._functions[fn_at]
@@ -256,6 +265,11 @@ class CudaGraph:
     def steps(self) -> tuple[GraphStep, ...]:
         """The steps the next launch runs. Thread rule: any thread."""
         return tuple(n.current() for n in self._nodes)
+
+    @property
+    def lanes(self) -> tuple[int, ...]:
+        """Each lane's number of steps (see ``Graph.lanes``). Thread rule: any thread."""
+        return self._lanes
 
     def _check_open(self) -> CudaDevice:
         dev = self._dev

@@ -40,7 +40,7 @@ import numpy as np
 
 from ...errors import DriverError, InvalidRequest
 from ..checks import Dims, check_launch, check_microseconds, check_nbytes, check_ordinal, writable_bytes
-from ..graph import DeviceToHost, GraphStep, HostToDevice, SteppedGraph, check_steps
+from ..graph import DeviceToHost, GraphStep, HostToDevice, SteppedGraph, check_lanes, check_steps
 from ..kernel import Kernel
 from ..protocol import Buffer
 from .device import FAULT_KINDS, FaultKind, HostDevice
@@ -640,24 +640,28 @@ class HostDriver:
         dev = self._stream_device(stream)
         return dev.event_table().record(stream)
 
-    def record_graph(self, ordinal: int, steps: Sequence[GraphStep]) -> SteppedGraph:
+    def record_graph(self, ordinal: int, steps: Sequence[GraphStep],
+                     lanes: Sequence[int] | None = None) -> SteppedGraph:
         """A graph that replays ``steps`` through this driver's calls, in order, on the launch
-        stream (see :mod:`..graph`).
+        stream (see :mod:`..graph`): its lanes, run one after the other, which is one valid
+        schedule of them.
 
         Arguments and result: as ``Driver.record_graph``.
         Raises:
-            InvalidRequest: a malformed step, a host view outside pinned memory, a bad ordinal.
+            InvalidRequest: a malformed step or lane list, a host view outside pinned memory, a
+                bad ordinal.
             DriverError, ContextLost, ContextPoisoned: from the device's gate.
         Thread rule: any thread.
         """
         dev = self._gate(ordinal)
         checked = check_steps(steps)
+        lane_lengths = check_lanes(lanes, len(checked))
         for i, step in enumerate(checked):
             if isinstance(step, (HostToDevice, DeviceToHost)):
                 view = step.src if isinstance(step, HostToDevice) else step.dst
                 if not self._pinned.holds(view):
                     raise InvalidRequest(f"graph step {i}: the host view is not of pinned memory (alloc_pinned)")
-        return SteppedGraph(self, ordinal, checked, lambda: dev.epoch, self._pinned.holds)
+        return SteppedGraph(self, ordinal, checked, lambda: dev.epoch, self._pinned.holds, lane_lengths)
 
     def rebuild_context(self, ordinal: int) -> None:
         """Destroy device ``ordinal``'s context (every allocation, stream and event of it) and
