@@ -147,8 +147,9 @@ class BatchGraph:
         self._views: Views = {}
         #: (recorded operand id, buffer id) -> a pinned buffer check_operand found fit for it
         self._checked_host: dict[tuple[int, int], Operand] = {}
-        #: id(host view) -> (the view, its step, the driver graph's node, its address): fast_host's answers
-        self._fast_hosts: dict[int, tuple[memoryview, int, Any, int]] = {}
+        #: (id(host view), step) -> (the view, the step, the driver graph's node, the view's address):
+        #: fast_host's answers (a view bound in turn to the copy steps of several lanes has one each)
+        self._fast_hosts: dict[tuple[int, int], tuple[memoryview, int, Any, int]] = {}
         runtime = ctx.runtime
         # The replay itself is compiled (handle checks, waits, launch, uses, completion, last
         # writes in one call). Its completions are a ring of events re-recorded in turn, so a
@@ -411,14 +412,14 @@ class BatchGraph:
         stage = self._stages[i]
         nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
         v = view(buf, nbytes, self._views)
-        fast = self._fast_hosts.get(id(v))
-        if fast is None or fast[0] is not v or fast[1] != i:
+        fast = self._fast_hosts.get((id(v), i))
+        if fast is None or fast[0] is not v:
             found = graph.fast_host(i, v)
             if found is None:
                 return False
             if len(self._fast_hosts) >= 256:  # bounded: ever new buffers
                 self._fast_hosts.clear()
-            fast = self._fast_hosts[id(v)] = (v, i, found[0], found[1])
+            fast = self._fast_hosts[(id(v), i)] = (v, i, found[0], found[1])
         if not self._core.bind_host(graph, fast[2], v, fast[3]):
             return False
         self._set_bound(key, new)
