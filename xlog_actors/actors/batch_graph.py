@@ -136,20 +136,24 @@ class BatchGraph:
                 at.append(slot.stage)
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
-        #: With several lanes: id(recorded operand) -> (lane, writes) of each stage naming it,
-        #: and the memory each operand is bound to now -> the recorded operands bound to it.
+        #: With several lanes: id(recorded operand) -> (lane, writes) of each stage naming it; the
+        #: operands some stage writes; the memory each of those is bound to now -> their keys (a
+        #: conflict needs a writer, so rebinding an operand only read looks up this index alone).
         self._lane_use: dict[int, list[tuple[int, bool]]] = {}
+        self._writers: set[int] = set()
         self._named: dict[int, set[int]] = {}
         if len(lanes) > 1:
             for s in slots:
                 self._lane_use.setdefault(id(s.recorded), []).append((s.lane, s.writes))
+                if s.writes:
+                    self._writers.add(id(s.recorded))
             self._index_named()
         self._views: Views = {}
         #: (recorded operand id, buffer id) -> a pinned buffer check_operand found fit for it
         self._checked_host: dict[tuple[int, int], Operand] = {}
-        #: (id(host view), step) -> (the view, the step, the driver graph's node, the view's address):
-        #: fast_host's answers (a view bound in turn to the copy steps of several lanes has one each)
-        self._fast_hosts: dict[tuple[int, int], tuple[memoryview, int, Any, int]] = {}
+        #: (id(recorded operand), id(buffer)) -> (the buffer, the driver graph's node, the view,
+        #: its address): the compiled binding of a host operand copied by one step, per buffer.
+        self._fast_hosts: dict[tuple[int, int], tuple[PinnedBuffer, Any, memoryview, int]] = {}
         runtime = ctx.runtime
         # The replay itself is compiled (handle checks, waits, launch, uses, completion, last
         # writes in one call). Its completions are a ring of events re-recorded in turn, so a
@@ -362,34 +366,49 @@ class BatchGraph:
     def _check_lane_binds(self, changed: list[tuple[int, Operand]]) -> None:
         """With several lanes: ``InvalidRequest`` when the bindings ``changed`` would have one
         lane write memory another lane names, or name memory another lane writes."""
-        named, use = self._named, self._lane_use
         moved = {key: identity(new) for key, new in changed}
-        for key, new in changed:
-            ident = moved[key]
-            others = {k for k in named.get(ident, ()) if moved.get(k, ident) == ident}
-            others.update(k for k, i in moved.items() if i == ident)
-            others.discard(key)
-            for other in others:
-                for lane, writes in use[key]:
-                    for other_lane, other_writes in use[other]:
-                        if lane != other_lane and (writes or other_writes):
-                            raise InvalidRequest(
-                                f"BatchGraph.replay: bind[{self._by_recorded[key].recorded!r}] = {new!r} names memory "
-                                f"lane {other_lane} {'writes' if other_writes else 'names'} in lane {lane}, which "
-                                f"{'writes' if writes else 'reads'} it: lanes run at the same time")
+        if self._writers.isdisjoint(moved):
+            # Only operands that are read move: a conflict is with a writer bound there.
+            named = self._named
+            for key, ident in moved.items():
+                for other in named.get(ident, ()):
+                    self._lanes_apart(key, other, changed)
+            return
+        # A written operand moves: index every operand as it would be bound.
+        at: dict[int, list[int]] = {}
+        for key, operand in self._bound.items():
+            ident = moved[key] if key in moved else identity(operand)
+            at.setdefault(ident, []).append(key)
+        for key, ident in moved.items():
+            for other in at[ident]:
+                if other != key:
+                    self._lanes_apart(key, other, changed)
+
+    def _lanes_apart(self, key: int, other: int, changed: list[tuple[int, Operand]]) -> None:
+        """``InvalidRequest`` when recorded operands ``key`` (being rebound, per ``changed``) and
+        ``other``, bound to the same memory, are named in different lanes, one of them written."""
+        use = self._lane_use
+        for lane, writes in use[key]:
+            for other_lane, other_writes in use[other]:
+                if lane != other_lane and (writes or other_writes):
+                    new = dict(changed)[key]
+                    raise InvalidRequest(
+                        f"BatchGraph.replay: bind[{self._by_recorded[key].recorded!r}] = {new!r} names memory "
+                        f"lane {other_lane} {'writes' if other_writes else 'reads'} in lane {lane}, which "
+                        f"{'writes' if writes else 'reads'} it: lanes run at the same time")
 
     def _index_named(self) -> None:
         """With several lanes: index the memory each operand is bound to now, anew."""
         if not self._lane_use:
             return
         self._named = {}
-        for key, operand in self._bound.items():
-            self._named.setdefault(identity(operand), set()).add(key)
+        for key in self._writers:
+            self._named.setdefault(identity(self._bound[key]), set()).add(key)
 
     def _set_bound(self, key: int, new: Operand) -> None:
         """Bind recorded operand ``key`` to ``new``, keeping the lanes' index of memory named."""
         bound = self._bound
-        if self._lane_use:
+        if key in self._writers:
             old = identity(bound[key])
             keys = self._named.get(old)
             if keys is not None:
@@ -404,23 +423,23 @@ class BatchGraph:
         copied by one step and the graph bound that step to the buffer's view before: the new
         address set on the node in C. False: nothing changed, take :meth:`_bind_host`."""
         key, new = change
-        stages = self._stages_of[key]
-        if len(stages) != 1:
-            return False
-        i = stages[0]
-        buf = cast(PinnedBuffer, new)
-        stage = self._stages[i]
-        nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
-        v = view(buf, nbytes, self._views)
-        fast = self._fast_hosts.get((id(v), i))
-        if fast is None or fast[0] is not v:
+        hit = self._fast_hosts.get((key, id(new)))
+        if hit is None or hit[0] is not new:
+            stages = self._stages_of[key]
+            if len(stages) != 1:
+                return False
+            i = stages[0]
+            buf = cast(PinnedBuffer, new)
+            stage = self._stages[i]
+            nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
+            v = view(buf, nbytes, self._views)
             found = graph.fast_host(i, v)
             if found is None:
                 return False
             if len(self._fast_hosts) >= 256:  # bounded: ever new buffers
                 self._fast_hosts.clear()
-            fast = self._fast_hosts[(id(v), i)] = (v, i, found[0], found[1])
-        if not self._core.bind_host(graph, fast[2], v, fast[3]):
+            hit = self._fast_hosts[(key, id(new))] = (buf, found[0], v, found[1])
+        if not self._core.bind_host(graph, hit[1], hit[2], hit[3]):
             return False
         self._set_bound(key, new)
         return True
