@@ -47,4 +47,6 @@ cdef class AsyncCore(ResourceCore):
     cdef _Entry _checked_entry(self, str owner, object block_id, object ptr, uint64_t* key)
     cdef object _resolve_use(self, str owner, object block_id, object use_stream)
     cdef object _recorded_event(self, object stream)
+    cdef _prepare_locked(self, _Entry entry, object stream, object use_stream, object access)
     cdef _finish_locked(self, _Entry entry, object stream, object use_stream, object access)
+    cdef int use_blocks(self, list blocks, object use_stream, tuple accesses, bint finish) except -1

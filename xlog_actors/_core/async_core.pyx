@@ -510,36 +510,68 @@ cdef class AsyncCore(ResourceCore):
             DriverError: a record or wait failed; the block's state is as it was.
         Thread rule: any thread; everything runs under the lock (the driver calls only enqueue).
         """
-        cdef _Entry entry
         cdef uint64_t key
         stream = self._resolve_use("AsyncCudaResource.prepare_block_use", block_id, use_stream)
         ptr = ptr_of(block_id)
         lock_acquire(&self._lock)
         try:
-            entry = self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr, &key)
-            if entry.lw_event is None:
-                if entry.stream != use_stream:
-                    # First cross-stream consumer: materialize the allocation-ready fence.
-                    alloc_stream = self._stream_of(entry.stream)
-                    if alloc_stream is None:
-                        raise unknown_stream("AsyncCudaResource.prepare_block_use", self._ordinal, entry.stream)
-                    event = self._recorded_event(alloc_stream)
-                    try:
-                        self._ops.wait(stream, event)
-                    except BaseException:
-                        # Nobody waits on it: back to the pool, and the block stays as it was.
-                        self._events._free.append(event)
-                        raise
-                    entry.lw_stream = entry.stream
-                    entry.lw_event = event
-            elif entry.lw_stream != use_stream:
-                self._ops.wait(stream, entry.lw_event)
-            if access is not _READ and entry.reads:
-                for sid, event in entry.reads.items():
-                    if sid != use_stream:
-                        self._ops.wait(stream, event)
+            self._prepare_locked(self._checked_entry("AsyncCudaResource.prepare_block_use", block_id, ptr, &key),
+                                 stream, use_stream, access)
         finally:
             lock_release(&self._lock)
+
+    cdef _prepare_locked(self, _Entry entry, object stream, object use_stream, object access):
+        if entry.lw_event is None:
+            if entry.stream != use_stream:
+                # First cross-stream consumer: materialize the allocation-ready fence.
+                alloc_stream = self._stream_of(entry.stream)
+                if alloc_stream is None:
+                    raise unknown_stream("AsyncCudaResource.prepare_block_use", self._ordinal, entry.stream)
+                event = self._recorded_event(alloc_stream)
+                try:
+                    self._ops.wait(stream, event)
+                except BaseException:
+                    # Nobody waits on it: back to the pool, and the block stays as it was.
+                    self._events._free.append(event)
+                    raise
+                entry.lw_stream = entry.stream
+                entry.lw_event = event
+        elif entry.lw_stream != use_stream:
+            self._ops.wait(stream, entry.lw_event)
+        if access is not _READ and entry.reads:
+            for sid, event in entry.reads.items():
+                if sid != use_stream:
+                    self._ops.wait(stream, event)
+
+    cdef int use_blocks(self, list blocks, object use_stream, tuple accesses, bint finish) except -1:
+        """``prepare_block_use`` (``finish`` False) or ``finish_block_use`` (True) of every block
+        of ``blocks`` with the access at the same index, in order, for work on ``use_stream``:
+        the stream resolved once and the lock taken once, for a caller that tracks several
+        blocks at a time (a graph's replay). The errors are the single calls'; on one, the
+        blocks before it are done and the rest untouched, as a loop of single calls leaves them.
+        Thread rule: any thread; everything runs under the lock."""
+        cdef uint64_t key
+        cdef Py_ssize_t i, n = len(blocks)
+        cdef str owner = ("AsyncCudaResource.finish_block_use" if finish
+                          else "AsyncCudaResource.prepare_block_use")
+        if n == 0:
+            return 0
+        stream = self._resolve_use(owner, blocks[0], use_stream)
+        for i in range(1, n):
+            if ordinal_of(blocks[i]) != self._ordinal:
+                check_device(owner, self._ordinal, blocks[i])
+        lock_acquire(&self._lock)
+        try:
+            for i in range(n):
+                block = blocks[i]
+                entry = self._checked_entry(owner, block, ptr_of(block), &key)
+                if finish:
+                    self._finish_locked(entry, stream, use_stream, accesses[i])
+                else:
+                    self._prepare_locked(entry, stream, use_stream, accesses[i])
+        finally:
+            lock_release(&self._lock)
+        return 0
 
     def finish_block_use(self, block_id, use_stream, access):
         """Record, after work with ``access`` on the block was enqueued on ``use_stream``, what

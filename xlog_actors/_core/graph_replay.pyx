@@ -27,6 +27,7 @@ Thread rule: any thread, one call at a time per core (the owner's lock).
 
 from cpython.weakref cimport PyWeakref_GetObject
 
+from .async_core cimport AsyncCore
 from .handles cimport HandleCore
 from .ops cimport DriverOps, ops_for
 
@@ -44,6 +45,7 @@ cdef class ReplayCore:
     cdef object _sid
     cdef object _prepare
     cdef object _finish
+    cdef AsyncCore _tracker  # the compiled resource whose own tracking prepare/finish are, or None
     cdef tuple _refs
     cdef tuple _accesses
     cdef tuple _written
@@ -76,6 +78,14 @@ cdef class ReplayCore:
         self._sid = stream_id
         self._prepare = prepare
         self._finish = finish
+        # The stack's tracking is the compiled resource's own (no adaptor in between): every
+        # block of a replay is then tracked in one call each way, the lock taken once.
+        owner = getattr(prepare, "__self__", None)
+        self._tracker = None
+        if (isinstance(owner, AsyncCore) and getattr(finish, "__self__", None) is owner
+                and getattr(prepare, "__func__", None) is getattr(type(owner), "prepare_block_use", None)
+                and getattr(finish, "__func__", None) is getattr(type(owner), "finish_block_use", None)):
+            self._tracker = <AsyncCore>owner
         self._synchronize = synchronize
         self._ring = ring
         self._events = []
@@ -127,13 +137,18 @@ cdef class ReplayCore:
             blocks.append(ref.access())  # the slow path: refreshes a moved token, or raises GpuRefStale
         sid, stream = self._sid, self._stream
         accesses = self._accesses
+        tracker = self._tracker
         prepare = self._prepare
-        if prepare is not None:
+        if tracker is not None:
+            tracker.use_blocks(blocks, sid, accesses, False)
+        elif prepare is not None:
             for i in range(n):
                 prepare(blocks[i], sid, accesses[i])
         self._ops.graph_launch(graph, stream)
         finish = self._finish
-        if finish is not None:
+        if tracker is not None:
+            tracker.use_blocks(blocks, sid, accesses, True)
+        elif finish is not None:
             for i in range(n):
                 finish(blocks[i], sid, accesses[i])
         event = self._done_event()
