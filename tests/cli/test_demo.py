@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 import xlog_actors as xa
 from xlog_actors.cli import batches, main, pipeline
 from xlog_actors.cli.batches import BatchData
-from xlog_actors.cli.graph_pipeline import run_graph_pipeline
+from xlog_actors.cli.graph_pipeline import lanes_for, run_graph_pipeline
 from xlog_actors.cli.pipeline import PipelineConfig, run_pipeline
 from xlog_actors.cli.raw_pipeline import raw_pipeline
 from xlog_actors.kernels import checksum_u32
@@ -259,3 +260,84 @@ def test_the_graph_mode_on_the_gpu_verifies_every_batch_and_survives_a_rebuild(
                  "--rebuild-at", "30"]) == 0
     out = capsys.readouterr().out
     assert "verification  ok: 64/64" in out and "generation    1" in out
+
+
+def test_the_graph_mode_with_lanes_sends_one_batch_a_lane_and_spares_the_rest(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--graph-lanes 3 over a ring of 6 and 10 batches, not a multiple of 3: every replay is of a
+    graph of three lanes (four replays: the last one a batch and two spares), every batch is
+    verified once, and the spares are not counted."""
+    lanes: list[tuple[int, ...]] = []
+    real = xa.BatchGraph.replay
+
+    def replay(self: xa.BatchGraph, bind: Any = None) -> Any:
+        lanes.append(self.lanes)
+        return real(self, bind)
+
+    monkeypatch.setattr(xa.BatchGraph, "replay", replay)
+    assert main(["demo", "--driver", "host", "--graph", "--graph-lanes", "3", "--batches", "10",
+                 "--batch-mib", "0.0625", "--depth", "6"]) == 0
+    captured = capsys.readouterr()
+    assert "verification  ok: 10/10 batches" in captured.out and "mode          graph" in captured.out
+    assert "graphs of 3 lanes, one replay per 3 batches" in captured.err
+    assert lanes == [(3, 3, 3)] * 4, lanes
+
+
+@pytest.mark.parametrize(("depth", "lanes"), [(4, 3), (5, 5), (8, 1)])
+def test_the_graph_mode_verifies_every_batch_whatever_the_lanes(driver: xa.Driver, depth: int, lanes: int) -> None:
+    """A ring that the lanes do not divide (its last graph has fewer lanes), as many lanes as
+    slots, and one lane: every batch verified, the first and the last byte for byte."""
+    result = run_graph_pipeline(driver, PipelineConfig(batches=11, batch_bytes=1 << 12, depth=depth,
+                                                       graph_lanes=lanes))
+    assert result.ok, result
+    assert result.verified == 11 and result.mismatched == [] and result.compared == 2
+
+
+def test_the_graph_mode_with_lanes_redoes_a_replays_batches_after_a_rebuild(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A rebuild at a batch in the middle lane of a replay of three: every batch verified, and at
+    least the three batches of that replay are redone on the new generation."""
+    assert main(["demo", "--driver", "host", "--graph", "--graph-lanes", "3", "--batches", "30",
+                 "--batch-mib", "0.0625", "--depth", "6", "--rebuild-at", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "verification  ok: 30/30" in out
+    generation = next(line for line in out.splitlines() if line.startswith("generation"))
+    found = re.fullmatch(r"generation +1 \(([0-9]+) batch\(es\) redone after stale handles\)", generation)
+    assert found is not None and int(found.group(1)) >= 3, generation
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--graph-lanes", "2"], "--graph-lanes"),
+        (["--graph", "--graph-lanes", "5", "--depth", "4"], "--graph-lanes 5"),
+        (["--graph", "--graph-lanes", "0"], "--graph-lanes"),
+    ],
+    ids=["without-graph", "more-than-depth", "zero"],
+)
+def test_bad_graph_lanes_are_a_usage_error(capsys: pytest.CaptureFixture[str], flags: list[str], words: str) -> None:
+    """--graph-lanes without --graph, above --depth, or below 1: exit status 2 and one line on
+    stderr naming the flag, no traceback, nothing run."""
+    try:
+        status = main(["demo", "--driver", "host", "--batches", "4", "--batch-mib", "0.0625", *flags])
+    except SystemExit as exc:  # argparse's own refusals
+        status = exc.code if isinstance(exc.code, int) else 1
+    assert status == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and words in captured.err, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_lanes_for_halves_a_ring_of_small_batches_and_clamps_an_explicit_count() -> None:
+    """Automatic: half the ring (at least 1) for batches of at most 256 KiB, 1 above; explicit:
+    clamped to 1 .. depth."""
+    small, big = 256 << 10, (256 << 10) + 4
+    assert lanes_for(PipelineConfig(batch_bytes=small, depth=8)) == 4
+    assert lanes_for(PipelineConfig(batch_bytes=small, depth=5)) == 2
+    assert lanes_for(PipelineConfig(batch_bytes=small, depth=1)) == 1
+    assert lanes_for(PipelineConfig(batch_bytes=big, depth=8)) == 1
+    assert lanes_for(PipelineConfig(batch_bytes=big, depth=8, graph_lanes=3)) == 3
+    assert lanes_for(PipelineConfig(batch_bytes=small, depth=4, graph_lanes=9)) == 4
+    assert lanes_for(PipelineConfig(batch_bytes=small, depth=4, graph_lanes=0)) == 1

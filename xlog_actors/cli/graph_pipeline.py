@@ -56,6 +56,7 @@ class _Lane:
     total: int = _POISONED_SUM  # the running checksum after the slot's last verified batch
     batch: int | None = None  # the batch replayed and not yet verified
     spare: bool = False  # replayed with no batch of its own (the run's last, short group)
+    bound_host: PinnedBuffer | None = None  # what the lane's copy back is bound to (None: host)
 
 
 @dataclass
@@ -127,7 +128,7 @@ class _GraphRun:
         out: GpuRef = self.device.ask(Allocate(self.out_bytes, tag=_OUTPUT), block=True)
         self.copy.ask(Fill(inp, _POISON))
         self.copy.ask(Fill(out, _POISON))
-        return _Lane(inp, out, self.hosts[s])
+        return _Lane(inp, out, self.hosts[s], bound_host=self.hosts[s])
 
     @property
     def done(self) -> int:
@@ -169,8 +170,11 @@ class _GraphRun:
             if index is not None:
                 bind[inputs[j]] = inputs[index % len(inputs)]
             # A kept batch's copy back lands in its own buffer; every other one, a spare's too,
-            # in the slot's (lane.host, the operand the lane was recorded with).
-            bind[lane.host] = lane.host if index is None else self.kept.get(index, lane.host)
+            # in the slot's (lane.host, the operand the lane was recorded with). Named only when
+            # it changes: an unchanged binding costs nothing, but naming it costs a lookup.
+            host = lane.host if index is None else self.kept.get(index, lane.host)
+            if host is not lane.bound_host:
+                bind[lane.host] = lane.bound_host = host
         try:
             group.done = group.graph.replay(bind)
         except GpuRefStale:
