@@ -1,20 +1,25 @@
-"""The demo pipeline in graph mode: each ring slot's batch (copy in, kernel, copy out) recorded
-once as a :class:`~xlog_actors.actors.BatchGraph`, and every batch one replay of its slot's graph.
+"""The demo pipeline in graph mode: the ring's slots (copy in, kernel, copy out of each) recorded
+once as the lanes of :class:`~xlog_actors.actors.BatchGraph` s, and every replay one batch a lane.
 
 The job, the ring and the verification are those of :mod:`.pipeline`: ``depth`` device buffer
 sets, ``depth + 1`` distinct pinned inputs, ``SCALE_ADD_CHECKSUM_F32`` adding each batch's
 checksum into a running sum just past its output, copied back with it; the first and the last
-batch also compared byte for byte after the timed run. What differs is how a batch is sent:
+batch also compared byte for byte after the timed run. What differs is how batches are sent:
 
-* one ``replay`` in the orchestrating thread instead of three asks of library actors. The slot's
-  graph was recorded with the first input; a replay binds the batch's own input (one node
-  update) and, for the batches compared byte for byte, a buffer of their own for the copy back;
-* each slot's graph replays on its own stream, so batches of different slots overlap on the
-  device (one's copy in beside another's kernel and a third's copy out), as the actor pipeline's
+* the ring's slots form groups of :func:`lanes_for` slots, each group one graph whose lanes are
+  its slots (lanes run side by side on the device); one ``replay`` in the orchestrating thread
+  sends a batch through every lane, instead of three asks of library actors per batch. Lane
+  ``k`` was recorded with input ``k``; a replay binds each lane's batch's own input (one node
+  update each) and, for the batches compared byte for byte, a buffer of their own for the copy
+  back. Several lanes a replay pay the launch, the tracking and the completion once for all of
+  them, which is what small batches need; large ones take one lane a replay;
+* each group's graph replays on its own stream, so batches of different groups overlap on the
+  device (one's copies in beside another's kernels and copies out), as the actor pipeline's
   three streams let them;
-* before a slot takes its next batch, the orchestrator waits for the slot's previous replay and
-  verifies it: the ring is the only back pressure, and the host output of a slot is read before
-  the slot's next copy back overwrites it.
+* before a group takes its next batches, the orchestrator waits for the group's previous replay
+  and verifies each of its batches: the ring is the only back pressure, and a slot's host output
+  is read before its next copy back overwrites it. The run's last replay may have fewer batches
+  than lanes: the extra lanes replay as spares, their sums read but not counted.
 
 A rebuild mid-run (``rebuild_at``) makes the next replay raise ``GpuRefStale``: every batch whose
 replay had not been verified is verified if its copy back landed before the rebuild, else run

@@ -2,8 +2,9 @@
 
 Why explicit nodes and not stream capture: each step's node handle is known when it is added, so
 a replaced step is one ``cuGraphExec*NodeSetParams`` on that node, with no search of the graph
-for which captured node was which. Each node depends on the one before it: a chain, which is the
-order the steps would have on one stream. cuda.core's graph builder captures streams and updates
+for which captured node was which. Each node depends on the one before it in its lane: a chain per
+lane, which is the order the lane's steps would have on one stream, and no edge between lanes, so
+the lanes of one launch may run at the same time. cuda.core's graph builder captures streams and updates
 whole graphs (``cuGraphExecUpdate``), not single nodes, so the nodes are made through
 ``cuda.bindings`` here.
 
