@@ -12,7 +12,7 @@ import pykka
 import pytest
 
 import xlog_actors as xa
-from xlog_actors.actors import batch_graph
+from xlog_actors.actors import batch_graph, graph_lanes
 from xlog_actors.actors.batch_graph import Stage
 from xlog_actors.actors.messages import AllocatePinned, Attach
 from xlog_actors.driver.kernel_library import AXPY_F32, SCALE_ADD_F32, launch_shape
@@ -252,7 +252,7 @@ def test_the_lane_check_is_what_refuses_a_conflict(
     come from that check, not from another rule the stages break."""
     job = _Lanes(device, 2)
     other = _alloc(device)
-    monkeypatch.setattr(batch_graph, "_check_lanes_apart", lambda slots: None)
+    monkeypatch.setattr(batch_graph, "check_apart", lambda slots: None)
     for case in CONFLICTS:
         xa.BatchGraph.record(device, _conflicts(job, other)[case]).close()
 
@@ -352,7 +352,7 @@ def test_the_bind_check_is_what_refuses_a_binding_across_lanes(
     prevents."""
     job = _Lanes(device, 2)
     graph = job.record()
-    monkeypatch.setattr(batch_graph.BatchGraph, "_check_lane_binds", lambda self, changed: None)
+    monkeypatch.setattr(graph_lanes.LaneIndex, "check", lambda self, changed, bound: None)
     graph.replay({job.host_out[0]: job.host_out[1]}).wait()
     assert _values(job.host_out[0]) == {0.0}, "lane 0's result did not land in its own buffer"
     assert _values(job.host_out[1]) <= {3.0, 5.0}, "both lanes' results land in one buffer"

@@ -32,6 +32,11 @@ batch is one ``cuGraphLaunch``. What the actors give, the graph keeps:
 
 Thread rule: any thread; replays of one graph are serialized by its lock. Recording asks the
 device actor for its context, so it must not run on the device actor's own thread.
+
+Why one module, longer than 400 lines: a replay and its bindings are one state under one lock
+(the operands bound now, the driver graph's nodes, the host views the compiled core keeps), each
+binding path checked and applied against all of it; the lanes' own rules live in
+:mod:`.graph_lanes`, the stages' in :mod:`.graph_stages`.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from ..memory.pinned import PinnedBuffer
 from .device_actor import DeviceActor
 from .device_context import DeviceContext
 from .gpu_ref import GpuRef
-from .graph_stages import Operand, Slot, Stage, Views, check_operand, host_bytes, identity, operands, step, view
+from .graph_lanes import LaneIndex, check_apart, flatten
+from .graph_stages import Operand, Slot, Stage, Views, check_operand, host_bytes, operands, step, view
 from .library_messages import CopyToDevice, CopyToHost
 from .messages import Attach
 from .pykka_internals import is_actor_ref_of
@@ -136,18 +142,8 @@ class BatchGraph:
                 at.append(slot.stage)
         #: id(recorded operand) -> what it is bound to now
         self._bound: dict[int, Operand] = {id(s.recorded): s.recorded for s in slots}
-        #: With several lanes: id(recorded operand) -> (lane, writes) of each stage naming it; the
-        #: operands some stage writes; the memory each of those is bound to now -> their keys (a
-        #: conflict needs a writer, so rebinding an operand only read looks up this index alone).
-        self._lane_use: dict[int, list[tuple[int, bool]]] = {}
-        self._writers: set[int] = set()
-        self._named: dict[int, set[int]] = {}
-        if len(lanes) > 1:
-            for s in slots:
-                self._lane_use.setdefault(id(s.recorded), []).append((s.lane, s.writes))
-                if s.writes:
-                    self._writers.add(id(s.recorded))
-            self._index_named()
+        #: With several lanes: who names what, so that no binding has a lane write what another names.
+        self._lane_index = LaneIndex(slots, self._bound) if len(lanes) > 1 else None
         self._views: Views = {}
         #: (recorded operand id, buffer id) -> a pinned buffer check_operand found fit for it
         self._checked_host: dict[tuple[int, int], Operand] = {}
@@ -203,7 +199,7 @@ class BatchGraph:
             raise InvalidRequest(f"BatchGraph.record: stages must be a non-empty list of stages, got {stages!r}")
         if not isinstance(track, bool):
             raise InvalidRequest(f"BatchGraph.record: track must be a bool, got {track!r}")
-        flat, lanes = _flatten(stages)
+        flat, lanes = flatten(stages)
         try:
             ctx = cast(DeviceContext, device.ask(Attach()))
         except pykka.ActorDeadError as exc:
@@ -217,7 +213,7 @@ class BatchGraph:
         for slot in slots:
             check_operand(slot.recorded, slot.recorded, ctx, slot.stage)
         if len(lanes) > 1:
-            _check_lanes_apart(slots)
+            check_apart(slots)
         steps = [step(stage, {id(s.recorded): s.recorded for s in slots}, {}) for stage in flat]
         stream_id = ctx.runtime.stream_pool.acquire()
         stream = ctx.runtime.stream_pool.resolve(stream_id)
@@ -317,8 +313,8 @@ class BatchGraph:
                 changed.append((key, new))
         if not changed:
             return
-        if self._lane_use:
-            self._check_lane_binds(changed)
+        if self._lane_index is not None:
+            self._lane_index.check(changed, self._bound)
         if not any(self._by_recorded[key].access is not None for key, _ in changed):
             # Host buffers only: each through the compiled core where it can, the rest through
             # the graph's own updates; all or nothing (a failure puts the fast ones back).
@@ -354,7 +350,8 @@ class BatchGraph:
         except BaseException:
             bound.clear()
             bound.update(before)  # what the graph holds for the steps updated before: see below
-            self._index_named()
+            if self._lane_index is not None:
+                self._lane_index.reindex(bound)
             for i in stages:  # put every step back as it was (each update is all or nothing)
                 with contextlib.suppress(XlogError):
                     graph.update(i, step(self._stages[i], bound, self._views), checked=True)
@@ -363,60 +360,12 @@ class BatchGraph:
             self._uses = self._merged_uses()
             self._core.set_uses(self._uses)
 
-    def _check_lane_binds(self, changed: list[tuple[int, Operand]]) -> None:
-        """With several lanes: ``InvalidRequest`` when the bindings ``changed`` would have one
-        lane write memory another lane names, or name memory another lane writes."""
-        moved = {key: identity(new) for key, new in changed}
-        if self._writers.isdisjoint(moved):
-            # Only operands that are read move: a conflict is with a writer bound there.
-            named = self._named
-            for key, ident in moved.items():
-                for other in named.get(ident, ()):
-                    self._lanes_apart(key, other, changed)
-            return
-        # A written operand moves: index every operand as it would be bound.
-        at: dict[int, list[int]] = {}
-        for key, operand in self._bound.items():
-            ident = moved[key] if key in moved else identity(operand)
-            at.setdefault(ident, []).append(key)
-        for key, ident in moved.items():
-            for other in at[ident]:
-                if other != key:
-                    self._lanes_apart(key, other, changed)
-
-    def _lanes_apart(self, key: int, other: int, changed: list[tuple[int, Operand]]) -> None:
-        """``InvalidRequest`` when recorded operands ``key`` (being rebound, per ``changed``) and
-        ``other``, bound to the same memory, are named in different lanes, one of them written."""
-        use = self._lane_use
-        for lane, writes in use[key]:
-            for other_lane, other_writes in use[other]:
-                if lane != other_lane and (writes or other_writes):
-                    new = dict(changed)[key]
-                    raise InvalidRequest(
-                        f"BatchGraph.replay: bind[{self._by_recorded[key].recorded!r}] = {new!r} names memory "
-                        f"lane {other_lane} {'writes' if other_writes else 'reads'} in lane {lane}, which "
-                        f"{'writes' if writes else 'reads'} it: lanes run at the same time")
-
-    def _index_named(self) -> None:
-        """With several lanes: index the memory each operand is bound to now, anew."""
-        if not self._lane_use:
-            return
-        self._named = {}
-        for key in self._writers:
-            self._named.setdefault(identity(self._bound[key]), set()).add(key)
-
     def _set_bound(self, key: int, new: Operand) -> None:
-        """Bind recorded operand ``key`` to ``new``, keeping the lanes' index of memory named."""
-        bound = self._bound
-        if key in self._writers:
-            old = identity(bound[key])
-            keys = self._named.get(old)
-            if keys is not None:
-                keys.discard(key)
-                if not keys:
-                    del self._named[old]
-            self._named.setdefault(identity(new), set()).add(key)
-        bound[key] = new
+        """Bind recorded operand ``key`` to ``new``, keeping the lanes' index of memory written."""
+        index = self._lane_index
+        if index is not None and key in index.writers:
+            index.moved(key, self._bound[key], new)
+        self._bound[key] = new
 
     def _bind_fast(self, change: tuple[int, Operand], graph: Graph) -> bool:
         """One host buffer's binding (checked) through the compiled core, when its operand is
@@ -504,33 +453,3 @@ class BatchGraph:
         return (f"BatchGraph(device={self._ctx.ordinal}, generation={self._ctx.generation}, "
                 f"stages={len(self._stages)}{lanes}{state})")
 
-
-def _flatten(stages: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """The stages of :meth:`BatchGraph.record` as one tuple, and each lane's length: one lane
-    for a list of stages, one per list for a list of lists (none empty: ``InvalidRequest``)."""
-    if not all(isinstance(lane, (list, tuple)) for lane in stages):
-        return tuple(stages), (len(stages),)
-    flat: list[Any] = []
-    lanes: list[int] = []
-    for n, lane in enumerate(stages):
-        if not lane:
-            raise InvalidRequest(f"BatchGraph.record: lane {n} has no stages")
-        flat.extend(lane)
-        lanes.append(len(lane))
-    return tuple(flat), tuple(lanes)
-
-
-def _check_lanes_apart(slots: list[Slot]) -> None:
-    """``InvalidRequest`` when a stage of one lane writes memory a stage of another lane names:
-    the lanes of a replay run at the same time."""
-    seen: dict[int, list[Slot]] = {}
-    for slot in slots:
-        seen.setdefault(identity(slot.recorded), []).append(slot)
-    for named in seen.values():
-        for a in named:
-            for b in named:
-                if a.lane != b.lane and a.writes:
-                    raise InvalidRequest(
-                        f"BatchGraph.record: stage {a.stage} (lane {a.lane}) writes {a.recorded!r}, which stage "
-                        f"{b.stage} (lane {b.lane}) names: lanes run at the same time, so no lane may write what "
-                        f"another names")
