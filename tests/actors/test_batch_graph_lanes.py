@@ -410,3 +410,70 @@ def test_lanes_mixed_with_bare_stages_are_refused(device: pykka.ActorRef[Any]) -
         with pytest.raises(xa.InvalidRequest, match="got list"):
             xa.BatchGraph.record(device, cast(Any, stages))
     assert _streams(device) == streams
+
+
+def test_a_host_binding_replays_as_its_mapping_does(device: pykka.ActorRef[Any]) -> None:
+    """Prepared bindings of the three rotations, replayed in turn, several rounds (on CUDA the
+    later rounds take the compiled path): each replay gives what the same mapping gives."""
+    job = _Lanes(device, 3)
+    graph = job.record()
+    prepared = [graph.host_binding({job.host_in[k]: job.host_in[(k + r) % 3] for k in range(3)}) for r in range(3)]
+    for _ in range(3):
+        for r, binding in enumerate(prepared):
+            job.clear_outputs()
+            graph.replay(binding).wait()
+            assert [_values(b) for b in job.host_out] == [{2.0 * ((k + r) % 3 + 1) + 1} for k in range(3)]
+    graph.replay({}).wait()  # the last binding stays, as a mapping's does
+    assert [_values(b) for b in job.host_out] == [{2.0 * ((k + 2) % 3 + 1) + 1} for k in range(3)]
+    assert "3 buffers" in repr(prepared[0])
+
+
+def test_a_host_binding_refuses_what_a_mapping_refuses(device: pykka.ActorRef[Any]) -> None:
+    """Made with an operand no stage names, a handle, a buffer of another size: refused when
+    prepared. Replayed on another graph, or after its buffer was released: refused at the
+    replay, which changes nothing (the next replay gives the old bindings' bytes)."""
+    job = _Lanes(device, 2)
+    graph = job.record()
+    other = _Lanes(device, 2).record()
+    with pytest.raises(xa.InvalidRequest, match="no operand of the graph"):
+        graph.host_binding({_pinned(device): job.host_in[0]})
+    with pytest.raises(xa.InvalidRequest, match="binds pinned buffers"):
+        graph.host_binding(cast(Any, {job.inp[0]: job.inp[1]}))
+    small = cast(xa.PinnedBuffer, device.ask(AllocatePinned(8)))
+    with pytest.raises(xa.InvalidRequest, match="bytes"):
+        graph.host_binding({job.host_in[0]: small})
+    swap = graph.host_binding({job.host_in[0]: job.host_in[1], job.host_in[1]: job.host_in[0]})
+    with pytest.raises(xa.InvalidRequest, match="another graph"):
+        other.replay(swap)
+    spare = _pinned(device, 9.0)
+    gone = graph.host_binding({job.host_in[0]: spare})
+    spare.release()
+    with pytest.raises(xa.InvalidRequest, match="released"):
+        graph.replay(gone)
+    job.clear_outputs()
+    graph.replay().wait()
+    assert [_values(b) for b in job.host_out] == [{3.0}, {5.0}]
+    graph.replay(swap).wait()
+    assert [_values(b) for b in job.host_out] == [{5.0}, {3.0}]
+
+
+def test_a_host_binding_across_lanes_is_refused_at_its_replay(device: pykka.ActorRef[Any]) -> None:
+    """A prepared binding is judged against the other bindings at each replay: lane 1's input
+    bound to the buffer lane 0 copies into is refused, and the graph keeps its bindings."""
+    job = _Lanes(device, 2)
+    graph = job.record()
+    crossing = graph.host_binding({job.host_in[1]: job.host_out[0]})
+    with pytest.raises(xa.InvalidRequest, match="lanes run at the same time"):
+        graph.replay(crossing)
+    job.clear_outputs()
+    graph.replay().wait()
+    assert [_values(b) for b in job.host_out] == [{3.0}, {5.0}]
+
+
+def test_a_host_binding_of_a_closed_graph_is_refused(device: pykka.ActorRef[Any]) -> None:
+    """A closed graph prepares nothing."""
+    job = _Lanes(device, 1)
+    graph = job.record()
+    graph.close()
+    with pytest.raises(xa.InvalidRequest, match="closed"):
+        graph.host_binding({job.host_in[0]: _pinned(device)})

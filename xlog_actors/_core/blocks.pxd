@@ -1,5 +1,7 @@
 # The value types the compiled resources build and read at C speed; see blocks.pyx.
 
+from cpython.object cimport PyObject
+
 cdef class _Frozen:
     pass
 
@@ -21,6 +23,7 @@ cdef class BlockId(_Frozen):
 cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
                            object align, object tag, object generation, object state)
 cdef object next_generation()
+cdef bint renew_generation(PyObject* generation) noexcept
 
 
 # A block's or a block id's fields read in C (any other object's through Python): the resources

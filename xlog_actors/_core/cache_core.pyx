@@ -62,7 +62,7 @@ from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
 from .async_core cimport AsyncCore, _Entry
-from .blocks cimport BlockId, DeviceBlock, generation_of, new_block, next_generation
+from .blocks cimport BlockId, DeviceBlock, generation_of, new_block, next_generation, renew_generation
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
 from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
@@ -272,6 +272,8 @@ cdef class CacheCore(ResourceCore):
         cdef int overflow = 0
         cdef size_t cls
         cdef Py_ssize_t idx
+        cdef bint reused
+        cdef DeviceBlock block
         if type(nbytes) is int:
             n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
         if type(nbytes) is not int or (overflow == 0 and n <= 0) or overflow < 0:
@@ -284,16 +286,24 @@ cdef class CacheCore(ResourceCore):
         if _pool_stream(self._up, stream) is None:
             raise unknown_stream("BlockCacheResource.allocate", self._ordinal, stream)
         sb = self._bins_for(stream)
-        generation = next_generation()  # made outside the lock, as the block below
         lock_acquire(self._lk)
         b = <_Bin>PyList_GET_ITEM(sb.bins, idx)
         s = b.newest
         if s is None:
             lock_release(self._lk)
-            return self._miss(nbytes, idx, cls, stream, tag, sb, generation)
+            return self._miss(nbytes, idx, cls, stream, tag, sb, next_generation())
         _unlink(b, s)
         entry = s.entry
-        entry.generation = generation
+        # The block this slot handed out last, and its generation, renewed in place when the
+        # slot's references are their only ones (nobody can see them change): a new number, no
+        # object made. Else the entry stays kept (no handle matches it) until the new
+        # generation, made outside the lock, is set below.
+        reused = (xa_sole_ref(<PyObject*>s.block)
+                  and renew_generation(<PyObject*>s.block.generation))
+        if reused:
+            entry.generation = s.block.generation
+        else:
+            entry.generation = _KEPT
         entry.tag = tag
         entry.created = block_clock()
         s.kept = False
@@ -303,7 +313,17 @@ cdef class CacheCore(ResourceCore):
         self._slack += <long long>(cls - <size_t>n)
         self._hits += 1
         lock_release(self._lk)
-        block = _hand_out(self, s, nbytes, stream, tag, generation)
+        if reused:
+            block = s.block
+            block.alloc_stream = stream
+            block.nbytes = nbytes
+            block.tag = tag
+        else:
+            generation = next_generation()
+            lock_acquire(self._lk)
+            entry.generation = generation
+            lock_release(self._lk)
+            block = _hand_out(self, s, nbytes, stream, tag, generation)
         if self._history is not None:
             _note(self, block, HISTORY_CACHE_HIT)
         return block

@@ -198,6 +198,9 @@ cdef class ReplayCore:
         Raises:
             DriverError, ContextPoisoned: the driver refused the update; nothing changed.
         """
+        return self._bind_one(graph, node, view, address)
+
+    cdef bint _bind_one(self, object graph, object node, object view, unsigned long long address) except -1:
         replaced = node.keep
         if replaced is view:
             return True
@@ -208,6 +211,46 @@ cdef class ReplayCore:
         node.addresses = (address, 0, 0, a[3]) if node.src else (0, a[1], address, 0)
         if replaced is not None:
             self._retired.append(replaced)
+        return True
+
+    def apply_hosts(self, graph, list entries, dict bound, dict named):
+        """Apply a prepared binding of host buffers (``HostBinding``'s entries) in C, when every
+        entry that changes something may go by address alone.
+
+        Args:
+            graph: the driver's graph (``CudaGraph``).
+            entries: lists ``[key, buffer, node, view, address]``: the recorded operand's key in
+                ``bound``, its new buffer (checked when the binding was made), and the copy
+                node, the buffer's view and its address from the graph's ``fast_host`` (node
+                None until known: then this returns False).
+            bound: the graph's bindings (key -> operand), updated here for what is applied.
+            named: the memory that written operands are bound to (id -> keys), or None without
+                lanes: a buffer found there goes to the Python path, which judges the conflict.
+        Returns:
+            True when every entry is applied (or was already); False when one needs the Python
+            path: the entries before it that passed the checks may be applied, the rest not
+            (the caller's mapping path finds those unchanged and does the rest).
+        Raises:
+            DriverError, ContextPoisoned: the driver refused an update.
+        Thread rule: the owner's lock (as ``replay``).
+        """
+        cdef Py_ssize_t i, n = len(entries)
+        cdef list entry
+        for i in range(n):  # everything checked before anything is applied
+            entry = <list>entries[i]
+            new = entry[1]
+            if bound[entry[0]] is new:
+                continue
+            if entry[2] is None or new.released or (named is not None and id(new) in named):
+                return False
+        for i in range(n):
+            entry = <list>entries[i]
+            new = entry[1]
+            if bound[entry[0]] is new:
+                continue
+            if not self._bind_one(graph, entry[2], entry[3], entry[4]):
+                return False
+            bound[entry[0]] = new
         return True
 
     def retire(self, view):

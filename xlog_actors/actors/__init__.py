@@ -3,7 +3,7 @@ actors, and the messages they answer."""
 
 from __future__ import annotations
 
-from .batch_graph import BatchGraph, GraphDone
+from .batch_graph import BatchGraph, GraphDone, HostBinding
 from .copy_actor import CopyActor
 from .device_actor import DeviceActor
 from .device_client import DeviceClient
@@ -72,6 +72,7 @@ __all__ = [
     "GetStats",
     "GpuRef",
     "GraphDone",
+    "HostBinding",
     "In",
     "InOut",
     "KernelActor",

@@ -64,7 +64,7 @@ from .library_messages import CopyToDevice, CopyToHost
 from .messages import Attach
 from .pykka_internals import is_actor_ref_of
 
-__all__ = ["BatchGraph", "GraphDone", "Stage"]
+__all__ = ["BatchGraph", "GraphDone", "HostBinding", "Stage"]
 
 #: How many completion events a graph re-records in turn (see ``BatchGraph._done_event``).
 _DONE_EVENTS = 64
@@ -107,6 +107,32 @@ class GraphDone:
         # the GIL; the synchronize would let it go and take it back.
         if not self._query(self.event):
             self.event.synchronize()
+
+
+class HostBinding:
+    """Bindings of pinned buffers prepared once for one graph (:meth:`BatchGraph.host_binding`),
+    replayed as often as wanted: ``graph.replay(binding)`` does what ``graph.replay(mapping)``
+    does with the same mapping, with the checks of kind, device and size made once, and, once
+    the graph has bound each buffer before, every node update made in one compiled call.
+
+    A pipeline that turns a few host buffers over a graph's copies (inputs, outputs) makes one
+    per arrangement and replays them in turn.
+
+    Thread rule: immutable for its user; its graph's lock serializes its use.
+    """
+
+    __slots__ = ("_entries", "_graph", "_mapping")
+
+    def __init__(self, graph: BatchGraph, mapping: dict[Operand, Operand]) -> None:
+        """Internal: use :meth:`BatchGraph.host_binding`."""
+        self._graph = graph
+        self._mapping = mapping
+        #: [key, buffer, node, view, address] per binding; node None until the graph can take it
+        #: by address alone (then the compiled call applies them all)
+        self._entries: list[list[Any]] = [[id(k), v, None, None, 0] for k, v in mapping.items()]
+
+    def __repr__(self) -> str:
+        return f"HostBinding({len(self._mapping)} buffers, {self._graph!r})"
 
 
 class BatchGraph:
@@ -249,14 +275,46 @@ class BatchGraph:
         """Whether the graph was closed (by :meth:`close`, or after its generation ended)."""
         return self._graph is None
 
+    def host_binding(self, bind: Mapping[PinnedBuffer, PinnedBuffer]) -> HostBinding:
+        """Prepare ``bind`` (recorded pinned buffer -> its replacement) for replays: see
+        :class:`HostBinding`.
+
+        Args:
+            bind: recorded host operands (``PinnedBuffer`` s a stage names) to replacements of
+                the same device and size, as :meth:`replay` takes them.
+        Returns:
+            the binding, for :meth:`replay` of this graph only.
+        Raises:
+            InvalidRequest: a key no stage names, a key or replacement that is not a
+                ``PinnedBuffer``, another device or size, a released buffer, a closed graph.
+                Whether a lane would write what another names is judged at each replay (the
+                other bindings may change in between).
+        Thread rule: any thread; serialized with the graph's replays.
+        """
+        with self._lock:
+            if self._graph is None:
+                raise InvalidRequest("BatchGraph.host_binding: the graph was closed")
+            mapping: dict[Operand, Operand] = {}
+            for recorded, new in bind.items():
+                slot = self._by_recorded.get(id(recorded))
+                if slot is None or slot.recorded is not recorded:
+                    raise InvalidRequest(f"BatchGraph.host_binding: {recorded!r} is no operand of the graph")
+                if not isinstance(recorded, PinnedBuffer):
+                    raise InvalidRequest(f"BatchGraph.host_binding binds pinned buffers; {recorded!r} is a "
+                                         f"{type(recorded).__name__} (bind it through a mapping)")
+                check_operand(new, recorded, self._ctx, None)
+                mapping[recorded] = new
+            return HostBinding(self, mapping)
+
     # -- replay -------------------------------------------------------------------------------------
-    def replay(self, bind: Mapping[Operand, Operand] | None = None) -> GraphDone:
+    def replay(self, bind: Mapping[Operand, Operand] | HostBinding | None = None) -> GraphDone:
         """Run every stage once, as one launch on the graph's stream, tracked on the handles.
 
         Args:
             bind: recorded operand -> its replacement, for this replay and the later ones (see
                 the module docstring). A replacement is of the same kind (``GpuRef`` or
-                ``PinnedBuffer``), of the same device and of exactly the same size.
+                ``PinnedBuffer``), of the same device and of exactly the same size. Or a
+                :class:`HostBinding` of this graph: the same, prepared.
         Returns:
             a :class:`GraphDone` to wait on.
         Raises:
@@ -264,7 +322,8 @@ class BatchGraph:
                 rebuilt since recording (the graph is closed then); nothing is launched.
             InvalidRequest: a key of ``bind`` that no stage names, a replacement of another kind,
                 device or size, a released buffer, a replacement that would have a lane write
-                what another lane names, a closed graph; nothing changes.
+                what another lane names, a ``HostBinding`` of another graph, a closed graph;
+                nothing changes.
             DriverError, ContextPoisoned: the device's.
         Thread rule: any thread; serialized with the graph's other replays.
         """
@@ -277,7 +336,9 @@ class BatchGraph:
                 self._close_locked()
                 raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}: the graph was recorded in "
                                   f"generation {ctx.generation}; record it again on the new handles")
-            if bind:
+            if isinstance(bind, HostBinding):
+                self._apply(bind, graph)
+            elif bind:
                 self._bind(bind, graph)
             core = self._core
             try:
@@ -289,6 +350,23 @@ class BatchGraph:
                     raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the replay") from exc
                 raise
             return GraphDone(event, core.query)
+
+    def _apply(self, binding: HostBinding, graph: Graph) -> None:
+        """A prepared binding: in one compiled call when every buffer it changes may go by
+        address alone, else as its mapping; then the entries the graph can now take by address
+        learn how (a written operand's never do: its lanes' index is kept here)."""
+        if binding._graph is not self:
+            raise InvalidRequest(f"BatchGraph.replay: {binding!r} was prepared for another graph")
+        index = self._lane_index
+        if self._core.apply_hosts(graph, binding._entries, self._bound, None if index is None else index.named):
+            return
+        self._bind(binding._mapping, graph)
+        fast = self._fast_hosts
+        for entry in binding._entries:
+            if entry[2] is None and (index is None or entry[0] not in index.writers):
+                hit = fast.get((entry[0], id(entry[1])))
+                if hit is not None and hit[0] is entry[1]:
+                    entry[2], entry[3], entry[4] = hit[1], hit[2], hit[3]
 
     def _bind(self, bind: Mapping[Operand, Operand], graph: Graph) -> None:
         """Check every replacement, then update the steps they change (nothing changes on a

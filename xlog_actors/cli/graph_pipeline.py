@@ -31,13 +31,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pykka
 
-from ..actors import BatchGraph, CopyActor, DeviceActor, GpuRef, GraphDone
+from ..actors import BatchGraph, CopyActor, DeviceActor, GpuRef, GraphDone, HostBinding
 from ..actors.batch_graph import Stage
 from ..actors.library_messages import CopyToDevice, CopyToHost, Fill, In, Launch, Out
 from ..actors.messages import Allocate, GetStats, Rebuild
@@ -73,6 +73,8 @@ class _Group:
     lanes: list[_Lane]
     graph: BatchGraph
     done: GraphDone | None = None
+    #: the prepared bindings of the inputs, by the first lane's input
+    bindings: dict[int, HostBinding] = field(default_factory=dict)
 
 
 def lanes_for(cfg: PipelineConfig) -> int:
@@ -169,19 +171,8 @@ class _GraphRun:
         if at is not None and at in indices and not self.rebuilt:
             self.rebuilt = True
             self.device.ask(Rebuild("demo: rebuild mid-pipeline (graph mode)"))
-        bind: dict[Any, Any] = {}
-        inputs = self.inputs
-        for j, (lane, index) in enumerate(zip(group.lanes, indices, strict=True)):
-            if index is not None:
-                bind[inputs[j]] = inputs[index % len(inputs)]
-            # A kept batch's copy back lands in its own buffer; every other one, a spare's too,
-            # in the slot's (lane.host, the operand the lane was recorded with). Named only when
-            # it changes: an unchanged binding costs nothing, but naming it costs a lookup.
-            host = lane.host if index is None else self.kept.get(index, lane.host)
-            if host is not lane.bound_host:
-                bind[lane.host] = lane.bound_host = host
         try:
-            group.done = group.graph.replay(bind)
+            group.done = group.graph.replay(self._binding(group, indices))
         except GpuRefStale:
             sent = [i for i in indices if i is not None]
             self.stale_retries += len(sent)
@@ -192,6 +183,34 @@ class _GraphRun:
             lane.batch = index
             lane.spare = index is None
         self.turn = (self.turn + 1) % len(self.groups)
+
+    def _binding(self, group: _Group, indices: list[int | None]) -> dict[Any, Any] | HostBinding:
+        """What ``group``'s replay of ``indices`` binds: each lane's batch's input and, for a
+        kept batch, its own buffer for the copy back (and back to the slot's after it). The
+        usual replay, consecutive batches moving no copy back, takes the group's prepared
+        binding for its first input (made on first use: the inputs turn over in ``len(inputs)``
+        arrangements)."""
+        bind: dict[Any, Any] = {}
+        inputs = self.inputs
+        for lane, index in zip(group.lanes, indices, strict=True):
+            # A kept batch's copy back lands in its own buffer; every other one, a spare's too,
+            # in the slot's (lane.host, the operand the lane was recorded with). Named only when
+            # it changes: an unchanged binding costs nothing, but naming it costs a lookup.
+            host = lane.host if index is None else self.kept.get(index, lane.host)
+            if host is not lane.bound_host:
+                bind[lane.host] = lane.bound_host = host
+        first = indices[0]
+        n = len(inputs)
+        if not bind and first is not None and all(index == first + j for j, index in enumerate(indices)):
+            prepared = group.bindings.get(first % n)
+            if prepared is None:
+                prepared = group.bindings[first % n] = group.graph.host_binding(
+                    {inputs[j]: inputs[(first + j) % n] for j in range(len(indices))})
+            return prepared
+        for j, index in enumerate(indices):
+            if index is not None:
+                bind[inputs[j]] = inputs[index % n]
+        return bind
 
     def _after_rebuild(self) -> None:
         """Every slot's handles are stale: verify what landed, run the rest again, on new slots."""
