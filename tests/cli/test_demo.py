@@ -331,9 +331,9 @@ def test_bad_graph_lanes_are_a_usage_error(capsys: pytest.CaptureFixture[str], f
 
 
 def test_lanes_for_halves_a_ring_of_small_batches_and_clamps_an_explicit_count() -> None:
-    """Automatic: half the ring (at least 1) for batches of at most 256 KiB, 1 above; explicit:
+    """Automatic: half the ring (at least 1) for batches of at most 1 MiB, 1 above; explicit:
     clamped to 1 .. depth."""
-    small, big = 256 << 10, (256 << 10) + 4
+    small, big = 1 << 20, (1 << 20) + 4
     assert lanes_for(PipelineConfig(batch_bytes=small, depth=8)) == 4
     assert lanes_for(PipelineConfig(batch_bytes=small, depth=5)) == 2
     assert lanes_for(PipelineConfig(batch_bytes=small, depth=1)) == 1

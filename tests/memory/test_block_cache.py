@@ -210,6 +210,44 @@ def test_a_block_let_go_is_handed_out_again_and_one_still_held_never_changes(cac
     assert cache.held_size(address) is None and cache.bytes_outstanding() == 0
 
 
+def test_a_hit_renews_a_let_go_generation_in_place_and_the_old_number_stays_refused(
+        cache: BlockCacheResource) -> None:
+    """A block let go with its generation: the hit writes the next number into that generation
+    object itself (see cache_core's ``_alloc_c``); the old number is refused like any stale one.
+    A generation someone still holds is never rewritten."""
+    from xlog_actors._core import blocks
+
+    assert blocks._GENERATION_IN_PLACE, "the in-place rewrite disagreed with the type call on this Python"
+    first = cache.allocate(4096)
+    cache.deallocate(first)
+    address, old, gen_id = first.ptr, int(first.generation), id(first.generation)
+    del first
+    second = cache.allocate(4096)
+    assert second.ptr == address and id(second.generation) == gen_id  # the same object, renewed
+    assert type(second.generation) is xa.Generation and int(second.generation) > old
+    assert hash(second.generation) == hash(int(second.generation))
+    stale = BlockId(address, xa.Generation(old), second.device_ordinal)
+    with pytest.raises(xa.UseAfterFree):
+        cache.prepare_block_use(stale, StreamId.DEFAULT, Access.READ)
+    with pytest.raises(xa.UseAfterFree):
+        cache.deallocate(stale)
+    cache.prepare_block_use(BlockId.from_block(second), StreamId.DEFAULT, Access.WRITE)
+    cache.finish_block_use(BlockId.from_block(second), StreamId.DEFAULT, Access.WRITE)
+    kept_generation = second.generation  # held: the next hit must not touch it
+    number = int(kept_generation)
+    cache.deallocate(second)
+    del second
+    third = cache.allocate(4096)
+    assert third.ptr == address and third.generation is not kept_generation
+    assert int(kept_generation) == number and third.generation > kept_generation
+    with pytest.raises(xa.UseAfterFree):
+        cache.deallocate(BlockId(address, kept_generation, third.device_ordinal))
+    cache.deallocate(third)
+    with pytest.raises(xa.UseAfterFree):
+        cache.deallocate(third)
+    assert cache.bytes_outstanding() == 0
+
+
 def test_sizes_of_any_int_type_and_the_largest_pass_the_hit_path(cache: BlockCacheResource) -> None:
     class Size(int):
         pass

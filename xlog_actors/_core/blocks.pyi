@@ -14,6 +14,7 @@ __all__ = [
 ]
 
 _GENERATION_BY_COPY: bool
+_GENERATION_IN_PLACE: bool
 
 class StreamId(int):
     DEFAULT: ClassVar[StreamId]

@@ -71,7 +71,7 @@ def _parser() -> OneLineParser:
     demo.add_argument(
         "--graph-lanes", type=at_least(1), default=None, metavar="N",
         help="with --graph: batches per replay, each a lane of one graph over its own ring slot, 1 .. --depth "
-        "(default: half the ring for batches of at most 256 KiB, else 1)",
+        "(default: half the ring for batches of at most 1 MiB, else 1)",
     )
     demo.add_argument(
         "--devices", type=device_count, default=None, metavar="all|N",

@@ -79,16 +79,17 @@ class _Group:
 
 def lanes_for(cfg: PipelineConfig) -> int:
     """How many ring slots one graph holds (batches per replay): ``cfg.graph_lanes``, or when
-    None, half the ring (two replays in flight) for batches of at most 256 KiB, where the launch
-    and its tracking cost more than the batch's copies take, and 1 above; never more than the
-    ring. Thread rule: any thread."""
+    None, half the ring (two replays in flight) for batches of at most 1 MiB, where a replay's
+    launch, tracking and bindings take about as long as the batch's copies or longer, so that
+    paying them once for several batches is what moves them faster, and 1 above, where the
+    copies take far longer; never more than the ring. Thread rule: any thread."""
     if cfg.graph_lanes is not None:
         return max(1, min(cfg.graph_lanes, cfg.depth))
     return max(1, cfg.depth // 2) if cfg.batch_bytes <= SMALL_BATCH else 1
 
 
 #: The largest batch that ``lanes_for`` sends several to a replay.
-SMALL_BATCH = 256 << 10
+SMALL_BATCH = 1 << 20
 
 
 class _GraphRun:
