@@ -454,6 +454,28 @@ def test_bad_streams_and_blocks_change_nothing(host_driver: xa.HostDriver, cache
     cache.deallocate(live)
 
 
+def test_a_closed_or_grown_pool_is_seen_at_once_by_the_hit_and_the_free(
+        host_driver: xa.HostDriver, cache: BlockCacheResource, pool: xa.StreamPool) -> None:
+    """The cache remembers the stream it last found in the pool's dict while the dict is
+    unchanged (cache_core's ``_pool_stream``): a stream acquired after, and a pool closed after,
+    are seen by the very next call, with the same id passed each time."""
+    cache.deallocate(cache.allocate(KiB))
+    cache.deallocate(cache.allocate(KiB))  # a hit: the default stream is remembered now
+    sid = pool.acquire()  # the dict changed: the remembered stream is looked up again
+    on_new = cache.allocate(KiB, sid)
+    cache.deallocate(on_new)
+    assert cache.allocate(KiB, sid).alloc_stream == sid
+    held = cache.allocate(KiB)
+    pool.close()
+    with pytest.raises(xa.StreamMisuse):
+        cache.allocate(KiB)
+    with pytest.raises(xa.StreamMisuse):
+        cache.allocate(KiB, sid)
+    with pytest.raises(xa.StreamMisuse):
+        cache.deallocate(held)  # its stream is gone: refused, the block stays live
+    assert cache.held_size(held.ptr) == KiB
+
+
 @pytest.mark.parametrize("description", ["direct+cache", "async+stats+cache", "async+cache+cache", "async+cache:0",
                                          "async+cache:lots", "async+cache:-1"])
 def test_bad_descriptions_are_refused_before_anything_is_built(description: str) -> None:

@@ -1,6 +1,7 @@
 # The compiled body of the block cache adaptor; see cache_core.pyx. Declared here so that the
 # device context (context_core.pyx) calls its allocation and free in C.
 
+from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
 from .async_core cimport AsyncCore, _Entry
@@ -48,6 +49,9 @@ cdef class CacheCore(ResourceCore):
     cdef PtrTable _held  # address -> _Slot, for every block the cache holds (handed out or kept)
     cdef dict _by_stream  # stream id -> _StreamBins; only grows
     cdef _StreamBins _last  # the lists last looked up (a look-up tries its id by identity first)
+    cdef object _home_sid  # the stream id last found in the pool's dict (see _pool_stream)
+    cdef PyObject* _home  # its stream, borrowed from the dict while its version is _home_version
+    cdef uint64_t _home_version  # 0: nothing remembered
     cdef bint _enabled
     cdef long long _limit  # most bytes kept idle; -1: no limit
     cdef long long _cached_bytes
