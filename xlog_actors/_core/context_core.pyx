@@ -26,7 +26,6 @@ Thread rule: ``allocate``/``free``/``is_current``/``reclaim`` may run on any thr
 
 from collections import deque
 
-from cpython.weakref cimport PyWeakref_CheckRef, PyWeakref_GetObject
 
 from libc.stdint cimport uint64_t
 from cpython.object cimport PyObject
@@ -46,6 +45,23 @@ __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "ContextCore"]
 RECLAIM_WAKE_BYTES = 1 << 20
 #: This many dropped handles waiting wake the device actor.
 RECLAIM_BATCH = 32
+
+cdef extern from *:
+    """
+    /* 1 when `ref`, a plain weak reference, still has its object, 0 when not; -1 when `ref` is
+       no plain weak reference (the caller calls it). Up to CPython 3.12 the reference's field
+       is read in place (the GET_OBJECT macro, no call); later through PyWeakref_GetObject. */
+    static inline int xa_ref_alive(PyObject *ref) {
+        if (!PyWeakref_CheckRef(ref)) return -1;
+    #if PY_VERSION_HEX < 0x030D0000
+        return PyWeakref_GET_OBJECT(ref) != Py_None;
+    #else
+        return PyWeakref_GetObject(ref) != Py_None;
+    #endif
+    }
+    """
+    int xa_ref_alive(PyObject* ref) noexcept
+
 
 cdef Py_ssize_t _WAKE_BYTES = RECLAIM_WAKE_BYTES
 cdef object _ASYNC_ALLOCATE = AsyncCore.allocate
@@ -95,12 +111,14 @@ cdef class ContextCore:
         self.wake_pending = False
 
     cdef bint _current(self):
+        cdef int alive
         if not self.open:
             return False
         if self._cell.token is not self.token:
             return False
-        if PyWeakref_CheckRef(self.state_ref):  # read in C, with no call protocol
-            return <object>PyWeakref_GetObject(self.state_ref) is not None
+        alive = xa_ref_alive(<PyObject*>self.state_ref)  # read in C, with no call protocol
+        if alive >= 0:
+            return alive
         return self.state_ref() is not None
 
     def rebind_runtime(self):

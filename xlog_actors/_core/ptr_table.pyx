@@ -35,6 +35,26 @@ cdef extern from "Python.h":
     unsigned long _as_u64 "PyLong_AsUnsignedLong"(object value) noexcept
 
 
+cdef extern from *:
+    """
+    /* `v`, an exact int, as a key without a call when its digits are read directly (up to
+       CPython 3.11: the size, then the digits): 1 for 0, one digit or two (every device address
+       with 30-bit digits), 0 for a negative one; -1 where it is not read this way. */
+    static inline int xa_small_u64(PyObject *v, uint64_t *out) {
+    #if PY_VERSION_HEX < 0x030C0000 && !defined(PYPY_VERSION)
+        Py_ssize_t size = Py_SIZE(v);
+        const digit *d = ((PyLongObject *)v)->ob_digit;
+        if (size == 2) { *out = (uint64_t)d[0] | ((uint64_t)d[1] << PyLong_SHIFT); return 1; }
+        if (size == 1) { *out = (uint64_t)d[0]; return 1; }
+        if (size == 0) { *out = 0; return 1; }
+        if (size < 0) return 0;
+    #endif
+        return -1;
+    }
+    """
+    int xa_small_u64(object v, uint64_t* out) noexcept
+
+
 if sizeof(unsigned long) != 8:
     raise ImportError("xlog_actors._core.ptr_table needs a 64-bit unsigned long (an LP64 system)")
 
@@ -66,8 +86,12 @@ cdef inline Py_ssize_t _home(uint64_t key, int shift) noexcept:
 cdef bint key_of(object ptr, uint64_t* out) noexcept:
     """``ptr`` as a table key: True for an exact ``int`` in [0, 2**64); anything else is no key
     (and leaves no error set)."""
+    cdef int small
     if type(ptr) is not int:
         return False
+    small = xa_small_u64(ptr, out)
+    if small >= 0:
+        return small == 1
     out[0] = _as_u64(ptr)
     if out[0] == <uint64_t>-1 and PyErr_Occurred() != NULL:
         PyErr_Clear()  # negative, or too large
