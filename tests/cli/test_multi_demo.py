@@ -212,3 +212,35 @@ def test_demo_fault_flags_restart_the_faulted_device(capsys: pytest.CaptureFixtu
     assert "12/12 verified" in lines["device 1"] and "restarts 0" in lines["device 1"]
     assert "worker process 0 of device 0 ended" in lines["restart 1"]
     assert lines["verification"].startswith("ok: 24/24 batches")
+
+
+def test_the_graph_mode_runs_on_every_device_at_once() -> None:
+    """``cfg.graph``: each device runs the graph mode's pipeline (lanes, prepared bindings), timed
+    from one start gate, every batch verified on every device."""
+    from dataclasses import replace
+
+    cfg = replace(SMALL, batches=7, depth=4, graph=True)
+    driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
+    try:
+        result = run_on_devices("host", 2, cfg, "in-process", driver)
+    finally:
+        driver.close()
+    assert result.ok, result
+    assert all(run.result is not None and run.result.verified == 7 for run in result.runs)
+    assert all(run.result is not None and run.result.extra["mode"] == "graph" for run in result.runs)
+    with pytest.raises(ValueError, match="graph mode plants none"):
+        run_on_devices("host", 2, cfg, fault=InjectedFault(0, 1))
+
+
+def test_demo_graph_on_two_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --graph --devices 2`` runs and verifies every batch of both devices; ``--graph``
+    with the planted fault is a usage error (one line, exit 2)."""
+    argv = ["demo", "--driver", "host", "--devices", "2", "--placement", "in-process", "--graph", "--batches", "6",
+            "--batch-mib", "0.0625", "--depth", "4"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "(graph mode) on 2 devices at once (in-process)" in err
+    assert "ok: 12/12 batches" in out
+    assert main(["demo", "--driver", "host", "--devices", "2", "--graph", "--fault-device", "0", "--fault-at", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "--fault-device" in err and "Traceback" not in err

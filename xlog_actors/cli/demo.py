@@ -42,9 +42,6 @@ def run_demo(args: argparse.Namespace) -> int:
         NoGpu: ``cuda`` asked for where no GPU is usable.
     Thread rule: the command's main thread.
     """
-    status = run_multi_demo(args)  # --devices N > 1; None: one device, as below
-    if status is not None:
-        return status
     if args.graph and (args.no_tracking or args.slow_producer_us):
         raise UsageError("--graph: a graph orders its own stages; --no-tracking and --slow-producer-us "
                          "apply to the actor pipeline only")
@@ -52,6 +49,9 @@ def run_demo(args: argparse.Namespace) -> int:
         raise UsageError("--graph-lanes: applies to the graph mode only (add --graph)")
     if args.graph_lanes is not None and args.graph_lanes > args.depth:
         raise UsageError(f"--graph-lanes {args.graph_lanes}: expected 1 .. {args.depth} (the ring's --depth)")
+    status = run_multi_demo(args)  # --devices N > 1; None: one device, as below
+    if status is not None:
+        return status
     if args.batches is not None and args.rebuild_at is not None and args.rebuild_at >= args.batches:
         raise UsageError(f"--rebuild-at {args.rebuild_at}: expected a batch index from 0 to {args.batches - 1}")
     choice = choose_driver(args.driver)

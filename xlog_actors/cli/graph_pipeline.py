@@ -242,15 +242,23 @@ def run_graph_pipeline(
     cfg: PipelineConfig,
     ordinal: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    start_gate: Callable[[], None] | None = None,
+    on_verified: Callable[[int], None] | None = None,
 ) -> PipelineResult:
     """Run the demo pipeline in graph mode (see the module docstring) and verify every batch.
 
     Args:
         driver: the driver to run on.
-        cfg: the run's shape (``track`` and ``producer_delay_us`` do not apply: a graph's stages
-            are ordered by the graph itself).
+        cfg: the run's shape (``track``, ``producer_delay_us`` and ``fault_at`` do not apply: a
+            graph's stages are ordered by the graph itself, and it plants no fault).
         ordinal: the device.
         progress: called with ``(done, total)`` about five times a second and at the end.
+        start_gate: called once the inputs, buffers and graphs are made, just before the clock
+            starts (a run on several devices waits there until every device is ready); called
+            after a failed setup too, so that nobody waits for this run.
+        on_verified: called with the batches verified so far as often as ``progress`` and at
+            the end: a count that never takes in a batch not verified (a group's batches are
+            verified in their order, and the groups in turn, so the count is a prefix).
     Returns:
         The result; ``extra["cpu_seconds"]`` is the process's CPU time (all threads) over the
         timed part. A run that meets an error other than a stale handle says so in ``errors``.
@@ -281,8 +289,10 @@ def run_graph_pipeline(
             run = _GraphRun(device, copy, cfg, data, inputs)
         except XlogError as exc:
             errors.append(f"warm-up: {exc!r}")
+        if start_gate is not None:
+            start_gate()
         if run is not None:
-            seconds, cpu = _drive(run, cfg, progress)
+            seconds, cpu = _drive(run, cfg, progress, on_verified)
             errors = run.errors
         stats = device.ask(GetStats(), block=True)
     finally:
@@ -307,17 +317,19 @@ def run_graph_pipeline(
     )
 
 
-def _drive(run: _GraphRun, cfg: PipelineConfig, progress: Callable[[int, int], None] | None) -> tuple[float, float]:
+def _drive(run: _GraphRun, cfg: PipelineConfig, progress: Callable[[int, int], None] | None,
+           on_verified: Callable[[int], None] | None = None) -> tuple[float, float]:
     """Replay until every batch is sent, then verify the rest; (seconds, CPU seconds)."""
     t0, c0 = time.perf_counter(), time.process_time()
     deadline = t0 + cfg.timeout_s
     next_report = t0 + 0.2
+    reports = progress is not None or on_verified is not None
     try:
         while run.todo and not run.errors:
             run.step()
             now = time.perf_counter()
-            if progress is not None and now >= next_report:
-                progress(run.done, cfg.batches)
+            if reports and now >= next_report:
+                _report(run, cfg, progress, on_verified)
                 next_report = now + 0.2
             if now > deadline:
                 run.errors.append(f"timed out after {cfg.timeout_s} s")
@@ -327,6 +339,14 @@ def _drive(run: _GraphRun, cfg: PipelineConfig, progress: Callable[[int, int], N
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if not run.errors:
         run.tally.compare_kept(cfg.batch_bytes)
+    if reports:
+        _report(run, cfg, progress, on_verified)
+    return seconds, cpu
+
+
+def _report(run: _GraphRun, cfg: PipelineConfig, progress: Callable[[int, int], None] | None,
+            on_verified: Callable[[int], None] | None) -> None:
     if progress is not None:
         progress(run.done, cfg.batches)
-    return seconds, cpu
+    if on_verified is not None:
+        on_verified(run.tally.verified)

@@ -75,8 +75,8 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
         0 when every batch of every device verified, 1 otherwise, None for one device.
     Raises:
         UsageError: more devices than present, a flag of the single-device demo
-            (``--graph``, ``--rebuild-at``), or ``--fault-device``/``--fault-at`` without the
-            other, on one device, or outside the devices or the batches.
+            (``--rebuild-at``), or ``--fault-device``/``--fault-at`` without the other, on one
+            device, outside the devices or the batches, or with ``--graph``.
         NoGpu: ``cuda`` asked for where no GPU is usable.
     Thread rule: the command's main thread.
     """
@@ -103,8 +103,9 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
             return None
         if fault_device is not None and fault_device >= count:
             raise UsageError(f"--fault-device {fault_device}: expected a device from 0 to {count - 1}")
-        if args.graph:
-            raise UsageError("--graph: the graph mode runs on one device; leave --devices out")
+        if args.graph and fault_device is not None:
+            raise UsageError("--fault-device: the planted sticky error is the actor pipeline's test hook; "
+                             "leave --graph out")
         if args.rebuild_at is not None:
             raise UsageError("--rebuild-at: a rebuild mid-run is a one-device demo; leave --devices out")
         if driver.kind == "host" and driver.device_count() < count:
@@ -119,6 +120,8 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
             depth=args.depth,
             track=not args.no_tracking,
             producer_delay_us=args.slow_producer_us,
+            graph=args.graph,
+            graph_lanes=args.graph_lanes,
         )
         if fault_at is not None and fault_at >= batches:
             raise UsageError(f"--fault-at {fault_at}: expected a batch index from 0 to {batches - 1}")
@@ -126,7 +129,8 @@ def run_multi_demo(args: argparse.Namespace) -> int | None:
         placement = placement or DEFAULT_PLACEMENT
         print(f"xlog-actors demo: {choice.describe()}", file=sys.stderr)
         print(
-            f"xlog-actors demo: copy in -> kernel -> copy out on {count} devices at once ({placement}), "
+            f"xlog-actors demo: copy in -> kernel -> copy out{' (graph mode)' if cfg.graph else ''} on {count} "
+            f"devices at once ({placement}), "
             f"{batches} batches of {cfg.batch_bytes / (1 << 20):g} MiB per device, {cfg.depth} in flight each",
             file=sys.stderr,
         )

@@ -1,5 +1,7 @@
-"""The demo's job on several devices at once: one pipeline (:func:`.pipeline.run_pipeline`) per
-device, every batch of every device verified, all of them timed from one start.
+"""The demo's job on several devices at once: one pipeline per device (the actors' of
+:func:`.pipeline.run_pipeline`, or with ``cfg.graph`` the graph mode's of
+:func:`.graph_pipeline.run_graph_pipeline`), every batch of every device verified, all of them
+timed from one start.
 
 Two placements:
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Final, Literal
@@ -52,6 +55,7 @@ from typing import Any, Final, Literal
 from ..driver.host import HostDriver
 from ..driver.open import open_driver
 from ..driver.protocol import Driver
+from .graph_pipeline import run_graph_pipeline
 from .pipeline import PipelineConfig, PipelineResult, run_pipeline
 
 __all__ = [
@@ -199,14 +203,14 @@ def run_on_devices(
         max_restarts: ``"isolated"``: how many times a device's worker process that failed
             after its start (a sticky error, a death, a timeout) is replaced by a new one running
             the batches not yet verified; >= 0. A wrong result (a mismatched batch) is not retried.
-        fault: a sticky error to plant (a test hook), or None.
+        fault: a sticky error to plant (a test hook, the actor mode's only), or None.
     Returns:
         The result; a device that failed (its driver, its warm-up, its start, its run, past its
         restarts) says so in its ``error`` or its result's ``errors``, and the others still run.
     Raises:
         ValueError: ``count`` < 1, an unknown placement or kind, ``"in-process"`` without a
             driver of ``count`` devices, a config :func:`run_pipeline` refuses, ``max_restarts``
-            < 0, or a fault outside the devices or the batches.
+            < 0, a fault outside the devices or the batches, or with ``cfg.graph``.
     Thread rule: any thread but the pipeline's actors'; it blocks until every device is done.
     """
     if count < 1:
@@ -217,6 +221,8 @@ def run_on_devices(
         raise ValueError(f"a pipeline config run_pipeline refuses: {cfg}")
     if type(max_restarts) is not int or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+    if fault is not None and cfg.graph:
+        raise ValueError("a planted fault is the actor pipeline's test hook; the graph mode plants none")
     if fault is not None and not (0 <= fault.ordinal < count and 0 <= fault.at < cfg.batches and fault.lives >= 1):
         raise ValueError(f"a fault on devices 0 .. {count - 1}, batches 0 .. {cfg.batches - 1}, lives >= 1; "
                          f"got {fault}")
@@ -227,6 +233,11 @@ def run_on_devices(
             raise ValueError(f"in-process on {count} devices needs a driver of {count} devices, got {driver!r}")
         return MultiResult(placement, _in_process(driver, count, cfg, fault))
     raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+
+
+def _job(cfg: PipelineConfig) -> Callable[..., PipelineResult]:
+    """The pipeline ``cfg`` asks for: the graph mode's or the actors'."""
+    return run_graph_pipeline if cfg.graph else run_pipeline
 
 
 # -- in-process: one thread per device ------------------------------------------------------------
@@ -253,7 +264,7 @@ def _in_process(driver: Driver, count: int, cfg: PipelineConfig, fault: Injected
             started[0] = time.perf_counter()
 
         try:
-            result = run_pipeline(driver, _life_cfg(cfg, fault, ordinal, 0, cfg.batches), ordinal=ordinal,
+            result = _job(cfg)(driver, _life_cfg(cfg, fault, ordinal, 0, cfg.batches), ordinal=ordinal,
                                   start_gate=gate)
         except BaseException as exc:  # noqa: BLE001 - the device's failure, reported beside the others
             barrier.abort()  # the others stop waiting at their gate
@@ -301,7 +312,7 @@ def _worker(conn: Connection, kind: str, count: int, ordinal: int, cfg: Pipeline
             conn.send(("progress", count))
 
     try:
-        result = run_pipeline(driver, cfg, ordinal=ordinal, start_gate=gate, on_verified=verified)
+        result = _job(cfg)(driver, cfg, ordinal=ordinal, start_gate=gate, on_verified=verified)
         conn.send(("done", result, started[0]))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent
         conn.send(("failed", _describe(exc)))
