@@ -241,6 +241,7 @@ def test_demo_graph_on_two_devices(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     assert "(graph mode) on 2 devices at once (in-process)" in err
     assert "ok: 12/12 batches" in out
-    assert main(["demo", "--driver", "host", "--devices", "2", "--graph", "--fault-device", "0", "--fault-at", "1"]) == 2
+    fault = ["--fault-device", "0", "--fault-at", "1"]
+    assert main(["demo", "--driver", "host", "--devices", "2", "--graph", *fault]) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "--fault-device" in err and "Traceback" not in err
