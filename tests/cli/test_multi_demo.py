@@ -141,20 +141,23 @@ def test_the_bench_rows_of_several_devices_run_on_two_and_skip_on_one() -> None:
         results = _multi_rows(count, lambda name, wanted=wanted: any(w in name for w in wanted))
         by_name = {r.name: r for r in results}
         demo = by_name["demo on N GPUs / N x one GPU 1 MiB"]
+        graph = by_name["demo graph on N GPUs / N x one GPU 1 MiB"]
         raw = by_name["raw pipeline on N GPUs at once / N x one GPU 1 MiB"]
         if count == 1:
             peer = by_name["cross-process peer copy 256 MiB"]
-            for row in (demo, raw, peer):
+            for row in (demo, graph, raw, peer):
                 assert isinstance(row, Skipped) and "needs 2 devices or more" in row.reason, row
             assert isinstance(raw, Skipped) and raw.reason == "needs 2 devices or more; the host driver has 1"
         else:
-            # The raw row runs first: the demo's note reads it.
-            assert [r.name for r in results] == [raw.name, demo.name]
+            # The raw row runs first: the demo rows' notes read it.
+            assert [r.name for r in results] == [raw.name, demo.name, graph.name]
             assert isinstance(raw, RowResult) and raw.median > 0 and raw.ratio > 0
             assert raw.target is None and raw.informational and raw.kind == "rate"
-            assert isinstance(demo, RowResult) and demo.median > 0 and demo.ratio > 0
-            ratio = demo.median / raw.median
-            assert f"ours / the raw pipeline on N GPUs at once (`{raw.name}`, this run): {ratio:.3f}x" in demo.note
+            for row in (demo, graph):
+                assert isinstance(row, RowResult) and row.median > 0 and row.ratio > 0
+                ratio = row.median / raw.median
+                assert f"ours / the raw pipeline on N GPUs at once (`{raw.name}`, this run): {ratio:.3f}x" in row.note
+            assert "in graph mode" in graph.measures and "in actor mode" in demo.measures
 
 
 def test_the_demo_row_says_when_no_raw_row_ran_before_it() -> None:

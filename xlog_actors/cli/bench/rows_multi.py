@@ -11,8 +11,9 @@ reason on fewer (the host driver's bench has one).
   once: where the devices share the host's memory and PCIe bandwidth, no program reaches N times
   one device, and this row says how far any can. A sample is one whole run of each; figures are
   per batch.
-* ``demo on N GPUs / N x one GPU <size>``: :func:`..multi_pipeline.run_on_devices` in its default
-  placement (a worker process per device) on every device of the driver; the reference is the
+* ``demo on N GPUs / N x one GPU <size>`` and ``demo graph on N GPUs / N x one GPU <size>``:
+  :func:`..multi_pipeline.run_on_devices` in its default placement (a worker process per device)
+  on every device of the driver, in actor mode and in graph mode; the reference is the
   same job on device 0 alone, in one worker process placed as each of the N is (on CUDA bound to
   its GPU's NUMA node), N times over: N devices that scale perfectly move N times its bytes in its
   time. A sample is one whole run of
@@ -43,6 +44,7 @@ from ...actors import Allocate, CopyActor, CopyDeviceToDevice, DeviceActor, Fill
 from ...driver.host import HostDriver
 from ...driver.open import open_driver
 from ..batches import BatchData
+from ..graph_pipeline import run_graph_pipeline
 from ..multi_pipeline import DEFAULT_PLACEMENT, READY_TIMEOUT_S, run_on_devices
 from ..pipeline import PipelineConfig, run_pipeline
 from ..raw_pipeline import raw_pipeline
@@ -66,15 +68,17 @@ def _need_two(ctx: Context) -> int:
     return count
 
 
-def _demo_measure(size: int, last: list[list[float]]) -> Callable[[Any, Context], tuple[list[float], list[float]]]:
-    """The demo row's measure; it leaves its own samples in ``last`` for the row's note."""
+def _demo_measure(size: int, last: list[list[float]],
+                  graph: bool) -> Callable[[Any, Context], tuple[list[float], list[float]]]:
+    """The demo row's measure (``graph``: in graph mode); it leaves its own samples in ``last``
+    for the row's note."""
 
     def measure(_fixture: Any, ctx: Context) -> tuple[list[float], list[float]]:
         count = _need_two(ctx)
         nbytes, batches = ctx.plan.pipe_sizes[size]
-        cfg = PipelineConfig(batches=batches, batch_bytes=nbytes, depth=DEPTH)
-        warm = run_pipeline(ctx.driver, PipelineConfig(batches=min(4 * DEPTH, batches), batch_bytes=nbytes,
-                                                       depth=DEPTH))
+        cfg = PipelineConfig(batches=batches, batch_bytes=nbytes, depth=DEPTH, graph=graph)
+        job = run_graph_pipeline if graph else run_pipeline
+        warm = job(ctx.driver, PipelineConfig(batches=min(4 * DEPTH, batches), batch_bytes=nbytes, depth=DEPTH))
         if not warm.ok:
             raise RuntimeError(f"one-device warm-up failed verification: {warm.errors[:3]}")
         ours: list[float] = []
@@ -113,20 +117,21 @@ def _demo_note(ctx: Context, label: str, nbytes: int, last: list[list[float]]) -
             f"{ours / raw.median:.3f}x ({ours:.3g} / {raw.median:.3g} GB/s in all)")
 
 
-def _demo_row(size: int, label: str) -> Row:
+def _demo_row(size: int, label: str, graph: bool = False) -> Row:
     last: list[list[float]] = []
+    mode = "in graph mode (xlog-actors demo --graph)" if graph else "in actor mode"
     return Row(
-        f"demo on N GPUs / N x one GPU {label}",
-        lambda f, p: f"the demo's job on every device at once ({DEFAULT_PLACEMENT}: a worker process per device), "
-        f"{p.pipe_sizes[size][1]} batches of {size_text(p.pipe_sizes[size][0])} per device, {DEPTH} in flight each, "
-        "every batch verified; aggregate throughput from the first start to the last end",
+        f"demo {'graph ' if graph else ''}on N GPUs / N x one GPU {label}",
+        lambda f, p: f"the demo's job {mode} on every device at once ({DEFAULT_PLACEMENT}: a worker process per "
+        f"device), {p.pipe_sizes[size][1]} batches of {size_text(p.pipe_sizes[size][0])} per device, {DEPTH} in "
+        "flight each, every batch verified; aggregate throughput from the first start to the last end",
         given, None, None, lambda p: (p.pipe_rounds, 1),
         reference="N x the same job on device 0 alone, in a worker process placed as each of the N, N the device count",
         kind="rate",
         bytes_per_op=lambda p: p.pipe_sizes[size][0],
         target=Target("ratio", ">=", 0.9),
         note=lambda ctx, p: _demo_note(ctx, label, p.pipe_sizes[size][0], last),
-        measure=_demo_measure(size, last),
+        measure=_demo_measure(size, last, graph),
     )
 
 
@@ -347,6 +352,8 @@ MULTI = Group("several devices", (
     _raw_row(2, "16 MiB"),
     _demo_row(1, "1 MiB"),
     _demo_row(2, "16 MiB"),
+    _demo_row(1, "1 MiB", graph=True),
+    _demo_row(2, "16 MiB", graph=True),
     Row("cross-process peer copy 256 MiB",
         "CopyDeviceToDevice(256 MiB) asked of isolated device 1's CopyActor from a handle of isolated device 0 "
         "(another process): export, interprocess event, CUDA IPC and cuMemcpyPeerAsync in device 1's process, "
