@@ -3,7 +3,7 @@ by one of the same shape, refusals that change nothing, and a graph dead with it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,49 +18,23 @@ from xlog_actors.driver.graph import (
     check_steps,
     same_shape,
 )
-from xlog_actors.driver.kernel_library import SCALE_ADD_F32, launch_shape
+from xlog_actors.driver.kernel_library import SCALE_ADD_F32
 
 N = 4096
 
 
-class _Bufs:
-    def __init__(self, driver: xa.Driver) -> None:
-        self.driver = driver
-        self.pinned = [driver.alloc_pinned(0, 4 * N) for _ in range(3)]
-        self.views = [driver.pinned_view(p, 4 * N) for p in self.pinned]
-        self.dev = [driver.alloc(0, 4 * N) for _ in range(3)]
-        self.stream = driver.create_stream(0)
-
-    def floats(self, i: int) -> np.ndarray:
-        return np.frombuffer(self.views[i], np.float32)
-
-    def close(self) -> None:
-        self.stream.synchronize()
-        self.stream.close()
-        for p in self.dev:
-            self.driver.free(0, p)
-        for p in self.pinned:
-            self.driver.free_pinned(0, p)
-
-
 @pytest.fixture
-def bufs(driver: xa.Driver) -> Iterator[_Bufs]:
-    b = _Bufs(driver)
-    yield b
-    b.close()
+def bufs(graph_buffers: Any) -> Any:
+    """Three pinned and three device buffers of ``N`` floats, and a stream (tests/driver/conftest.py)."""
+    return graph_buffers(3, N)
 
 
-def _kernel(dst: int, src: int) -> KernelStep:
-    grid, block = launch_shape(N)
-    return KernelStep(SCALE_ADD_F32, (grid, 1, 1), (block, 1, 1), (dst, src, 2.0, 1.0, N))
-
-
-def test_steps_run_in_order_and_a_step_is_replaced(bufs: _Bufs) -> None:
+def test_steps_run_in_order_and_a_step_is_replaced(bufs: Any) -> None:
     d, (a, b, c) = bufs.driver, bufs.dev
     bufs.floats(0)[:] = np.arange(N)
     graph = d.record_graph(0, [
         HostToDevice(a, bufs.views[0]),
-        _kernel(b, a),
+        bufs.kernel(b, a),
         DeviceToDevice(c, b, 4 * N),
         Memset(a, 0, 4 * N),
         DeviceToHost(bufs.views[1], c),
@@ -81,10 +55,10 @@ def test_steps_run_in_order_and_a_step_is_replaced(bufs: _Bufs) -> None:
         graph.launch(bufs.stream)
 
 
-def test_a_replacement_of_another_shape_is_refused_and_changes_nothing(bufs: _Bufs) -> None:
+def test_a_replacement_of_another_shape_is_refused_and_changes_nothing(bufs: Any) -> None:
     d, (a, b, _c) = bufs.driver, bufs.dev
     bufs.floats(0)[:] = 1.0
-    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), _kernel(b, a), DeviceToHost(bufs.views[1], b)])
+    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), bufs.kernel(b, a), DeviceToHost(bufs.views[1], b)])
     half = bufs.views[2][: 2 * N]
     for index, step, words in [
         (0, HostToDevice(a, half), "bytes differ"),
@@ -100,7 +74,7 @@ def test_a_replacement_of_another_shape_is_refused_and_changes_nothing(bufs: _Bu
     graph.close()
 
 
-def test_malformed_steps_and_pageable_memory_are_refused(bufs: _Bufs) -> None:
+def test_malformed_steps_and_pageable_memory_are_refused(bufs: Any) -> None:
     d, a = bufs.driver, bufs.dev[0]
     pageable = memoryview(bytearray(16))
     for steps, words in [
@@ -116,7 +90,7 @@ def test_malformed_steps_and_pageable_memory_are_refused(bufs: _Bufs) -> None:
             d.record_graph(0, steps)
 
 
-def test_a_graph_dies_with_its_context(bufs: _Bufs) -> None:
+def test_a_graph_dies_with_its_context(bufs: Any) -> None:
     d = bufs.driver
     graph = d.record_graph(0, [Memset(bufs.dev[0], 1, 16)])
     d.rebuild_context(0)
@@ -142,11 +116,11 @@ def test_same_shape_and_check_steps() -> None:
     assert check_steps([HostToDevice(1, v)]) == (HostToDevice(1, v),)
 
 
-def test_update_host_replaces_a_host_side_and_refuses_the_rest(bufs: _Bufs) -> None:
+def test_update_host_replaces_a_host_side_and_refuses_the_rest(bufs: Any) -> None:
     d, (a, b, _c) = bufs.driver, bufs.dev
     bufs.floats(0)[:] = 1.0
     bufs.floats(2)[:] = 4.0
-    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), _kernel(b, a), DeviceToHost(bufs.views[1], b)])
+    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), bufs.kernel(b, a), DeviceToHost(bufs.views[1], b)])
     graph.update_host(0, bufs.views[2])
     graph.update_host(0, bufs.views[2])  # the same view again: nothing to do
     graph.launch(bufs.stream)
@@ -168,14 +142,14 @@ def test_update_host_replaces_a_host_side_and_refuses_the_rest(bufs: _Bufs) -> N
     graph.close()
 
 
-def test_swap_host_hands_the_replaced_view_back_and_rebinds_back_and_forth(bufs: _Bufs) -> None:
+def test_swap_host_hands_the_replaced_view_back_and_rebinds_back_and_forth(bufs: Any) -> None:
     """swap_host returns what it replaced (None for no change, and on the host driver, whose
     copies keep their views); a view swapped in before is swapped in again by address only, and
     every launch copies from the view bound at its launch."""
     d, (a, b, _c) = bufs.driver, bufs.dev
     bufs.floats(0)[:] = 1.0
     bufs.floats(2)[:] = 4.0
-    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), _kernel(b, a), DeviceToHost(bufs.views[1], b)])
+    graph = d.record_graph(0, [HostToDevice(a, bufs.views[0]), bufs.kernel(b, a), DeviceToHost(bufs.views[1], b)])
     keeps = d.kind == "cuda"
     for _ in range(3):
         for view, want in ((bufs.views[2], 9.0), (bufs.views[0], 3.0)):

@@ -4,7 +4,6 @@ is refused before anything is recorded."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,61 +15,26 @@ from xlog_actors.driver.graph import (
     DeviceToHost,
     GraphStep,
     HostToDevice,
-    KernelStep,
     Memset,
     check_lanes,
 )
-from xlog_actors.driver.kernel_library import SCALE_ADD_F32, launch_shape
 
 N = 1024  # float32 elements per buffer
 
 
-class _Bufs:
-    """Four pinned buffers (with their byte views) and four device buffers of ``N`` floats, and a
-    stream, on device 0."""
-
-    def __init__(self, driver: xa.Driver) -> None:
-        self.driver = driver
-        self.pinned = [driver.alloc_pinned(0, 4 * N) for _ in range(4)]
-        self.views = [driver.pinned_view(p, 4 * N) for p in self.pinned]
-        self.dev = [driver.alloc(0, 4 * N) for _ in range(4)]
-        self.stream = driver.create_stream(0)
-
-    def floats(self, i: int) -> np.ndarray:
-        return np.frombuffer(self.views[i], np.float32)
-
-    def run(self, graph: Any) -> None:
-        graph.launch(self.stream)
-        self.stream.synchronize()
-
-    def close(self) -> None:
-        self.stream.synchronize()
-        self.stream.close()
-        for p in self.dev:
-            self.driver.free(0, p)
-        for p in self.pinned:
-            self.driver.free_pinned(0, p)
-
-
 @pytest.fixture
-def bufs(driver: xa.Driver) -> Iterator[_Bufs]:
-    b = _Bufs(driver)
-    yield b
-    b.close()
+def bufs(graph_buffers: Any) -> Any:
+    """Four pinned and four device buffers of ``N`` floats, and a stream (tests/driver/conftest.py)."""
+    return graph_buffers(4, N)
 
 
-def _kernel(dst: int, src: int, alpha: float = 2.0, beta: float = 1.0) -> KernelStep:
-    grid, block = launch_shape(N)
-    return KernelStep(SCALE_ADD_F32, (grid, 1, 1), (block, 1, 1), (dst, src, alpha, beta, N))
-
-
-def _two_lanes(b: _Bufs) -> list[GraphStep]:
+def _two_lanes(b: Any) -> list[GraphStep]:
     """Lane 0 (3 steps): pinned 0 -> dev 0, dev 1 = 2 * dev 0 + 1, dev 1 -> pinned 1. Lane 1
     (3 steps): dev 2 filled with 0x3f bytes, copied to dev 3, dev 3 -> pinned 2. No lane touches
     what the other does."""
     (a, k, c, d), v = b.dev, b.views
     return [
-        HostToDevice(a, v[0]), _kernel(k, a), DeviceToHost(v[1], k),
+        HostToDevice(a, v[0]), b.kernel(k, a), DeviceToHost(v[1], k),
         Memset(c, 0x3F, 4 * N), DeviceToDevice(d, c, 4 * N), DeviceToHost(v[2], d),
     ]
 
@@ -110,7 +74,7 @@ def test_check_lanes_refuses_what_is_not_positive_counts_summing_to_the_steps(la
         check_lanes(lanes, 5)
 
 
-def test_a_graph_of_two_lanes_runs_every_step_of_each(bufs: _Bufs) -> None:
+def test_a_graph_of_two_lanes_runs_every_step_of_each(bufs: Any) -> None:
     """Both lanes' results land, on every launch, and after a step of the second lane is
     replaced; the graph says its lanes throughout."""
     bufs.floats(0)[:] = np.arange(N)
@@ -124,7 +88,7 @@ def test_a_graph_of_two_lanes_runs_every_step_of_each(bufs: _Bufs) -> None:
         assert bytes(bufs.views[2]) == b"\x3f" * (4 * N)
     a, _k, c, _d = bufs.dev
     graph.update(3, Memset(c, 0x01, 4 * N))  # a step of lane 1
-    graph.update(1, _kernel(bufs.dev[1], a, 3.0, 0.0))  # a step of lane 0
+    graph.update(1, bufs.kernel(bufs.dev[1], a, 3.0, 0.0))  # a step of lane 0
     bufs.run(graph)
     assert bytes(bufs.views[2]) == b"\x01" * (4 * N)
     assert bufs.floats(1).tolist() == (np.arange(N, dtype=np.float32) * 3).tolist()
@@ -132,7 +96,7 @@ def test_a_graph_of_two_lanes_runs_every_step_of_each(bufs: _Bufs) -> None:
     graph.close()
 
 
-def test_a_lane_of_every_step_alone_runs_them_all(bufs: _Bufs) -> None:
+def test_a_lane_of_every_step_alone_runs_them_all(bufs: Any) -> None:
     """Four lanes of one step each (four fills, each of its own buffer) and a copy back of each
     by a second graph: every fill ran."""
     d, dev = bufs.driver, bufs.dev
@@ -147,7 +111,7 @@ def test_a_lane_of_every_step_alone_runs_them_all(bufs: _Bufs) -> None:
     back.close()
 
 
-def test_a_graph_recorded_without_lanes_is_one_lane(bufs: _Bufs) -> None:
+def test_a_graph_recorded_without_lanes_is_one_lane(bufs: Any) -> None:
     """No lanes, or one lane of every step: ``lanes`` is one count, the number of steps."""
     steps = _two_lanes(bufs)
     plain = bufs.driver.record_graph(0, steps)
@@ -163,7 +127,7 @@ def test_a_graph_recorded_without_lanes_is_one_lane(bufs: _Bufs) -> None:
 @pytest.mark.parametrize(
     "lanes", [[], [3, 2], [3, 4], [3, 3, 0], [3.0, 3], (6, -0), "33"], ids=lambda lanes: repr(lanes)
 )
-def test_record_graph_refuses_bad_lanes_and_records_nothing(bufs: _Bufs, lanes: Any) -> None:
+def test_record_graph_refuses_bad_lanes_and_records_nothing(bufs: Any, lanes: Any) -> None:
     """A bad lane list is InvalidRequest from ``record_graph``, before any graph exists: the steps
     that a good recording then runs are untouched, and their memory is as the test left it."""
     bufs.floats(0)[:] = 1.0
@@ -178,7 +142,7 @@ def test_record_graph_refuses_bad_lanes_and_records_nothing(bufs: _Bufs, lanes: 
     graph.close()
 
 
-def test_bad_lanes_are_refused_after_bad_steps_are(bufs: _Bufs) -> None:
+def test_bad_lanes_are_refused_after_bad_steps_are(bufs: Any) -> None:
     """A malformed step is named as such even beside good lanes; an empty step list is refused
     for its steps whatever the lanes."""
     with pytest.raises(xa.InvalidRequest, match="0..255"):
