@@ -66,6 +66,20 @@ def _streams(device: pykka.ActorRef[Any]) -> int:
     return len(cast(Any, device.ask(Attach())).runtime.stream_pool.ids())
 
 
+def _spy_lanes(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ``lanes`` of every ``driver.record_graph`` call from now on, in order (the graphs
+    still recorded by the driver)."""
+    asked: list[Any] = []
+    real = driver.record_graph
+
+    def spy(ordinal: int, steps: Any, lanes: Any = None) -> Any:
+        asked.append(lanes)
+        return real(ordinal, steps, lanes)
+
+    monkeypatch.setattr(driver, "record_graph", spy)
+    return asked
+
+
 def test_each_lane_gets_its_own_result_as_inputs_rotate_between_lanes(device: pykka.ActorRef[Any]) -> None:
     """Three lanes, six replays, each binding lane k's input to another lane's recorded input
     (inputs are only read, so lanes may share them): every lane's output is computed from the
@@ -134,14 +148,7 @@ def test_lanes_stages_and_repr(driver: xa.Driver, device: pykka.ActorRef[Any],
     """``lanes`` counts each lane's stages, ``stages`` is every lane's stages one lane after the
     other, the repr says the lanes, and the driver's graph is recorded with those lanes."""
     job = _Lanes(device, 3)
-    asked: list[Any] = []
-    real = driver.record_graph
-
-    def spy(ordinal: int, steps: Any, lanes: Any = None) -> Any:
-        asked.append(lanes)
-        return real(ordinal, steps, lanes)
-
-    monkeypatch.setattr(driver, "record_graph", spy)
+    asked = _spy_lanes(driver, monkeypatch)
     lanes = [job.lane(0), job.lane(1)[:2], job.lane(2)[:1]]
     graph = xa.BatchGraph.record(device, lanes)
     assert graph.lanes == (3, 2, 1)
@@ -161,14 +168,7 @@ def test_a_graph_of_one_lane_is_unaffected(driver: xa.Driver, device: pykka.Acto
     that within one lane name one buffer twice (an input bound to the buffer its output lands
     in) are not lane conflicts."""
     job = _Lanes(device, 1)
-    asked: list[Any] = []
-    real = driver.record_graph
-
-    def spy(ordinal: int, steps: Any, lanes: Any = None) -> Any:
-        asked.append(lanes)
-        return real(ordinal, steps, lanes)
-
-    monkeypatch.setattr(driver, "record_graph", spy)
+    asked = _spy_lanes(driver, monkeypatch)
     graph = xa.BatchGraph.record(device, job.lane(0) if form == "flat" else [job.lane(0)])
     assert graph.lanes == (3,) and len(graph.stages) == 3
     assert "lanes=" not in repr(graph) and "stages=3" in repr(graph)
@@ -226,14 +226,7 @@ def test_a_lane_writing_what_another_names_is_refused_and_nothing_is_recorded(
     job = _Lanes(device, 2)
     other = _alloc(device)
     lanes = _conflicts(job, other)[case]
-    asked: list[Any] = []
-    real = driver.record_graph
-
-    def spy(ordinal: int, steps: Any, lanes: Any = None) -> Any:
-        asked.append(lanes)
-        return real(ordinal, steps, lanes)
-
-    monkeypatch.setattr(driver, "record_graph", spy)
+    asked = _spy_lanes(driver, monkeypatch)
     streams = _streams(device)
     with pytest.raises(xa.InvalidRequest, match="lanes run at the same time"):
         xa.BatchGraph.record(device, lanes)
