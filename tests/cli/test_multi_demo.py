@@ -13,7 +13,7 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.cli import main
 from xlog_actors.cli.multi_demo import resolve_devices, run_multi_demo
-from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, InjectedFault, run_on_devices
+from xlog_actors.cli.multi_pipeline import DEFAULT_PLACEMENT, InjectedFault, MultiResult, run_on_devices
 from xlog_actors.cli.options import UsageError
 from xlog_actors.cli.pipeline import PipelineConfig
 from xlog_actors.driver.host import MAX_EMULATED_DEVICES
@@ -21,12 +21,18 @@ from xlog_actors.driver.host import MAX_EMULATED_DEVICES
 SMALL = PipelineConfig(batches=6, batch_bytes=64 << 10, depth=2)
 
 
-def test_in_process_runs_every_device_and_times_them_from_one_start() -> None:
-    driver = xa.HostDriver(device_count=3, memory_per_device=64 << 20)
+def _in_process(count: int, cfg: PipelineConfig, fault: InjectedFault | None = None) -> MultiResult:
+    """``run_on_devices`` in-process on a host driver of ``count`` devices of 64 MiB, closed after."""
+    driver = xa.HostDriver(device_count=count, memory_per_device=64 << 20)
     try:
-        result = run_on_devices("host", 3, SMALL, "in-process", driver)
+        return run_on_devices("host", count, cfg, "in-process", driver, fault=fault)
     finally:
+        pykka.ActorRegistry.stop_all()
         driver.close()
+
+
+def test_in_process_runs_every_device_and_times_them_from_one_start() -> None:
+    result = _in_process(3, SMALL)
     assert result.ok, result
     assert [run.ordinal for run in result.runs] == [0, 1, 2]
     assert all(run.result is not None and run.result.verified == SMALL.batches for run in result.runs)
@@ -57,13 +63,7 @@ def test_a_device_that_fails_leaves_the_other_devices_batches_whole() -> None:
 
 
 def test_in_process_an_injected_fault_is_reported_as_not_restartable() -> None:
-    driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
-    try:
-        result = run_on_devices("host", 2, PipelineConfig(batches=16, batch_bytes=64 << 10, depth=2), "in-process",
-                                driver, fault=InjectedFault(1, 6))
-    finally:
-        pykka.ActorRegistry.stop_all()
-        driver.close()
+    result = _in_process(2, PipelineConfig(batches=16, batch_bytes=64 << 10, depth=2), InjectedFault(1, 6))
     first, second = result.runs
     assert first.ok and second.restarts == 0 and not second.ok
     assert second.error is not None and "cannot be restarted" in second.error
@@ -223,11 +223,7 @@ def test_the_graph_mode_runs_on_every_device_at_once() -> None:
     from dataclasses import replace
 
     cfg = replace(SMALL, batches=7, depth=4, graph=True)
-    driver = xa.HostDriver(device_count=2, memory_per_device=64 << 20)
-    try:
-        result = run_on_devices("host", 2, cfg, "in-process", driver)
-    finally:
-        driver.close()
+    result = _in_process(2, cfg)
     assert result.ok, result
     assert all(run.result is not None and run.result.verified == 7 for run in result.runs)
     assert all(run.result is not None and run.result.extra["mode"] == "graph" for run in result.runs)
