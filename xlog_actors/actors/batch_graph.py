@@ -457,9 +457,7 @@ class BatchGraph:
                 return False
             i = stages[0]
             buf = cast(PinnedBuffer, new)
-            stage = self._stages[i]
-            nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
-            v = view(buf, nbytes, self._views)
+            v = self._host_view(i, buf)
             found = graph.fast_host(i, v)
             if found is None:
                 return False
@@ -475,15 +473,12 @@ class BatchGraph:
         """Bindings of host buffers only (checked): each of their copy steps gets the new
         buffer's view (``Graph.swap_host``, one node update each), and the views replaced ride
         on the next replay's completion until the launches before them ran; all or nothing."""
-        bound, stages, views, core = self._bound, self._stages, self._views, self._core
+        bound, core = self._bound, self._core
         done: list[tuple[int, int, Operand]] = []
         try:
             for key, new in changed:
-                buf = cast(PinnedBuffer, new)
                 for i in self._stages_of[key]:
-                    stage = stages[i]
-                    nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
-                    replaced = graph.swap_host(i, view(buf, nbytes, views))
+                    replaced = graph.swap_host(i, self._host_view(i, cast(PinnedBuffer, new)))
                     if replaced is not None:
                         core.retire(replaced)
                     done.append((key, i, bound[key]))
@@ -491,14 +486,18 @@ class BatchGraph:
         except BaseException:
             for key, i, old in reversed(done):  # put the steps already updated back
                 self._set_bound(key, old)
-                stage = stages[i]
-                old_buf = cast(PinnedBuffer, old)
-                nbytes = old_buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
                 with contextlib.suppress(XlogError):
-                    replaced = graph.swap_host(i, view(old_buf, nbytes, views))
+                    replaced = graph.swap_host(i, self._host_view(i, cast(PinnedBuffer, old)))
                     if replaced is not None:
                         core.retire(replaced)
             raise
+
+    def _host_view(self, i: int, buf: PinnedBuffer) -> memoryview:
+        """The view of ``buf`` that host copy step ``i`` copies: all of it into the device, the
+        step's byte count out of it."""
+        stage = self._stages[i]
+        nbytes = buf.nbytes if isinstance(stage, CopyToDevice) else host_bytes(cast(CopyToHost, stage))
+        return view(buf, nbytes, self._views)
 
     def _merged_uses(self) -> list[tuple[GpuRef, Access]]:
         """One (handle, access) per distinct block bound now; read and written is READ_WRITE."""
