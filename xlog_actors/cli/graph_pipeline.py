@@ -60,7 +60,6 @@ class _Lane:
     host: PinnedBuffer  # where the slot's copies back land (but the kept batches')
     total: int = _POISONED_SUM  # the running checksum after the slot's last verified batch
     batch: int | None = None  # the batch replayed and not yet verified
-    spare: bool = False  # replayed with no batch of its own (the run's last, short group)
     bound_host: PinnedBuffer | None = None  # what the lane's copy back is bound to (None: host)
 
 
@@ -151,10 +150,7 @@ class _GraphRun:
         group.done = None
         done.wait()
         for lane in group.lanes:
-            index, lane.batch = lane.batch, None
-            spare, lane.spare = lane.spare, False
-            if index is None and not spare:
-                continue
+            index, lane.batch = lane.batch, None  # None: a spare (every lane of a group replays)
             host = lane.host if index is None else self.kept.get(index, lane.host)
             total = int(self.sums[id(host)][0])
             if index is not None:
@@ -182,7 +178,6 @@ class _GraphRun:
             return
         for lane, index in zip(group.lanes, indices, strict=True):
             lane.batch = index
-            lane.spare = index is None
         self.turn = (self.turn + 1) % len(self.groups)
 
     def _binding(self, group: _Group, indices: list[int | None]) -> dict[Any, Any] | HostBinding:
