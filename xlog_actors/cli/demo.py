@@ -10,10 +10,10 @@ from ..driver.protocol import Driver
 from ..errors import XlogError
 from .batches import BatchData
 from .driver_choice import choose_driver
-from .graph_pipeline import lanes_for, run_graph_pipeline
+from .graph_pipeline import job_for, lanes_for
 from .multi_demo import run_multi_demo
 from .options import UsageError
-from .pipeline import PipelineConfig, PipelineResult, run_pipeline
+from .pipeline import PipelineConfig, PipelineResult
 from .raw_pipeline import RawResult, raw_pipeline
 
 __all__ = ["run_demo"]
@@ -73,6 +73,7 @@ def run_demo(args: argparse.Namespace) -> int:
             track=not args.no_tracking,
             producer_delay_us=args.slow_producer_us,
             rebuild_at=args.rebuild_at,
+            graph=args.graph,
             graph_lanes=args.graph_lanes,
         )
         print(f"xlog-actors demo: {choice.describe()}", file=sys.stderr)
@@ -84,8 +85,7 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{batch_bytes / (1 << 20):g} MiB, {cfg.depth} in flight, device {driver.device_name(0)}",
             file=sys.stderr,
         )
-        run = run_graph_pipeline if args.graph else run_pipeline
-        result = run(driver, cfg, progress=_progress)
+        result = job_for(cfg)(driver, cfg, progress=_progress)
         if sys.stderr.isatty():
             print(file=sys.stderr)
         raw = _raw(driver, cfg)

@@ -46,9 +46,18 @@ from ..driver.protocol import Driver
 from ..errors import GpuRefStale, XlogError
 from ..memory.pinned import PinnedBuffer
 from .batches import ALPHA, BETA, BatchData, Tally
-from .pipeline import _INPUT, _OUTPUT, _POISON, _POISONED_SUM, PipelineConfig, PipelineResult, _host_buffer
+from .pipeline import (
+    _INPUT,
+    _OUTPUT,
+    _POISON,
+    _POISONED_SUM,
+    PipelineConfig,
+    PipelineResult,
+    _host_buffer,
+    run_pipeline,
+)
 
-__all__ = ["run_graph_pipeline"]
+__all__ = ["job_for", "lanes_for", "run_graph_pipeline"]
 
 
 @dataclass
@@ -230,6 +239,13 @@ class _GraphRun:
     def close(self) -> None:
         for group in self.groups:
             group.graph.close()
+
+
+def job_for(cfg: PipelineConfig) -> Callable[..., PipelineResult]:
+    """The pipeline ``cfg`` asks for: :func:`run_graph_pipeline` with ``cfg.graph``, else the
+    actors' :func:`.pipeline.run_pipeline` (both take the driver, the config, then ``ordinal``,
+    ``progress``, ``start_gate`` and ``on_verified`` by keyword). Thread rule: any thread."""
+    return run_graph_pipeline if cfg.graph else run_pipeline
 
 
 def run_graph_pipeline(

@@ -47,7 +47,6 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Final, Literal
@@ -55,8 +54,8 @@ from typing import Any, Final, Literal
 from ..driver.host import HostDriver
 from ..driver.open import open_driver
 from ..driver.protocol import Driver
-from .graph_pipeline import run_graph_pipeline
-from .pipeline import PipelineConfig, PipelineResult, run_pipeline
+from .graph_pipeline import job_for
+from .pipeline import PipelineConfig, PipelineResult
 
 __all__ = [
     "DEFAULT_PLACEMENT", "MAX_RESTARTS", "PLACEMENTS", "DeviceRun", "InjectedFault",
@@ -235,11 +234,6 @@ def run_on_devices(
     raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
-def _job(cfg: PipelineConfig) -> Callable[..., PipelineResult]:
-    """The pipeline ``cfg`` asks for: the graph mode's or the actors'."""
-    return run_graph_pipeline if cfg.graph else run_pipeline
-
-
 # -- in-process: one thread per device ------------------------------------------------------------
 
 def _life_cfg(cfg: PipelineConfig, fault: InjectedFault | None, ordinal: int, life: int,
@@ -264,7 +258,7 @@ def _in_process(driver: Driver, count: int, cfg: PipelineConfig, fault: Injected
             started[0] = time.perf_counter()
 
         try:
-            result = _job(cfg)(driver, _life_cfg(cfg, fault, ordinal, 0, cfg.batches), ordinal=ordinal,
+            result = job_for(cfg)(driver, _life_cfg(cfg, fault, ordinal, 0, cfg.batches), ordinal=ordinal,
                                   start_gate=gate)
         except BaseException as exc:  # noqa: BLE001 - the device's failure, reported beside the others
             barrier.abort()  # the others stop waiting at their gate
@@ -312,7 +306,7 @@ def _worker(conn: Connection, kind: str, count: int, ordinal: int, cfg: Pipeline
             conn.send(("progress", count))
 
     try:
-        result = _job(cfg)(driver, cfg, ordinal=ordinal, start_gate=gate, on_verified=verified)
+        result = job_for(cfg)(driver, cfg, ordinal=ordinal, start_gate=gate, on_verified=verified)
         conn.send(("done", result, started[0]))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent
         conn.send(("failed", _describe(exc)))

@@ -88,7 +88,7 @@ class PipelineConfig:
     rebuild_at: int | None = None  # ask the device for a Rebuild when this batch is copied in
     fault_at: int | None = None  # test hook: launch ILLEGAL_STORE (a sticky error) when this batch is copied in
     timeout_s: float = 600.0
-    graph: bool = False  # run_job: the graph mode (graph_pipeline.run_graph_pipeline), not the actors
+    graph: bool = False  # graph_pipeline.job_for runs the graph mode (run_graph_pipeline), not the actors
     graph_lanes: int | None = None  # graph mode: batches per replay (None: by batch size, graph_pipeline.lanes_for)
 
 

@@ -34,7 +34,7 @@ import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, Final
 
@@ -44,9 +44,9 @@ from ...actors import Allocate, CopyActor, CopyDeviceToDevice, DeviceActor, Fill
 from ...driver.host import HostDriver
 from ...driver.open import open_driver
 from ..batches import BatchData
-from ..graph_pipeline import run_graph_pipeline
+from ..graph_pipeline import job_for
 from ..multi_pipeline import DEFAULT_PLACEMENT, READY_TIMEOUT_S, run_on_devices
-from ..pipeline import PipelineConfig, run_pipeline
+from ..pipeline import PipelineConfig
 from ..raw_pipeline import raw_pipeline
 from .harness import Context, Group, Op, Row, SkipRow, given, no_gc
 from .plan import MIB, Plan, size_text
@@ -77,8 +77,7 @@ def _demo_measure(size: int, last: list[list[float]],
         count = _need_two(ctx)
         nbytes, batches = ctx.plan.pipe_sizes[size]
         cfg = PipelineConfig(batches=batches, batch_bytes=nbytes, depth=DEPTH, graph=graph)
-        job = run_graph_pipeline if graph else run_pipeline
-        warm = job(ctx.driver, PipelineConfig(batches=min(4 * DEPTH, batches), batch_bytes=nbytes, depth=DEPTH))
+        warm = job_for(cfg)(ctx.driver, replace(cfg, batches=min(4 * DEPTH, batches)))
         if not warm.ok:
             raise RuntimeError(f"one-device warm-up failed verification: {warm.errors[:3]}")
         ours: list[float] = []
