@@ -39,6 +39,9 @@ int graph_launch(void *exec, void *s) { u64 v[] = {10, (u64)exec, (u64)s}; keep(
 int memcpy_set(void *exec, void *node, void *params, void *ctx) {
     u64 v[] = {11, (u64)exec, (u64)node, (u64)params, (u64)ctx}; keep(5, v); return 0;
 }
+int kernel_set(void *exec, void *node, void *params) {
+    u64 v[] = {13, (u64)exec, (u64)node, (u64)params}; keep(4, v); return 0;
+}
 int memset_d8(u64 dst, unsigned char byte, unsigned long n, void *s) {
     u64 v[] = {12, dst, byte, n, (u64)s}; keep(5, v); return 0;
 }
@@ -48,6 +51,7 @@ _NAMES = {"cuMemcpyHtoDAsync": "htod", "cuMemcpyDtoHAsync": "dtoh", "cuMemcpyDto
           "cuEventRecord": "record", "cuEventQuery": "query", "cuEventCreate": "create",
           "cuStreamWaitEvent": "wait_event", "cuDevicePrimaryCtxGetState": "state", "cuLaunchKernel": "launch",
           "cuGraphLaunch": "graph_launch", "cuGraphExecMemcpyNodeSetParams": "memcpy_set",
+          "cuGraphExecKernelNodeSetParams": "kernel_set",
           "cuMemsetD8Async": "memset_d8"}
 
 
@@ -79,6 +83,7 @@ def test_each_call_passes_its_arguments_and_returns_the_code(
     assert held.stream_wait(0x77, 0xE1, 0) == 0 and list(last[:4]) == [7, 0x77, 0xE1, 0]
     assert held.graph_launch(0xEE, 0x77) == 0 and list(last[:3]) == [10, 0xEE, 0x77]
     assert held.graph_memcpy_set(0xEE, 0xD0, 0x9000, 0xC7) == 0 and list(last[:5]) == [11, 0xEE, 0xD0, 0x9000, 0xC7]
+    assert held.graph_kernel_set(0xEE, 0xD1, 0x9100) == 0 and list(last[:4]) == [13, 0xEE, 0xD1, 0x9100]
     assert held.memset_d8(big, 0xAB, 1 << 20, 0x77) == 0 and list(last[:5]) == [12, big, 0xAB, 1 << 20, 0x77]
     assert held.primary_active(3) == (0, True) and held.primary_active(0) == (0, False)
     assert held.launch(0xF0, 2, 1, 1, 256, 1, 1, 0, 0x77, 0xA000, None) == 0

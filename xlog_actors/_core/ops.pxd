@@ -15,6 +15,7 @@ ctypedef CUresult (*MemFree_t)(CUdeviceptr) noexcept nogil
 ctypedef CUresult (*GraphLaunch_t)(void*, CUstream) noexcept nogil
 ctypedef CUresult (*EventQuery_t)(CUevent) noexcept nogil
 ctypedef CUresult (*GraphMemcpySet_t)(void*, void*, const void*, void*) noexcept nogil
+ctypedef CUresult (*GraphKernelSet_t)(void*, void*, const void*) noexcept nogil
 ctypedef CUresult (*PrimaryCtxGetState_t)(int, unsigned int*, int*) noexcept nogil
 ctypedef CUresult (*MemsetD8Async_t)(CUdeviceptr, unsigned char, size_t, CUstream) noexcept nogil
 ctypedef CUresult (*MemcpyHtoDAsync_t)(CUdeviceptr, const void*, size_t, CUstream) noexcept nogil
@@ -81,6 +82,7 @@ cdef class CudaOps(DriverOps):
     cdef GraphLaunch_t _graph_launch
     cdef EventQuery_t _event_query
     cdef GraphMemcpySet_t _graph_memcpy_set
+    cdef GraphKernelSet_t _graph_kernel_set
     cdef PrimaryCtxGetState_t _primary_state
     cdef MemsetD8Async_t _memset_d8
     cdef MemcpyHtoDAsync_t _memcpy_htod

@@ -199,6 +199,7 @@ cdef class CudaOps(DriverOps):
         self._graph_launch = <GraphLaunch_t>PyLong_AsVoidPtr(entry_points["cuGraphLaunch"])
         self._event_query = <EventQuery_t>PyLong_AsVoidPtr(entry_points["cuEventQuery"])
         self._graph_memcpy_set = <GraphMemcpySet_t>PyLong_AsVoidPtr(entry_points["cuGraphExecMemcpyNodeSetParams"])
+        self._graph_kernel_set = <GraphKernelSet_t>PyLong_AsVoidPtr(entry_points["cuGraphExecKernelNodeSetParams"])
         self._primary_state = <PrimaryCtxGetState_t>PyLong_AsVoidPtr(entry_points["cuDevicePrimaryCtxGetState"])
         self._memset_d8 = <MemsetD8Async_t>PyLong_AsVoidPtr(entry_points["cuMemsetD8Async"])
         self._memcpy_htod = <MemcpyHtoDAsync_t>PyLong_AsVoidPtr(entry_points["cuMemcpyHtoDAsync"])
@@ -397,7 +398,8 @@ cdef class CudaOps(DriverOps):
     cdef bint graph_host_set(self, object graph, object node, unsigned long long address) except -1:
         # A host copy node of an open ``CudaGraph`` of this device and of the current epoch, with
         # its host pointer field located (``node.host_at``): the new address is written into the
-        # node's kept ``CUDA_MEMCPY3D`` and set on the exec. False (nothing done) otherwise: the
+        # node's kept ``CUDA_MEMCPY3D`` (or, for a copy-kernel node, its argument slot) and set on
+        # the exec. False (nothing done) otherwise: the
         # caller takes ``CudaGraph.swap_host``, which raises the precise error. The caller
         # serializes this with the graph's other calls, as for ``graph_launch``.
         cdef CUresult err
@@ -409,11 +411,16 @@ cdef class CudaOps(DriverOps):
         cell = <unsigned long long*>PyLong_AsVoidPtr(node.host_at)
         old = cell[0]
         cell[0] = address
-        err = self._graph_memcpy_set(PyLong_AsVoidPtr(graph._exec_h), PyLong_AsVoidPtr(node.node_h),
-                                     PyLong_AsVoidPtr(node.params_h), PyLong_AsVoidPtr(graph._ctx_h))
+        if node.args is not None:
+            err = self._graph_kernel_set(PyLong_AsVoidPtr(graph._exec_h), PyLong_AsVoidPtr(node.node_h),
+                                         PyLong_AsVoidPtr(node.params_h))
+        else:
+            err = self._graph_memcpy_set(PyLong_AsVoidPtr(graph._exec_h), PyLong_AsVoidPtr(node.node_h),
+                                         PyLong_AsVoidPtr(node.params_h), PyLong_AsVoidPtr(graph._ctx_h))
         if err != 0:
             cell[0] = old
-            self._dev.fail(self._cuda_result(err), "cuGraphExecMemcpyNodeSetParams")
+            self._dev.fail(self._cuda_result(err), "cuGraphExecKernelNodeSetParams" if node.args is not None
+                           else "cuGraphExecMemcpyNodeSetParams")
         return True
 
     # The enqueue-only calls of a library actor's one-handle work (``library_core``): a live

@@ -9,10 +9,12 @@ batch also compared byte for byte after the timed run. What differs is how batch
 * the ring's slots form groups of :func:`lanes_for` slots, each group one graph whose lanes are
   its slots (lanes run side by side on the device); one ``replay`` in the orchestrating thread
   sends a batch through every lane, instead of three asks of library actors per batch. Lane
-  ``k`` was recorded with input ``k``; a replay binds each lane's batch's own input (one node
-  update each) and, for the batches compared byte for byte, a buffer of their own for the copy
-  back. Several lanes a replay pay the launch, the tracking and the completion once for all of
-  them, which is what small batches need; large ones take one lane a replay;
+  ``k`` reads input ``first + k`` (of ``depth + 1``, turning over): each group has a graph
+  derived for each arrangement of the inputs (``BatchGraph.derive``), so the usual replay binds
+  nothing and updates no node; the batches compared byte for byte (a buffer of their own for
+  the copy back) and the run's last replay go through the group's own graph, bound for them.
+  Several lanes a replay pay the launch, the tracking and the completion once for all of them,
+  which is what small batches need; large ones take one lane a replay;
 * each group's graph replays on its own stream, so batches of different groups overlap on the
   device (one's copies in beside another's kernels and copies out), as the actor pipeline's
   three streams let them;
@@ -37,7 +39,7 @@ from typing import Any
 import numpy as np
 import pykka
 
-from ..actors import BatchGraph, CopyActor, DeviceActor, GpuRef, GraphDone, HostBinding
+from ..actors import BatchGraph, CopyActor, DeviceActor, GpuRef, GraphDone
 from ..actors.batch_graph import Stage
 from ..actors.library_messages import CopyToDevice, CopyToHost, Fill, In, Launch, Out
 from ..actors.messages import Allocate, GetStats, Rebuild
@@ -81,8 +83,13 @@ class _Group:
     lanes: list[_Lane]
     graph: BatchGraph
     done: GraphDone | None = None
-    #: the prepared bindings of the inputs, by the first lane's input
-    bindings: dict[int, HostBinding] = field(default_factory=dict)
+    #: graphs derived from ``graph``, by the first lane's input: lane ``j`` reads input
+    #: ``(first + j) % len(inputs)`` and copies back into its slot's host output
+    arranged: dict[int, BatchGraph] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for graph in [self.graph, *self.arranged.values()]:
+            graph.close()
 
 
 def lanes_for(cfg: PipelineConfig) -> int:
@@ -136,7 +143,12 @@ class _GraphRun:
                 CopyToHost(lane.out, self.out_bytes, out=lane.host),
             ] for j, lane in enumerate(lanes)]
             graph = BatchGraph.record(self.device, stages)
-            groups.append(_Group(first, lanes, graph))
+            group = _Group(first, lanes, graph)
+            groups.append(group)
+            n = len(self.inputs)
+            for at in range(n):
+                bind: dict[Any, Any] = {self.inputs[j]: self.inputs[(at + j) % n] for j in range(len(lanes))}
+                group.arranged[at] = graph.derive(bind)
         return groups
 
     def _new_lane(self, s: int) -> _Lane:
@@ -178,7 +190,8 @@ class _GraphRun:
             self.rebuilt = True
             self.device.ask(Rebuild("demo: rebuild mid-pipeline (graph mode)"))
         try:
-            group.done = group.graph.replay(self._binding(group, indices))
+            graph, bind = self._replay_of(group, indices)
+            group.done = graph.replay(bind)
         except GpuRefStale:
             sent = [i for i in indices if i is not None]
             self.stale_retries += len(sent)
@@ -189,30 +202,29 @@ class _GraphRun:
             lane.batch = index
         self.turn = (self.turn + 1) % len(self.groups)
 
-    def _binding(self, group: _Group, indices: list[int | None]) -> dict[Any, Any] | HostBinding:
-        """What ``group``'s replay of ``indices`` binds: each lane's batch's input and, for a
-        kept batch, its own buffer for the copy back (and back to the slot's after it). The
-        usual replay, consecutive batches moving no copy back, takes the group's prepared
-        binding for its first input (made on first use: the inputs turn over in ``len(inputs)``
-        arrangements)."""
+    def _replay_of(self, group: _Group, indices: list[int | None]) -> tuple[BatchGraph, dict[Any, Any] | None]:
+        """What replays ``indices`` in ``group``: the usual replay (consecutive batches, none
+        kept) is the group's graph derived for its first input, with nothing to bind; the rest
+        (a kept batch, whose copy back lands in its own buffer, and the run's last replay with
+        spare lanes) is the group's own graph, bound for it."""
+        first = indices[0]
+        kept = self.kept
+        if first is not None and all(index == first + j and index not in kept for j, index in enumerate(indices)):
+            return group.arranged[first % len(self.inputs)], None
+        return group.graph, self._binding(group, indices)
+
+    def _binding(self, group: _Group, indices: list[int | None]) -> dict[Any, Any]:
+        """What the group's own graph binds to replay ``indices``: each lane's batch's input
+        and the buffer its copy back lands in (a kept batch's own, else the slot's), each named
+        only when it changes (an unchanged binding costs nothing, but naming it costs a
+        lookup)."""
         bind: dict[Any, Any] = {}
         inputs = self.inputs
-        for lane, index in zip(group.lanes, indices, strict=True):
-            # A kept batch's copy back lands in its own buffer; every other one, a spare's too,
-            # in the slot's (lane.host, the operand the lane was recorded with). Named only when
-            # it changes: an unchanged binding costs nothing, but naming it costs a lookup.
+        n = len(inputs)
+        for j, (lane, index) in enumerate(zip(group.lanes, indices, strict=True)):
             host = lane.host if index is None else self.kept.get(index, lane.host)
             if host is not lane.bound_host:
                 bind[lane.host] = lane.bound_host = host
-        first = indices[0]
-        n = len(inputs)
-        if not bind and first is not None and all(index == first + j for j, index in enumerate(indices)):
-            prepared = group.bindings.get(first % n)
-            if prepared is None:
-                prepared = group.bindings[first % n] = group.graph.host_binding(
-                    {inputs[j]: inputs[(first + j) % n] for j in range(len(indices))})
-            return prepared
-        for j, index in enumerate(indices):
             if index is not None:
                 bind[inputs[j]] = inputs[index % n]
         return bind
@@ -227,7 +239,7 @@ class _GraphRun:
                 self.stale_retries += len(in_flight)
                 self.todo.extendleft(reversed(in_flight))
         for group in self.groups:
-            group.graph.close()
+            group.close()
         self.groups = self._new_groups()
         self.turn = 0
 
@@ -238,7 +250,7 @@ class _GraphRun:
 
     def close(self) -> None:
         for group in self.groups:
-            group.graph.close()
+            group.close()
 
 
 def job_for(cfg: PipelineConfig) -> Callable[..., PipelineResult]:

@@ -191,6 +191,9 @@ class CudaDevice(Stamped):
         major = self._attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
         minor = self._attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
         self.arch = f"sm_{major}{minor}"
+        #: the device reaches pinned host memory at its host address (graphs copy small host
+        #: buffers with a kernel then: see ``graph_copies``)
+        self.unified = bool(self._attribute("CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING"))
 
     def _attribute(self, name: str) -> int:
         err, value = cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, name), self.cudev)

@@ -52,7 +52,16 @@ import numpy as np
 
 from ...errors import ContextLost, DeviceUnavailable, InvalidRequest, XlogError
 from ..checks import check_launch, check_microseconds
-from ..graph import DeviceToDevice, GraphStep, KernelStep, Memset, check_lanes, check_steps
+from ..graph import (
+    DeviceToDevice,
+    DeviceToHost,
+    GraphStep,
+    HostToDevice,
+    KernelStep,
+    Memset,
+    check_lanes,
+    check_steps,
+)
 from ..kernel import Kernel
 from ..protocol import Driver
 from .call import (
@@ -71,6 +80,7 @@ from .context import CudaDevice
 from .current import TOKEN_WRITES, set_thread_token, tls
 from .gates import check_ptr
 from .graph import CudaGraph
+from .graph_copies import COPY_KERNEL, KERNEL_COPY_MAX
 from .held import HELD_ENTRY_POINTS, HeldCalls, as_result
 from .memory import CudaMemory
 from .nvrtc import SLEEP_KERNEL
@@ -412,7 +422,8 @@ class CudaDriver(CudaPeer, CudaMemory):
 
     def record_graph(self, ordinal: int, steps: Sequence[GraphStep], lanes: Sequence[int] | None = None) -> CudaGraph:
         """Record ``steps`` as a ``CUgraphExec`` of explicit nodes, one per step, a chain per
-        lane (:mod:`.graph`); kernels are compiled and loaded first.
+        lane (:mod:`.graph`); kernels are compiled and loaded first, the copy kernel too when a
+        host copy is small enough to be one (:mod:`.graph_copies`).
 
         Arguments and result: as ``Driver.record_graph``.
         Raises:
@@ -427,6 +438,7 @@ class CudaDriver(CudaPeer, CudaMemory):
         dev = self._device(ordinal)
         dev.enter()
         functions = []
+        copy_fn = None
         for step in checked:
             if isinstance(step, KernelStep):
                 check_launch(step.kernel, step.grid, step.block, list(step.args))
@@ -436,9 +448,12 @@ class CudaDriver(CudaPeer, CudaMemory):
                 check_ptr(step.dst, f"device {ordinal}: graph step")
                 if isinstance(step, DeviceToDevice):
                     check_ptr(step.src, f"device {ordinal}: graph step")
+            elif isinstance(step, (HostToDevice, DeviceToHost)) and copy_fn is None and dev.unified \
+                    and step.nbytes <= KERNEL_COPY_MAX:
+                copy_fn = dev.function(COPY_KERNEL)
         with dev.lock:
             dev.enter()
-            return CudaGraph(dev, checked, functions, _pack_args, self._is_pinned, lane_lengths)
+            return CudaGraph(dev, checked, functions, _pack_args, self._is_pinned, lane_lengths, copy_fn)
 
     # -- context lifetime -------------------------------------------------------------------
     def check_context(self, ordinal: int) -> None:

@@ -8,10 +8,16 @@ the lanes of one launch may run at the same time. cuda.core's graph builder capt
 whole graphs (``cuGraphExecUpdate``), not single nodes, so the nodes are made through
 ``cuda.bindings`` here.
 
+A host copy of at most ``KERNEL_COPY_MAX`` bytes is a copy-kernel node rather than a memcpy
+node (:mod:`.graph_copies` says why: the launch costs the CPU about a third as much per node):
+the step is the same ``HostToDevice``/``DeviceToHost`` to every caller, only its node differs.
+
 The hot calls keep the GIL (see :mod:`.held`): ``cuGraphLaunch`` only enqueues, and a memcpy
 node's update takes the node's ``CUDA_MEMCPY3D`` by address, kept per node and changed in place
-(its host or device address), so an update builds no new struct. The rest (recording, kernel and
-memset updates, destruction) goes through cuda.bindings.
+(its host or device address), so an update builds no new struct; a copy kernel's update writes
+the new address into the node's own argument slot (``CopyArgs``) and sets the kernel node's
+parameters the same way. The rest (recording, kernel and memset updates, destruction) goes
+through cuda.bindings.
 
 Lifetime: a graph belongs to its device's epoch. A launch takes the launch stream's gate and
 checks, under it, that the stream and the graph are of the current epoch, so a rebuild either
@@ -50,6 +56,7 @@ from ..graph import (
     same_shape,
 )
 from .call import SUCCESS, cu
+from .graph_copies import KERNEL_COPY_MAX, CopyArgs, copy_grid
 from .held import as_result
 from .memory import _address
 
@@ -62,6 +69,9 @@ __all__ = ["CudaGraph"]
 _HOST = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_HOST
 _DEVICE = None if cu is None else cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
 
+
+#: The call that sets a host copy node's parameters: [a copy kernel's, a memcpy node's].
+_SET_CALL = ("cuGraphExecKernelNodeSetParams(xlog_graph_copy)", "cuGraphExecMemcpyNodeSetParams")
 
 #: Where ``srcHost`` and ``dstHost`` lie in a ``CUDA_MEMCPY3D`` (cuda.h's layout, stable since
 #: CUDA 3.2: four size_t, the memory type and its padding, then the host pointer; the destination
@@ -78,22 +88,33 @@ class _Node:
     ``CUDA_MEMCPY3D``'s host pointer field of a host copy, as a ``c_uint64`` over the struct's
     own memory (None where the layout check failed: the cuda.bindings setters are used then)."""
 
-    __slots__ = ("addresses", "host", "host_at", "keep", "node", "node_h", "params", "params_h", "src", "step")
+    __slots__ = ("addresses", "args", "host", "host_at", "keep", "node", "node_h", "params", "params_h", "src",
+                 "step")
 
-    def __init__(self, step: GraphStep, node: Any, params: Any, keep: object) -> None:
+    def __init__(self, step: GraphStep, node: Any, params: Any, keep: object, args: CopyArgs | None = None) -> None:
         self.step, self.node, self.params, self.keep = step, node, params, keep
         self.node_h = int(node)
+        #: a host copy made a copy-kernel node: its argument memory (None: a memcpy node or
+        #: another step); its ``params`` are then the kernel node's
+        self.args = args
+        #: a copy from the host (its source is the host side)
+        self.src = isinstance(step, HostToDevice)
+        self.host: ctypes.c_uint64 | None = None
+        #: the host field's address (0: none), for the compiled core's rebinding
+        self.host_at = 0
+        if args is not None:
+            self.params_h = params.getPtr()
+            dst, src = int(args.slots[0]), int(args.slots[1])
+            self.addresses = (src, 0, 0, dst) if self.src else (0, src, dst, 0)
+            self.host_at = args.at(1 if self.src else 0)
+            self.host = ctypes.c_uint64.from_address(self.host_at)
+            return
         self.params_h = params.getPtr() if isinstance(params, cu.CUDA_MEMCPY3D) else 0
         #: (srcHost, srcDevice, dstHost, dstDevice) of a copy node
         self.addresses = (
             (int(params.srcHost), int(params.srcDevice), int(params.dstHost), int(params.dstDevice))
             if self.params_h else (0, 0, 0, 0)
         )
-        self.host: ctypes.c_uint64 | None = None
-        #: the host field's address (0: none), for the compiled core's rebinding
-        self.host_at = 0
-        #: a copy from the host (its source is the host side)
-        self.src = isinstance(step, HostToDevice)
         if isinstance(step, (HostToDevice, DeviceToHost)):
             at, want = (_SRC_HOST_AT, self.addresses[0]) if self.src else (_DST_HOST_AT, self.addresses[2])
             cell = ctypes.c_uint64.from_address(self.params_h + at)
@@ -118,7 +139,7 @@ class CudaGraph:
     """
 
     def __init__(self, dev: CudaDevice, steps: Sequence[GraphStep], functions: Sequence[Any],
-                 pack: Any, is_pinned: Any, lanes: tuple[int, ...] | None = None) -> None:
+                 pack: Any, is_pinned: Any, lanes: tuple[int, ...] | None = None, copy_fn: Any = None) -> None:
         """Record ``steps`` (checked) on ``dev``, current in the calling thread.
 
         Args:
@@ -129,6 +150,8 @@ class CudaGraph:
             functions: each ``KernelStep``'s ``CUfunction`` (in order of the kernel steps).
             pack: ``(kernel, args) -> (slots, params)``, the driver's argument packer.
             is_pinned: ``(address, nbytes) -> bool``, the driver's pinned-memory test.
+            copy_fn: the copy kernel's ``CUfunction`` (:mod:`.graph_copies`): host copies of at
+                most ``KERNEL_COPY_MAX`` bytes become its nodes. None: every copy a memcpy node.
         Raises:
             InvalidRequest: a host view outside pinned memory.
             DriverError, ContextPoisoned: a node the driver refuses.
@@ -149,6 +172,7 @@ class CudaGraph:
         # and pinned while it is a key): a rebound view is then checked once, not per update.
         self._pinned_views: dict[int, tuple[memoryview, int]] = {}
         self._functions = list(functions)
+        self._copy_fn = copy_fn
         self._lanes = lanes if lanes is not None else (len(steps),)
         self._nodes: list[_Node] = []
         err, self._graph = cu.cuGraphCreate(0)
@@ -248,6 +272,9 @@ class CudaGraph:
             params, keep = self._memset_params(step), None
             err, node = cu.cuGraphAddMemsetNode(graph, prev, len(prev), params, dev.ctx)
             what = f"cuGraphAddMemsetNode({step.nbytes} bytes at {step.dst:#x})"
+        elif (isinstance(step, (HostToDevice, DeviceToHost)) and self._copy_fn is not None
+              and step.nbytes <= KERNEL_COPY_MAX):
+            return self._add_kernel_copy(i, step, prev)
         else:
             params, keep = self._copy_params(i, step)
             err, node = cu.cuGraphAddMemcpyNode(graph, prev, len(prev), params, dev.ctx)
@@ -255,6 +282,37 @@ class CudaGraph:
         if err != SUCCESS:
             dev.fail(err, f"graph step {i}: {what}")
         return _Node(step, node, params, keep)
+
+    def _add_kernel_copy(self, i: int, step: HostToDevice | DeviceToHost, prev: list[Any]) -> _Node:
+        """A small host copy as a copy-kernel node (:mod:`.graph_copies`): the host side by its
+        address, which the device reaches through the pinned memory's mapping."""
+        if isinstance(step, HostToDevice):
+            view, dst, src = step.src, step.dst, 0
+            src = _address(view)
+            self._check_pinned(i, view, src)
+        else:
+            view, src = step.dst, step.src
+            dst = _address(view)
+            self._check_pinned(i, view, dst)
+        args = CopyArgs(dst, src, step.nbytes)
+        grid, block = copy_grid(step.nbytes)
+        p = cu.CUDA_KERNEL_NODE_PARAMS()
+        p.func = self._copy_fn
+        p.gridDimX, p.gridDimY, p.gridDimZ = grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = block
+        p.sharedMemBytes = 0
+        p.kernelParams = args.params
+        err, node = cu.cuGraphAddKernelNode(self._graph, prev, len(prev), p)
+        if err != SUCCESS:
+            self._dev.fail(err, f"graph step {i}: cuGraphAddKernelNode(xlog_graph_copy, {step.nbytes} bytes)")
+        return _Node(step, node, p, view, args)
+
+    def _set_node(self, node: _Node) -> int:
+        """Set ``node``'s kept parameters on the exec, the GIL kept: a held call's code."""
+        held = self._dev.held
+        if node.args is not None:
+            return int(held.graph_kernel_set(self._exec_h, node.node_h, node.params_h))
+        return int(held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h))
 
     # -- the protocol -----------------------------------------------------------------------------
     @property
@@ -377,10 +435,10 @@ class CudaGraph:
                 dev.enter()
                 old = node.host.value
                 node.host.value = address
-                err = dev.held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h)
+                err = self._set_node(node)
                 if err:
                     node.host.value = old
-                    dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
+                    dev.fail(as_result(err), f"graph step {index}: {_SET_CALL[node.args is None]}")
                 a = node.addresses
                 node.addresses = (address, 0, 0, a[3]) if node.src else (0, a[1], address, 0)
                 replaced, node.keep = node.keep, view
@@ -439,11 +497,18 @@ class CudaGraph:
         if new == old:
             node.keep = keep
             return None
-        p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = new
-        err = dev.held.graph_memcpy_set(self._exec_h, node.node_h, node.params_h, self._ctx_h)
+        args = node.args
+        if args is not None:  # a copy kernel's (dst, src): the device or host side of each
+            args.set(new[3] or new[2], new[0] or new[1])
+        else:
+            p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = new
+        err = self._set_node(node)
         if err:
-            p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = old
-            dev.fail(as_result(err), f"graph step {index}: cuGraphExecMemcpyNodeSetParams")
+            if args is not None:
+                args.set(old[3] or old[2], old[0] or old[1])
+            else:
+                p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = old
+            dev.fail(as_result(err), f"graph step {index}: {_SET_CALL[args is None]}")
         node.addresses = new
         replaced, node.keep = node.keep, keep
         return replaced if replaced is not keep else None

@@ -38,6 +38,7 @@ HELD_ENTRY_POINTS: Final = (
     "cuDevicePrimaryCtxGetState",
     "cuGraphLaunch",
     "cuGraphExecMemcpyNodeSetParams",
+    "cuGraphExecKernelNodeSetParams",
     "cuMemsetD8Async",
 )
 
@@ -65,6 +66,7 @@ class HeldCalls:
         "event_create",
         "event_query",
         "event_record",
+        "graph_kernel_set",
         "graph_launch",
         "graph_memcpy_set",
         "launch",
@@ -112,6 +114,10 @@ class HeldCalls:
         #: (graph exec, node, const CUDA_MEMCPY3D*, context) -> CUresult: a copy node's new
         #: addresses for later launches (the struct is read before the call returns)
         self.graph_memcpy_set = f(_INT, _PTR, _PTR, _PTR, _PTR)(entry_points["cuGraphExecMemcpyNodeSetParams"])
+        #: (graph exec, node, const CUDA_KERNEL_NODE_PARAMS*) -> CUresult: a kernel node's new
+        #: arguments for later launches (copied before the call returns; the _v2 struct, as the
+        #: CUDA 12.0 ABI resolves it and cuda.bindings lays it out)
+        self.graph_kernel_set = f(_INT, _PTR, _PTR, _PTR)(entry_points["cuGraphExecKernelNodeSetParams"])
 
     def new_event(self, flags: int) -> tuple[int, int]:
         """``cuEventCreate``: ``(CUresult, event handle)`` (the handle is 0 on failure)."""
