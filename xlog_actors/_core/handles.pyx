@@ -5,20 +5,26 @@
 lifetime hooks and the interop exports; this base holds what every ``access()`` and every
 allocation touches, so that a validation is a few C field loads (the state's
 :class:`TokenCell`, the token, the released flag, the weak reference) with no Python attribute
-lookup, and a handle is built without a Python constructor. A handle keeps its state's cell
-strongly and the state weakly: the cell is a few bytes, and the state's death still shows.
+lookup, and a handle is built without a Python constructor and dropped without a Python
+finalizer (see "the handle's life" below). A handle keeps its state's cell strongly and the state
+weakly: the cell is a few bytes, and the state's death still shows.
 
 Invariants: every field but ``_token``, ``_last_write`` and ``_released`` is fixed at
 construction. ``_token`` is the device state's token the handle was last validated against; it
 is refreshed (never invalidated) by the subclass's ``_stale`` when the token moved for a reason
 that leaves the handle valid. ``_released`` only flips through ``_mark_released`` (False -> True,
-exactly once per successful free) and back through ``_unmark_released`` after a failed free.
+exactly once per successful free) and back through ``_unmark_released`` after a failed free. A
+handle dropped unreleased hands its block to its context's ``reclaim`` (on whatever thread drops
+it, a collector's included), in a reference cycle too.
 
 Thread rule: any thread. ``_mark_released`` reads and writes the flag with the GIL held and no
 Python code in between, so of many threads releasing one handle exactly one wins, without a lock.
 """
 
 cimport cython
+from cpython.exc cimport PyErr_Fetch, PyErr_Restore
+from cpython.object cimport PyObject, PyTypeObject, destructor
+from cpython.ref cimport Py_DECREF
 from cpython.type cimport PyType_IsSubtype
 from cpython.weakref cimport PyWeakref_GetObject
 
@@ -47,6 +53,7 @@ cdef class TokenCell:
 cdef TokenCell _DEAD_CELL = TokenCell()
 
 
+@cython.no_gc_clear  # a handle in a cycle keeps its fields until its drop hands its free over
 cdef class HandleCore:
     """Fields and hot paths of a ``GpuRef`` (see the module docstring). Not made directly:
     :func:`make_handle` builds instances of a subclass.
@@ -104,15 +111,28 @@ cdef class HandleCore:
         """Undo ``_mark_released`` after a free that failed: the handle stays usable."""
         self._released = False
 
-    def __del__(self):
-        # The last reference went: hand the free to the device (its context queues it for the
-        # actor; never a driver call here, on whatever thread the collector runs).
-        if not self._released:
-            try:
-                self._context.reclaim(self._block)
-            except Exception:
-                pass  # at interpreter exit pykka may be gone: nothing leaks then, the process ends
 
+# -- the handle's life: made from a pool, and its drop -------------------------------------------
+#
+# A handle is made and dropped once per allocation, so both are cut to C work. Its drop is
+# ``_handle_dealloc``, installed as the handle type's ``tp_dealloc``: it hands the free of a
+# handle that was not released to its context (``reclaim``, never a driver call, as the module
+# docstring of ``context_core`` says) and puts the memory in a pool that the next handle is made
+# from. It replaces, for the handle types the core makes (``_adopt``), CPython's generic
+# deallocator of a Python subclass (``subtype_dealloc``) and the finalizer (``__del__``) that
+# did the hand-over before, which together were about 480 instructions a drop; the allocator's
+# malloc and free, about 230 more, are what the pool saves. A type is adopted only when it adds
+# nothing to ``HandleCore``'s layout (no ``__dict__``, no slots: ``GpuRef`` has ``__slots__ =
+# ()``) and has no finalizer of its own; any other subclass keeps the generic deallocator, which
+# ends in ``HandleCore``'s own ``tp_dealloc``, ``_handle_dealloc`` too, so every handle's drop
+# hands its free over.
+#
+# Without a finalizer the garbage collector no longer runs the hand-over before it clears a cycle,
+# so ``HandleCore`` is ``no_gc_clear``: a handle in a cycle keeps its fields until its drop (the
+# cycle is broken at its other members: a handle refers only to its block, context, state cell
+# and ids, none of which refers back to a handle, so every cycle through one has a member that
+# clears). The pool is a C array used with the GIL held and no Python code between its reads and
+# writes; a build without a GIL has no pool.
 
 cdef extern from *:
     """
@@ -123,11 +143,143 @@ cdef extern from *:
     static PyObject *xa_new_as(PyObject *base, PyObject *cls, PyObject *no_args) {
         return ((PyTypeObject *)base)->tp_new((PyTypeObject *)cls, no_args, NULL);
     }
+
+    #ifdef Py_GIL_DISABLED
+    #define XA_POOL_SIZE 0
+    #else
+    #define XA_POOL_SIZE 64
+    #endif
+    /* Dropped handles' memory, each an untracked object of refcount 0 whose fields hold None. */
+    static PyObject *xa_pool[XA_POOL_SIZE > 0 ? XA_POOL_SIZE : 1];
+    static int xa_pooled = 0;
+    static Py_ssize_t xa_handle_size = 0;  /* HandleCore's tp_basicsize, set when the module loads */
+
+    /* True when instances of `t` are laid out as HandleCore's, with no finalizer of their own:
+       they may come from the pool and go back to it. */
+    static inline int xa_poolable(PyTypeObject *t) {
+        return XA_POOL_SIZE > 0 && t->tp_basicsize == xa_handle_size && t->tp_itemsize == 0
+               && t->tp_dictoffset == 0 && t->tp_finalize == NULL && t->tp_del == NULL;
+    }
+
+    /* A pooled object made an instance of `t` (refcount 1, tracked by the collector, fields
+       None), or NULL when the pool is empty or `t` is not poolable. */
+    static inline PyObject *xa_pool_take(PyTypeObject *t) {
+        PyObject *o;
+        if (xa_pooled == 0 || !xa_poolable(t)) return NULL;
+        o = xa_pool[--xa_pooled];
+        PyObject_Init(o, t);  /* the type, a reference to it when it is a heap type, refcount 1 */
+        PyObject_GC_Track(o);
+        return o;
+    }
+
+    /* Keep `o` (refcount 0, untracked, fields None) for the next handle; 0 when the pool is full
+       or its type is not poolable. */
+    static inline int xa_pool_put(PyObject *o) {
+        if (xa_pooled >= XA_POOL_SIZE || !xa_poolable(Py_TYPE(o))) return 0;
+        xa_pool[xa_pooled++] = o;
+        return 1;
+    }
+
+    static inline void xa_clear_weakrefs(PyObject *o) {
+        PyTypeObject *t = Py_TYPE(o);
+        if (t->tp_weaklistoffset > 0) {
+            if (*(PyObject **)((char *)o + t->tp_weaklistoffset) != NULL) PyObject_ClearWeakRefs(o);
+        } else if (t->tp_weaklistoffset != 0) {
+            PyObject_ClearWeakRefs(o);
+        }
+    }
+
+    static inline void xa_set_refcnt(PyObject *o, Py_ssize_t n) { Py_SET_REFCNT(o, n); }
+    static inline Py_ssize_t xa_refcnt(PyObject *o) { return Py_REFCNT(o); }
+    static inline PyTypeObject *xa_type(PyObject *o) { return Py_TYPE(o); }
+    static inline void xa_gc_track(PyObject *o) { PyObject_GC_Track(o); }
+    static inline void xa_gc_untrack(PyObject *o) { PyObject_GC_UnTrack(o); }
+    static inline int xa_is_heap(PyTypeObject *t) { return (t->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0; }
     """
-    object xa_new_as(object base, object cls, object no_args)
+    PyObject* xa_new_as(object base, object cls, object no_args) except NULL
+    int XA_POOL_SIZE
+    Py_ssize_t xa_handle_size
+    bint xa_poolable(PyTypeObject* t) noexcept
+    PyObject* xa_pool_take(PyTypeObject* t) noexcept
+    bint xa_pool_put(PyObject* o) noexcept
+    void xa_clear_weakrefs(PyObject* o) noexcept
+    void xa_set_refcnt(PyObject* o, Py_ssize_t n) noexcept
+    Py_ssize_t xa_refcnt(PyObject* o) noexcept
+    PyTypeObject* xa_type(PyObject* o) noexcept
+    void xa_gc_track(PyObject* o) noexcept
+    void xa_gc_untrack(PyObject* o) noexcept
+    bint xa_is_heap(PyTypeObject* t) noexcept
 
 
 cdef tuple _NO_ARGS = ()
+cdef destructor _core_dealloc = (<PyTypeObject*>HandleCore).tp_dealloc  # Cython's: clears the fields, frees
+_probe = type("_Probe", (HandleCore,), {"__slots__": ()})  # a plain Python subclass: CPython's generic drop
+cdef destructor _generic_dealloc = (<PyTypeObject*>_probe).tp_dealloc
+del _probe
+xa_handle_size = (<PyTypeObject*>HandleCore).tp_basicsize
+
+
+cdef void _hand_over(PyObject* o) noexcept:
+    # The drop's Python part, on a handle kept alive for it (refcount 1): a handle that was not
+    # released hands its block to its context's reclaim queue.
+    cdef HandleCore ref = <HandleCore>o
+    if not ref._released and ref._context is not None:
+        try:
+            ref._context.reclaim(ref._block)
+        except Exception:
+            pass  # at interpreter exit pykka may be gone: nothing leaks then, the process ends
+
+
+cdef void _clear(PyObject* o) noexcept:
+    # The fields of a handle going to the pool: None, so it holds nothing alive.
+    cdef HandleCore ref = <HandleCore>o
+    ref._block = None
+    ref._generation = None
+    ref._state = None
+    ref._token = None
+    ref._cell = None
+    ref._context = None
+    ref._last_write = None
+    ref._released = False
+
+
+cdef void _handle_dealloc(PyObject* o) noexcept:
+    # tp_dealloc of HandleCore and of the types ``_adopt`` took: see the section's comment.
+    cdef PyTypeObject* t = xa_type(o)
+    cdef PyObject* exc_type
+    cdef PyObject* exc_value
+    cdef PyObject* exc_tb
+    xa_gc_untrack(o)
+    xa_clear_weakrefs(o)  # before any Python code runs: nothing can reach the handle again
+    xa_set_refcnt(o, 1)
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb)  # a drop may happen while an error is set
+    _hand_over(o)
+    if xa_refcnt(o) == 1 and xa_poolable(t):
+        _clear(o)
+    PyErr_Restore(exc_type, exc_value, exc_tb)
+    if xa_refcnt(o) != 1:
+        # Resurrected by the hand-over's Python code (it is never given the handle, so only
+        # through a C extension): it lives on, with its own reference to its type.
+        xa_set_refcnt(o, xa_refcnt(o) - 1)
+        xa_gc_track(o)
+        return
+    xa_set_refcnt(o, 0)
+    if not xa_pool_put(o):
+        _core_dealloc(o)
+    if xa_is_heap(t):
+        Py_DECREF(<object>(<PyObject*>t))  # what the generic deallocator does for an instance of a heap type
+
+
+(<PyTypeObject*>HandleCore).tp_dealloc = _handle_dealloc
+
+
+cdef int _adopt(type cls) except -1:
+    # Make ``_handle_dealloc`` the drop of ``cls`` when it is a plain heap subclass of HandleCore
+    # with the generic deallocator (a Python class that adds nothing: see the section's comment).
+    cdef PyTypeObject* t = <PyTypeObject*>cls
+    if t.tp_dealloc == _generic_dealloc and xa_poolable(t):
+        t.tp_dealloc = _handle_dealloc
+    return 0
 
 
 cdef HandleCore new_handle(type cls, object block, object context):
@@ -143,9 +295,16 @@ cdef TokenCell cell_of(object state):
 cdef HandleCore new_handle_with(type cls, object block, object context, object generation, object state_ref,
                                 object token, TokenCell cell):
     cdef HandleCore ref
+    cdef PyObject* found
     if not PyType_IsSubtype(cls, HandleCore):
         raise TypeError(f"make_handle: {cls.__name__} is not a subclass of HandleCore")
-    ref = <HandleCore>xa_new_as(HandleCore, cls, _NO_ARGS)
+    if (<PyTypeObject*>cls).tp_dealloc != _handle_dealloc:
+        _adopt(cls)  # once per type; a type it does not take is checked again, each time
+    found = xa_pool_take(<PyTypeObject*>cls)
+    if found == NULL:
+        found = xa_new_as(HandleCore, cls, _NO_ARGS)
+    ref = <HandleCore>found
+    Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
     ref._block = block
     ref._generation = generation
     ref._state = state_ref

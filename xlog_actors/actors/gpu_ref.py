@@ -62,8 +62,10 @@ class GpuRef(HandleCore):
 
     # The fields (``_block``, ``_generation``, ``_state``, ``_token``, ``_context``,
     # ``_last_write``, ``_released``), ``access()``, ``record_write``, the release flag and the
-    # finalizer that hands a dropped handle's free to its device are compiled
-    # (:class:`~xlog_actors._core.handles.HandleCore`).
+    # drop that hands a dropped handle's free to its device are compiled
+    # (:class:`~xlog_actors._core.handles.HandleCore`). No ``__dict__`` and no ``__del__``: a
+    # class that adds nothing to the compiled layout is one whose handles the core makes from a
+    # pool and drops in C (see handles.pyx).
     __slots__ = ()
 
     def __new__(cls, *_args: object, **_kwargs: object) -> GpuRef:  # noqa: PYI034 - it only raises
