@@ -44,6 +44,7 @@ _MEM_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong)
 _GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _NODE_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_KERNEL_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _PRIMARY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int))
 _MEMSET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p)
 _HTOD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
@@ -72,6 +73,7 @@ class FakeCuda:
             "cuGraphLaunch": _GRAPH_LAUNCH(lambda g, s: self._call("graph_launch", g, s)),
             "cuEventQuery": _QUERY(lambda e: self._call("query", e)),
             "cuGraphExecMemcpyNodeSetParams": _NODE_SET(lambda g, n, p, c: self._call("node_set", g, n, p, c)),
+            "cuGraphExecKernelNodeSetParams": _KERNEL_SET(lambda g, n, p: self._call("kernel_set", g, n, p)),
             "cuDevicePrimaryCtxGetState": _PRIMARY(self._primary_state),
             "cuMemsetD8Async": _MEMSET(lambda p, b, n, s: self._call("memset", p, b, n, s)),
             "cuMemcpyHtoDAsync": _HTOD(lambda d, h, n, s: self._call("htod", d, h, n, s)),

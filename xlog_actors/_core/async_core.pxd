@@ -11,8 +11,11 @@ from .resource_core cimport ResourceCore
 cdef class EventPool:
     cdef DriverOps _ops
     cdef list _free
+    cdef dict _shares  # id(event) -> holders past the first, for events several blocks hold
     cdef readonly Py_ssize_t created
     cdef object take(self)
+    cdef share(self, object event)
+    cdef release(self, object event)
 
 
 cdef class _Pending:
@@ -49,4 +52,5 @@ cdef class AsyncCore(ResourceCore):
     cdef object _recorded_event(self, object stream)
     cdef _prepare_locked(self, _Entry entry, object stream, object use_stream, object access)
     cdef _finish_locked(self, _Entry entry, object stream, object use_stream, object access)
+    cdef object _finish_sharing(self, _Entry entry, object stream, object use_stream, object access, object shared)
     cdef int use_blocks(self, list blocks, object use_stream, tuple accesses, bint finish) except -1

@@ -77,6 +77,7 @@ cdef class EventPool:
         """
         self._ops = ops_for(driver, ordinal)
         self._free = []
+        self._shares = {}
         self.created = 0
 
     cdef object take(self):
@@ -96,6 +97,28 @@ cdef class EventPool:
         Thread rule: any thread.
         """
         return self.take()
+
+    cdef share(self, object event):
+        # One more holder of ``event``: several blocks' tracking may hold one event (the last
+        # write, or the reads on a stream, of the blocks one graph replay used), recorded once.
+        key = id(event)
+        held = self._shares.get(key)
+        self._shares[key] = 1 if held is None else held + 1
+
+    cdef release(self, object event):
+        # A holder lets ``event`` go: back to the free list when it was the last one (an event
+        # re-recorded by its next taker while a block still waits on it would order too little).
+        cdef object held
+        if self._shares:
+            key = id(event)
+            held = self._shares.get(key)
+            if held is not None:
+                if held == 1:
+                    del self._shares[key]
+                else:
+                    self._shares[key] = held - 1
+                return
+        self._free.append(event)
 
     def put(self, event):
         """Give ``event`` back for reuse.
@@ -377,9 +400,10 @@ cdef class AsyncCore(ResourceCore):
             pending.nbytes += entry.nbytes
             self._pending_bytes += entry.nbytes
             if lw_event is not None:
-                self._events._free.append(lw_event)
+                self._events.release(lw_event)
             if reads:
-                self._events._free.extend(reads.values())
+                for event in reads.values():
+                    self._events.release(event)
         finally:
             lock_release(&self._lock)
         record_history(self, block, HISTORY_FREE)
@@ -547,7 +571,8 @@ cdef class AsyncCore(ResourceCore):
         """``prepare_block_use`` (``finish`` False) or ``finish_block_use`` (True) of every block
         of ``blocks`` with the access at the same index, in order, for work on ``use_stream``:
         the stream resolved once and the lock taken once, for a caller that tracks several
-        blocks at a time (a graph's replay). The errors are the single calls'; on one, the
+        blocks at a time (a graph's replay); the finish records one event for all of them
+        (``_finish_sharing``). The errors are the single calls'; on one, the
         blocks before it are done and the rest untouched, as a loop of single calls leaves them.
         Thread rule: any thread; everything runs under the lock."""
         cdef uint64_t key
@@ -560,13 +585,14 @@ cdef class AsyncCore(ResourceCore):
         for i in range(1, n):
             if ordinal_of(blocks[i]) != self._ordinal:
                 check_device(owner, self._ordinal, blocks[i])
+        shared = None  # the one event the finish records for all the blocks (_finish_sharing)
         lock_acquire(&self._lock)
         try:
             for i in range(n):
                 block = blocks[i]
                 entry = self._checked_entry(owner, block, ptr_of(block), &key)
                 if finish:
-                    self._finish_locked(entry, stream, use_stream, accesses[i])
+                    shared = self._finish_sharing(entry, stream, use_stream, accesses[i], shared)
                 else:
                     self._prepare_locked(entry, stream, use_stream, accesses[i])
         finally:
@@ -623,10 +649,63 @@ cdef class AsyncCore(ResourceCore):
             entry.lw_event = self._recorded_event(stream)
             entry.lw_stream = use_stream
             if old_event is not None:
-                self._events._free.append(old_event)
+                self._events.release(old_event)
         if entry.reads:
-            self._events._free.extend(entry.reads.values())
+            for event in entry.reads.values():
+                self._events.release(event)
             entry.reads = None
+
+    cdef object _finish_sharing(self, _Entry entry, object stream, object use_stream, object access, object shared):
+        # ``_finish_locked`` for one block of several whose work went on ``use_stream`` at once
+        # (a graph's replay): the first block that needs an event there records one (its own,
+        # re-recorded in place, or a new one) and every later block takes that same event, so a
+        # replay records one event, not one a block. ``shared``: the event recorded so far by
+        # this call, or None; returned updated. An event re-recorded in place may be held by
+        # blocks outside the call too: only ever for this same stream (an event is only shared
+        # for the stream it is recorded on), so they wait for a later point of it, never less.
+        cdef EventPool events = self._events
+        if access is _READ:
+            if entry.lw_event is None and use_stream == entry.stream:
+                return shared  # as _finish_locked: the lazy fence covers it
+            reads = entry.reads
+            if reads is None:
+                reads = entry.reads = {}
+            event = reads.get(use_stream)
+            if event is not None and event is shared:
+                return shared
+            if shared is None:
+                if event is not None:
+                    self._ops.record(event, stream)
+                    return event
+                shared = self._recorded_event(stream)
+                reads[use_stream] = shared
+                return shared
+            events.share(shared)
+            reads[use_stream] = shared
+            if event is not None:
+                events.release(event)
+            return shared
+        old_event = entry.lw_event
+        if old_event is None and use_stream == entry.stream:
+            pass  # as _finish_locked: the lazy fence covers it
+        elif old_event is not None and entry.lw_stream == use_stream and (shared is None or old_event is shared):
+            if shared is None:
+                self._ops.record(old_event, stream)
+                shared = old_event
+        else:
+            if shared is None:
+                shared = self._recorded_event(stream)
+            else:
+                events.share(shared)
+            entry.lw_event = shared
+            entry.lw_stream = use_stream
+            if old_event is not None:
+                events.release(old_event)
+        if entry.reads:
+            for event in entry.reads.values():
+                events.release(event)
+            entry.reads = None
+        return shared
 
     def record_block_use(self, block, use_stream):
         """``finish_block_use(block, use_stream, Access.READ)``.

@@ -281,6 +281,7 @@ cdef class CacheCore(ResourceCore):
         return sb
 
     # -- allocation -------------------------------------------------------------------------
+    @cython.binding(False)
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
         """Allocate ``nbytes`` ordered on ``stream``: a kept block of the size's class when there
         is one (see the module docstring), else the upstream's.
@@ -480,6 +481,7 @@ cdef class CacheCore(ResourceCore):
         return None
 
     # -- free -------------------------------------------------------------------------------
+    @cython.binding(False)
     def deallocate(self, block):
         """Keep ``block`` for reuse on its stream (after the stream was made to wait for its
         uses on other streams); past the limit, after ``release()`` or above ``MAX_CACHED``, free
@@ -541,11 +543,12 @@ cdef class CacheCore(ResourceCore):
                         if rsid != sid:
                             self._up._ops.wait(home, event)
                 if entry.lw_event is not None:
-                    self._up._events._free.append(entry.lw_event)
+                    self._up._events.release(entry.lw_event)
                     entry.lw_event = None
                     entry.lw_stream = None
                 if entry.reads:
-                    self._up._events._free.extend(entry.reads.values())
+                    for event in entry.reads.values():
+                        self._up._events.release(event)
                     entry.reads = None
                 entry.generation = _KEPT  # the old handle is stale from here on
                 sb = s.bins

@@ -31,7 +31,57 @@ from .async_core cimport AsyncCore
 from .handles cimport HandleCore
 from .ops cimport DriverOps, ops_for
 
-__all__ = ["ReplayCore"]
+__all__ = ["GraphDone", "ReplayCore"]
+
+
+cdef class ReplayCore
+
+
+cdef class GraphDone:
+    """The completion of one replay: an event recorded on the graph's stream right after it.
+
+    A graph re-records a ring of 64 events in turn, so a ``GraphDone`` kept past 64 later
+    replays of its graph stands for a later replay: it then waits longer, never less.
+
+    Made by ``BatchGraph.replay`` only (a compiled object: a replay makes one, so it costs a
+    tenth of what a Python object would). Immutable.
+
+    Fields: ``event``, the driver event (a stream of the same driver may wait on it).
+
+    Thread rule: any thread; several threads may wait on one.
+    """
+
+    cdef readonly object event
+    cdef ReplayCore _core
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("GraphDone is made by BatchGraph.replay")
+
+    def done(self):
+        """Whether the replay ran; never blocks.
+
+        Raises:
+            DriverError: the context was rebuilt before the replay was seen to complete.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        return self._core._ops.query(self.event)
+
+    def wait(self):
+        """Block until the replay ran (its copies to the host have landed).
+
+        Raises:
+            DriverError: the context was rebuilt before the replay was seen to complete.
+            ContextPoisoned: the device saw a sticky error.
+        Thread rule: any thread.
+        """
+        # A replay already done (the usual case for a ring's oldest) answers a query, which keeps
+        # the GIL; the synchronize would let it go and take it back.
+        if not self._core._ops.query(self.event):
+            self.event.synchronize()
+
+    def __repr__(self):
+        return f"GraphDone(event={self.event!r})"
 
 
 cdef class ReplayCore:
@@ -115,7 +165,7 @@ cdef class ReplayCore:
         Args:
             graph: the driver's graph (``Graph``) to launch.
         Returns:
-            the completion event, recorded right after the launch.
+            a ``GraphDone`` of the completion event, recorded right after the launch.
         Raises:
             GpuRefStale: a handle is stale or released; nothing was enqueued.
             DriverError, ContextPoisoned, and the tracking's errors: the driver's and the
@@ -159,7 +209,10 @@ cdef class ReplayCore:
                 (<HandleCore>ref)._last_write = sid
             else:
                 ref.record_write(sid)
-        return event
+        cdef GraphDone done = GraphDone.__new__(GraphDone)
+        done.event = event
+        done._core = self
+        return done
 
     cdef object _done_event(self):
         """The next event of the ring, recorded now on the stream, with the views retired since

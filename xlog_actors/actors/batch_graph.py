@@ -46,15 +46,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import pykka
 
-from .._core.graph_replay import ReplayCore
+from .._core.graph_replay import GraphDone, ReplayCore
 from ..driver.graph import Graph
-from ..driver.protocol import Event, Stream
+from ..driver.protocol import Stream
 from ..errors import DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, StreamId
 from ..memory.pinned import PinnedBuffer
@@ -71,45 +70,6 @@ __all__ = ["BatchGraph", "GraphDone", "HostBinding", "Stage"]
 
 #: How many completion events a graph re-records in turn (see ``BatchGraph._done_event``).
 _DONE_EVENTS = 64
-
-
-@dataclass(frozen=True, slots=True)
-class GraphDone:
-    """The completion of one replay: an event recorded on the graph's stream right after it.
-
-    A graph re-records a ring of 64 events in turn, so a ``GraphDone`` kept past 64 later
-    replays of its graph stands for a later replay: it then waits longer, never less.
-
-    Fields: ``event``, the driver event (a stream of the same driver may wait on it).
-
-    Thread rule: any thread; several threads may wait on one.
-    """
-
-    event: Event = field(repr=False)
-    _query: Callable[[Event], bool] = field(repr=False, compare=False)
-
-    def done(self) -> bool:
-        """Whether the replay ran; never blocks.
-
-        Raises:
-            DriverError: the context was rebuilt before the replay was seen to complete.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread.
-        """
-        return self._query(self.event)
-
-    def wait(self) -> None:
-        """Block until the replay ran (its copies to the host have landed).
-
-        Raises:
-            DriverError: the context was rebuilt before the replay was seen to complete.
-            ContextPoisoned: the device saw a sticky error.
-        Thread rule: any thread.
-        """
-        # A replay already done (the usual case for a ring's oldest) answers a query, which keeps
-        # the GIL; the synchronize would let it go and take it back.
-        if not self._query(self.event):
-            self.event.synchronize()
 
 
 class HostBinding:
@@ -349,7 +309,8 @@ class BatchGraph:
             for recorded, new in bind.items():
                 slot = self._by_recorded.get(id(recorded))
                 if slot is None or slot.recorded is not recorded:
-                    raise InvalidRequest(f"BatchGraph.derive: bind names {recorded!r}, which no stage of the graph names")
+                    raise InvalidRequest(
+                        f"BatchGraph.derive: bind names {recorded!r}, which no stage of the graph names")
                 if new is not bound[id(recorded)]:
                     check_operand(new, recorded, ctx, None)
                     changed.append((id(recorded), new))
@@ -401,13 +362,12 @@ class BatchGraph:
             core = self._core
             try:
                 # Stale or released handles raise GpuRefStale before anything is enqueued.
-                event = core.replay(graph)
+                return core.replay(graph)
             except XlogError as exc:
                 if not isinstance(exc, GpuRefStale) and not ctx.is_current():
                     self._close_locked()
                     raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the replay") from exc
                 raise
-            return GraphDone(event, core.query)
 
     def _apply(self, binding: HostBinding, graph: Graph) -> None:
         """A prepared binding: in one compiled call when every buffer it changes may go by
