@@ -22,9 +22,9 @@ Python code in between, so of many threads releasing one handle exactly one wins
 """
 
 cimport cython
-from cpython.exc cimport PyErr_Fetch, PyErr_Restore
+from cpython.exc cimport PyErr_Fetch, PyErr_Occurred, PyErr_Restore
 from cpython.object cimport PyObject, PyTypeObject, destructor
-from cpython.ref cimport Py_DECREF
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.type cimport PyType_IsSubtype
 from cpython.weakref cimport PyWeakref_GetObject
 
@@ -121,7 +121,8 @@ cdef class HandleCore:
 # from. It replaces, for the handle types the core makes (``_adopt``), CPython's generic
 # deallocator of a Python subclass (``subtype_dealloc``) and the finalizer (``__del__``) that
 # did the hand-over before, which together were about 480 instructions a drop; the allocator's
-# malloc and free, about 230 more, are what the pool saves. A type is adopted only when it adds
+# malloc and free, about 230 more, are what the pool saves (it serves the first type adopted,
+# ``GpuRef``; another adopted type gets the drop without the pool). A type is adopted only when it adds
 # nothing to ``HandleCore``'s layout (no ``__dict__``, no slots: ``GpuRef`` has ``__slots__ =
 # ()``) and has no finalizer of its own; any other subclass keeps the generic deallocator, which
 # ends in ``HandleCore``'s own ``tp_dealloc``, ``_handle_dealloc`` too, so every handle's drop
@@ -149,20 +150,23 @@ cdef extern from *:
     #else
     #define XA_POOL_SIZE 64
     #endif
-    /* Dropped handles' memory, each an untracked object of refcount 0 whose fields hold None. */
+    /* Dropped handles' memory, each an untracked object of refcount 0 whose fields hold None,
+       and the one type whose handles it serves (the first adopted: GpuRef). */
     static PyObject *xa_pool[XA_POOL_SIZE > 0 ? XA_POOL_SIZE : 1];
     static int xa_pooled = 0;
+    static PyTypeObject *xa_pool_type = NULL;
     static Py_ssize_t xa_handle_size = 0;  /* HandleCore's tp_basicsize, set when the module loads */
 
     /* True when instances of `t` are laid out as HandleCore's, with no finalizer of their own:
-       they may come from the pool and go back to it. */
-    static inline int xa_poolable(PyTypeObject *t) {
+       a type whose handles may come from a pool and go back to it. */
+    static inline int xa_layout_plain(PyTypeObject *t) {
         return XA_POOL_SIZE > 0 && t->tp_basicsize == xa_handle_size && t->tp_itemsize == 0
                && t->tp_dictoffset == 0 && t->tp_finalize == NULL && t->tp_del == NULL;
     }
+    static inline int xa_poolable(PyTypeObject *t) { return t == xa_pool_type; }
 
     /* A pooled object made an instance of `t` (refcount 1, tracked by the collector, fields
-       None), or NULL when the pool is empty or `t` is not poolable. */
+       None), or NULL when the pool is empty or `t` is not the pool's type. */
     static inline PyObject *xa_pool_take(PyTypeObject *t) {
         PyObject *o;
         if (xa_pooled == 0 || !xa_poolable(t)) return NULL;
@@ -199,6 +203,8 @@ cdef extern from *:
     PyObject* xa_new_as(object base, object cls, object no_args) except NULL
     int XA_POOL_SIZE
     Py_ssize_t xa_handle_size
+    PyTypeObject* xa_pool_type
+    bint xa_layout_plain(PyTypeObject* t) noexcept
     bint xa_poolable(PyTypeObject* t) noexcept
     PyObject* xa_pool_take(PyTypeObject* t) noexcept
     bint xa_pool_put(PyObject* o) noexcept
@@ -246,17 +252,20 @@ cdef void _clear(PyObject* o) noexcept:
 cdef void _handle_dealloc(PyObject* o) noexcept:
     # tp_dealloc of HandleCore and of the types ``_adopt`` took: see the section's comment.
     cdef PyTypeObject* t = xa_type(o)
-    cdef PyObject* exc_type
-    cdef PyObject* exc_value
-    cdef PyObject* exc_tb
+    cdef PyObject* exc_type = NULL
+    cdef PyObject* exc_value = NULL
+    cdef PyObject* exc_tb = NULL
+    cdef bint saved = PyErr_Occurred() != NULL
     xa_gc_untrack(o)
     xa_clear_weakrefs(o)  # before any Python code runs: nothing can reach the handle again
     xa_set_refcnt(o, 1)
-    PyErr_Fetch(&exc_type, &exc_value, &exc_tb)  # a drop may happen while an error is set
+    if saved:
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb)  # a drop may happen while an error is set
     _hand_over(o)
     if xa_refcnt(o) == 1 and xa_poolable(t):
         _clear(o)
-    PyErr_Restore(exc_type, exc_value, exc_tb)
+    if saved:
+        PyErr_Restore(exc_type, exc_value, exc_tb)
     if xa_refcnt(o) != 1:
         # Resurrected by the hand-over's Python code (it is never given the handle, so only
         # through a C extension): it lives on, with its own reference to its type.
@@ -276,9 +285,13 @@ cdef void _handle_dealloc(PyObject* o) noexcept:
 cdef int _adopt(type cls) except -1:
     # Make ``_handle_dealloc`` the drop of ``cls`` when it is a plain heap subclass of HandleCore
     # with the generic deallocator (a Python class that adds nothing: see the section's comment).
+    global xa_pool_type
     cdef PyTypeObject* t = <PyTypeObject*>cls
-    if t.tp_dealloc == _generic_dealloc and xa_poolable(t):
+    if t.tp_dealloc == _generic_dealloc and xa_layout_plain(t):
         t.tp_dealloc = _handle_dealloc
+        if xa_pool_type == NULL:
+            Py_INCREF(cls)  # kept for the process: no other type may come to have its address
+            xa_pool_type = t
     return 0
 
 
@@ -296,10 +309,11 @@ cdef HandleCore new_handle_with(type cls, object block, object context, object g
                                 object token, TokenCell cell):
     cdef HandleCore ref
     cdef PyObject* found
-    if not PyType_IsSubtype(cls, HandleCore):
-        raise TypeError(f"make_handle: {cls.__name__} is not a subclass of HandleCore")
-    if (<PyTypeObject*>cls).tp_dealloc != _handle_dealloc:
-        _adopt(cls)  # once per type; a type it does not take is checked again, each time
+    if <PyTypeObject*>cls != xa_pool_type:  # the pool's type: a subclass, adopted already
+        if not PyType_IsSubtype(cls, HandleCore):
+            raise TypeError(f"make_handle: {cls.__name__} is not a subclass of HandleCore")
+        if (<PyTypeObject*>cls).tp_dealloc != _handle_dealloc:
+            _adopt(cls)  # once per type; a type it does not take is checked again, each time
     found = xa_pool_take(<PyTypeObject*>cls)
     if found == NULL:
         found = xa_new_as(HandleCore, cls, _NO_ARGS)
