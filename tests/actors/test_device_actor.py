@@ -495,10 +495,16 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
     assert keep.access().nbytes == 256
 
 
-def test_the_context_calls_the_resource_in_c_until_its_calls_are_replaced(device: pykka.ActorRef[Any]) -> None:
+@pytest.mark.parametrize("resource", ["async", "async+cache"])
+def test_the_context_calls_the_resource_in_c_until_its_calls_are_replaced(
+    host_driver: xa.HostDriver, resource: str
+) -> None:
+    # The stream-ordered resource's methods are Cython functions, the block cache's plain method
+    # descriptors: the context recognizes both as unreplaced.
+    device = xa.DeviceActor.start(0, driver=host_driver, resource=resource)
     client = device.ask(xa.GetClient())
     ctx = client._cell.lifecycle.context
-    assert ctx.runtime_in_c, "the default stack's top is the stream-ordered resource: called in C"
+    assert ctx.runtime_in_c, "the stack's top is the stream-ordered resource or its cache: called in C"
     runtime = ctx.runtime
     real_allocate, seen = runtime.allocate, []
 

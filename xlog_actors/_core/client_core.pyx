@@ -14,6 +14,8 @@ actor (an allocation) or dropped (a free: the memory went with the context).
 Thread rule: any thread but the device actor's own; any number at once.
 """
 
+cimport cython
+
 from types import MemberDescriptorType
 
 from cpython.object cimport PyObject
@@ -77,6 +79,7 @@ cdef class ClientCore:
             return None if found == NULL else <object>found  # NULL: the slot was never set
         return self._lifecycle.context
 
+    @cython.binding(False)
     def allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED):
         """Allocate one block, as ``Allocate`` does, in the calling thread.
 
@@ -109,6 +112,7 @@ cdef class ClientCore:
                         return ref
         return self._allocate_slow(nbytes, stream, tag)
 
+    @cython.binding(False)
     def free(self, ref):
         """Free ``ref`` now, in this thread. Idempotent, like the ``Free`` message.
 

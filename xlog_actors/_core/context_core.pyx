@@ -71,6 +71,13 @@ cdef object _CACHE_DEALLOCATE = CacheCore.deallocate
 cdef Py_ssize_t _BATCH = RECLAIM_BATCH
 
 
+cdef bint _own(object bound, object owner, object method) except -1:
+    # ``bound`` is the compiled class's ``method`` bound to ``owner``, not replaced: a Cython
+    # function's bound method or a method descriptor's bound builtin, compared as such (the same
+    # function and the same object).
+    return getattr(bound, "__self__", None) is owner and bound == method.__get__(owner, type(owner))
+
+
 cdef inline object _ptr(object block):
     # A resource's own block type read in C; any other block (an adaptor's) through Python.
     if type(block) is DeviceBlock:
@@ -134,16 +141,14 @@ cdef class ContextCore:
         # The stream-ordered resource's own methods, unreplaced: called in C, without the call
         # protocol (about 400 instructions per allocate + free).
         owner = getattr(allocate, "__self__", None)
-        if (isinstance(owner, AsyncCore) and getattr(deallocate, "__self__", None) is owner
-                and getattr(allocate, "__func__", None) is _ASYNC_ALLOCATE
-                and getattr(deallocate, "__func__", None) is _ASYNC_DEALLOCATE):
+        if (isinstance(owner, AsyncCore) and _own(allocate, owner, _ASYNC_ALLOCATE)
+                and _own(deallocate, owner, _ASYNC_DEALLOCATE)):
             self._async = <AsyncCore>owner
         else:
             self._async = None
         # A block cache on top (``"async+cache"``), likewise.
-        if (isinstance(owner, CacheCore) and getattr(deallocate, "__self__", None) is owner
-                and getattr(allocate, "__func__", None) is _CACHE_ALLOCATE
-                and getattr(deallocate, "__func__", None) is _CACHE_DEALLOCATE):
+        if (isinstance(owner, CacheCore) and _own(allocate, owner, _CACHE_ALLOCATE)
+                and _own(deallocate, owner, _CACHE_DEALLOCATE)):
             self._cache = <CacheCore>owner
         else:
             self._cache = None
