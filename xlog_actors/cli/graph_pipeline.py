@@ -121,8 +121,7 @@ class _GraphRun:
         self.kept = {index: _host_buffer(device, self.out_bytes) for index in {0, cfg.batches - 1}}
         # Each host output's running checksum as a one-element view of 64-bit unsigned ints,
         # made once (reading a memoryview's item is a third of reading a numpy one's).
-        self.sums = {id(h): memoryview(h.array(np.uint64)[self.tail // 8:]).cast("B").cast("Q")
-                     for h in [*self.hosts, *self.kept.values()]}
+        self.sums = {id(h): h.view()[self.tail:self.tail + 8].cast("Q") for h in [*self.hosts, *self.kept.values()]}
         self.groups: list[_Group] = self._new_groups()
         self.turn = 0  # the group that sends next
         self.todo: deque[int] = deque(range(cfg.batches))
