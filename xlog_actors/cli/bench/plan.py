@@ -41,7 +41,10 @@ class Plan:
     scale_high: int
     scale_rounds: int
     scale: tuple[int, int]  # (samples per phase, ops per sample)
-    threads: tuple[int, int]  # DeviceClient from 8 threads: (samples, allocate+free pairs per thread per sample)
+    # DeviceClient from 8 threads: (samples, allocate+free pairs per thread per sample); a share
+    # long against a thread's start at the sample's barrier (a wake-up, 0.15-0.23 ms on the GPU
+    # hosts), else the ratio measures the hand-offs: at 100 pairs a thread it reads about 0.5x
+    threads: tuple[int, int]
     workers: tuple[int, int]  # Allocate from 16 worker actors: (samples, asks per worker per sample)
     train_steps: int  # the torch training loop: steps per round (CUDA only)
     train_rounds: int  # and timed rounds, per half
@@ -88,7 +91,7 @@ _TABLE: dict[str, tuple[Any, Any, Any, Any]] = {
     "scale_high":       (100_000,      100_000,        5_000,          100_000),
     "scale_rounds":     (2,            4,              2,              2),
     "scale":            ((50, 10),     (300, 10),      (20, 10),       (100, 10)),
-    "threads":          ((20, 100),    (100, 200),     (6, 40),        (20, 100)),
+    "threads":          ((6, 1_000),   (20, 5_000),    (3, 200),       (8, 1_000)),
     "workers":          ((10, 20),     (60, 40),       (5, 10),        (15, 25)),
     "train_steps":      (1_000,        10_000,         1_000,          10_000),
     "train_rounds":     (3,            5,              3,              5),

@@ -184,7 +184,9 @@ CONCURRENCY = Group("many threads and many actors", (
         "per second", _threads, lambda f: f.many.run, lambda f: f.one.run, lambda p: p.threads,
         reference="the same pairs from 1 thread", kind="throughput", ours_ops=THREADS,
         ref_batch=lambda p: THREADS * p.threads[1], target=Target("ratio", ">=", 1.0), concurrency=(THREADS, 1),
-        note="a sample is one round of every thread running its share, started and joined at barriers"),
+        note="a sample is one round of every thread running its share (5,000 pairs on a GPU), started and joined "
+        "at barriers: a share long against a thread's start (a wake-up), so the ratio is the pairs' and not the "
+        "hand-offs'"),
     Row(f"Allocate {WORKERS} workers / 1 worker",
         f"device.ask(Allocate(4 KiB)) + dropping the GpuRef from {WORKERS} pykka worker actors at once: aggregate "
         "asks per second", _workers, lambda f: _ask_all(f.many), lambda f: _ask_all([f.one]), lambda p: p.workers,
@@ -201,5 +203,6 @@ CACHED_THREADS = Group("many threads on cached sizes", (
         "client, a cached size: aggregate pairs per second", _threads, lambda f: f.many.run, lambda f: f.one.run,
         lambda p: p.threads, reference="the same pairs from 1 thread", kind="throughput", ours_ops=THREADS,
         ref_batch=lambda p: THREADS * p.threads[1], target=Target("ratio", ">=", 1.0), concurrency=(THREADS, 1),
-        note="each thread keeps reusing its own kept block: no driver call left to serialize on"),
+        note="each thread keeps reusing its own kept block: no driver call left to serialize on; shares as in "
+        "the row above"),
 ), base=_cached_device)

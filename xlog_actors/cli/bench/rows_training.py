@@ -186,7 +186,7 @@ TRAINING = Group("training loop", (
         f"the tensor 4 steps before, per round: {_WHAT.get('ours', 'PyTorch through DeviceActor(0)')}",
         given, None, None, lambda p: (p.train_rounds, p.train_steps),
         reference=lambda f, p: f"the same loop on {_WHAT.get('ref', 'PyTorch caching allocator')}",
-        kind="throughput", target=Target("ratio", ">=", 0.95), host_skip="CUDA driver only (torch allocates on a GPU)",
+        kind="throughput", target=Target("ratio", ">=", 1.1), host_skip="CUDA driver only (torch allocates on a GPU)",
         note="steps per second; each half in its own process (torch takes a pluggable allocator only before its "
         "first CUDA allocation), one untimed round first; a round ends with torch.cuda.synchronize()",
         measure=_measure),
