@@ -9,10 +9,12 @@ batch also compared byte for byte after the timed run. What differs is how batch
 * the ring's slots form groups of :func:`lanes_for` slots, each group one graph whose lanes are
   its slots (lanes run side by side on the device); one ``replay`` in the orchestrating thread
   sends a batch through every lane, instead of three asks of library actors per batch. Lane
-  ``k`` reads input ``first + k`` (of ``depth + 1``, turning over): each group has a graph
-  derived for each arrangement of the inputs (``BatchGraph.derive``), so the usual replay binds
-  nothing and updates no node; the batches compared byte for byte (a buffer of their own for
-  the copy back) and the run's last replay go through the group's own graph, bound for them.
+  ``k`` reads input ``first + k`` (of ``depth + 1``, turning over): a group of several lanes
+  has a graph derived for each arrangement of the inputs (``BatchGraph.derive``), so the usual
+  replay binds nothing and updates no node; the batches compared byte for byte (a buffer of
+  their own for the copy back) and the run's last replay go through the group's own graph, bound
+  for them, as every replay of a one-lane group does (one node update beside a large batch's
+  copies).
   Several lanes a replay pay the launch, the tracking and the completion once for all of them,
   which is what small batches need; large ones take one lane a replay;
 * each group's graph replays on its own stream, so batches of different groups overlap on the
@@ -146,7 +148,7 @@ class _GraphRun:
             graph = BatchGraph.record(self.device, stages)
             group = _Group(first, lanes, graph)
             groups.append(group)
-            n = len(self.inputs)
+            n = len(self.inputs) if len(lanes) > 1 else 0  # one lane: a node update is nothing beside its copies
             for at in range(n):
                 bind: dict[Any, Any] = {self.inputs[j]: self.inputs[(at + j) % n] for j in range(len(lanes))}
                 group.arranged[at] = graph.derive(bind)
@@ -211,7 +213,7 @@ class _GraphRun:
         (a kept batch, whose copy back lands in its own buffer, and the run's last replay with
         spare lanes) is the group's own graph, bound for it."""
         first = indices[0]
-        if first is not None and indices == list(range(first, first + len(indices))) \
+        if group.arranged and first is not None and indices == list(range(first, first + len(indices))) \
                 and first not in self.kept and indices[-1] not in self.kept:  # the kept: the first and the last
             return group.arranged[first % len(self.inputs)], None
         return group.graph, self._binding(group, indices)
