@@ -138,14 +138,18 @@ class ChildLink:
 
     def take_frees(self) -> tuple[int, list[int]] | None:
         """Empty the free queue: ``(child generation, addresses)`` of the current generation, or
-        None when none is (older ones went with their context)."""
+        None when none is (older ones went with their context). Several senders may take at once
+        (the proxy and askers on the fast path): each free goes with exactly one of them."""
         frees = self.frees
         if not frees:
             return None
         current = self.ctx.child_generation
         ptrs = []
-        while frees:
-            generation, ptr = frees.popleft()
+        while True:
+            try:
+                generation, ptr = frees.popleft()
+            except IndexError:  # emptied, by this thread or another taking them at once (askers' fast paths)
+                break
             if generation == current:
                 ptrs.append(ptr)
         return (current, ptrs) if ptrs else None

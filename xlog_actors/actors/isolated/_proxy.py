@@ -18,12 +18,19 @@ Invariants:
   generation) and sends it; the child's reply, read by the reader thread, sets the asker's
   future, so the proxy goes on to the next ask at once. A child found dead when an ask is sent
   is replaced, and the ask goes to the new one.
-* **The fast path.** An ``Allocate`` is sent from the asker's own thread when nothing
-  is queued before it in the proxy's inbox and the proxy is idle (``CallerServedInbox`` says why
-  each sender's order is kept), through the child's call lane where it has one (``CALL_LANE``),
-  else on the pipe; the child's frame reader serves it itself when its device actor is quiet
-  (``_child``). On machines of four cores or more (``hot_waits.spin_budget``) the asker spins on
-  its ``SpinningFuture`` before it sleeps.
+* **The fast path.** An ``Allocate``, an ``ExportHandle`` (a handle pickled, or the export of a
+  copy's source) and a library actor's ``LibraryWork`` are sent from the asker's own thread when
+  nothing is queued before them in the proxy's inbox and the proxy is idle
+  (``CallerServedInbox`` says why each sender's order is kept): an ``Allocate`` through the
+  child's call lane where it has one (``CALL_LANE``), else on the pipe, where the child's frame
+  reader serves it itself when its device actor is quiet (``_child``); the others on the pipe,
+  mapped and checked exactly as the proxy's own path does (a ``LibraryWork``'s handles by
+  ``to_child``, counted in ``child.work`` before it is sent). Whatever the fast path cannot
+  serve (no serving child, a refusal, a message that cannot be pickled) goes to the proxy's own
+  path before anything was sent, which answers it as before. An asker of a parent-side library
+  actor reaches this from its own thread too (``_library``), so its ask wakes no parent thread
+  on its way out. On machines of four cores or more (``hot_waits.spin_budget``) the asker spins
+  on its ``SpinningFuture`` before it sleeps.
 * A handle belongs to the proxy that made it (its ``RemoteContext``'s owner); a ``Free`` or an
   export of another proxy's handle is refused.
 * Frees of dropped parent handles go to the child they came from, batched, and never to a newer
@@ -80,6 +87,8 @@ CALL_LANE: bool | None = None
 _FORWARDED = (
     m.Allocate, m.AllocateMany, m.Free, m.GetStats, m.Rebuild, ChildFault, ExportHandle, LibraryWork, LibraryStop,
 )
+#: The asks an asker's thread sends to the child itself while the proxy is idle (``_send_direct``).
+_DIRECT = (m.Allocate, ExportHandle, LibraryWork)
 _SERVED = "Allocate, AllocateMany, Free, GetStats, Rebuild, Subscribe or Unsubscribe"
 
 _registry_lock = threading.Lock()
@@ -182,7 +191,7 @@ class IsolatedDevice(ResilientActor):
         """Boot the reserve child, and let askers send allocations to the child directly (see
         ``CallerServedInbox``). Thread rule: the proxy's thread (pykka calls it)."""
         self._keeper.boot_spare()
-        self._inbox().serve_in_caller((m.Allocate,), self._send_direct)
+        self._inbox().serve_in_caller(_DIRECT, self._send_direct)
 
     def _inbox(self) -> CallerServedInbox:
         inbox = self.actor_inbox
@@ -190,24 +199,53 @@ class IsolatedDevice(ResilientActor):
         return inbox
 
     def _send_direct(self, envelope: Any) -> Any:
-        """Send ``envelope``'s ``Allocate`` to the serving child from the asker's thread: None
-        once sent, or ``envelope`` when the proxy must take it (no serving child, stopped).
-        Called by ``CallerServedInbox.put`` while the proxy is idle; a restart the proxy starts
-        meanwhile marks the child dead, and an ask that reaches a dying child is answered with
-        its death, as on the proxy's path."""
+        """Send ``envelope``'s ``Allocate``, ``ExportHandle`` or ``LibraryWork`` to the serving
+        child from the asker's thread: None once sent, or ``envelope`` when the proxy must take it (no serving
+        child, stopped, a refusal, a message that cannot be pickled: the proxy's own path answers
+        it, with the same checks and the same error). Called by ``CallerServedInbox.put`` while
+        the proxy is idle; a restart the proxy starts meanwhile marks the child dead, and an ask
+        that reaches a dying child is answered with its death, as on the proxy's path."""
         keeper = self._keeper
         if keeper.stopped is not None:
             return envelope
         child = keeper.child
         if not child.alive or child.stopping:
             return envelope
+        message = envelope.message
+        if type(message) is LibraryWork:
+            return self._send_work(child, envelope)
         try:
-            if child.lane is not None and ask_in_lane(child, envelope.message, envelope.reply_to):
+            payload: Any = message
+            if type(message) is ExportHandle:
+                payload = self._export_payload(message, child)
+            elif child.lane is not None and ask_in_lane(child, message, envelope.reply_to):
                 return None
-            sent = child.send_ask(envelope.message, envelope.reply_to, envelope.message)
+            sent = child.send_ask(payload, envelope.reply_to, message)
         except Exception:  # noqa: BLE001 - the proxy's own path raises it to the asker
             return envelope
         return None if sent else envelope
+
+    def _send_work(self, child: ChildLink, envelope: Any) -> Any:
+        """``_send_direct`` of a ``LibraryWork``: its handles mapped as ``_forward`` maps them
+        (``to_child``: a refusal sends nothing), counted in ``child.work`` before it is sent, as
+        ``_forward`` counts it."""
+        work: LibraryWork = envelope.message
+        try:
+            payload = dataclasses.replace(
+                work, message=to_child(work.message, self.actor_urn, child.ctx, self._ordinal)
+            )
+        except Exception:  # noqa: BLE001 - refused: the proxy's own path raises the same error to the asker
+            return envelope
+        child.work.count_sent()
+        try:
+            sent = child.send_ask(payload, envelope.reply_to, work)
+        except Exception:  # noqa: BLE001 - it cannot be pickled: nothing went, and the proxy's path says so
+            child.work.uncount_sent()
+            return envelope
+        if not sent:
+            child.work.uncount_sent()  # the child had died: the proxy's path sends it to the next one
+            return envelope
+        return None
 
     def on_stop(self) -> None:
         """Stop the child (killed if it does not end in 10 s) and the reserve; every handle is
@@ -294,12 +332,12 @@ class IsolatedDevice(ResilientActor):
                 payload = dataclasses.replace(
                     message, message=to_child(message.message, self.actor_urn, child.ctx, self._ordinal)
                 )
-                child.work.sent += 1  # before it can run: see _library's kept exports
+                child.work.count_sent()  # before it can run: see _library's kept exports
             try:
                 sent = child.send_ask(payload, future, message)
             except InvalidRequest:
                 if isinstance(message, LibraryWork):
-                    child.work.sent -= 1  # it could not be pickled: nothing went
+                    child.work.uncount_sent()  # it could not be pickled: nothing went
                 raise
             if sent:
                 return

@@ -19,6 +19,7 @@ construction but ``open``, which the proxy clears, and the work count (see its c
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -44,17 +45,30 @@ class LibraryWorkCount:
     write records is library work; so while the pair reads the same and nothing was in flight
     when an export was made, that export's event still marks its handle's last write.
 
-    Thread rule: ``sent`` is counted by the proxy's thread before it sends the work, ``answered``
-    by the reader thread before it answers the asker (one writer each); any thread reads
-    :meth:`mark`.
+    Thread rule: ``sent`` is counted before the work is sent, by whichever thread sends it (the
+    proxy's, or an asker's on the fast path: several at once, so through :meth:`count_sent` and
+    :meth:`uncount_sent`, under a lock); ``answered`` by the reader thread before it answers the
+    asker (its one writer); any thread reads :meth:`mark`.
     """
 
-    __slots__ = ("answered", "sent")
+    __slots__ = ("_lock", "answered", "sent")
 
     def __init__(self) -> None:
         """Nothing sent, nothing answered."""
+        self._lock = threading.Lock()
         self.sent = 0
         self.answered = 0
+
+    def count_sent(self) -> None:
+        """One more piece of work is about to be sent (counted before it can run).
+        Thread rule: any thread."""
+        with self._lock:
+            self.sent += 1
+
+    def uncount_sent(self) -> None:
+        """The work :meth:`count_sent` counted was not sent after all. Thread rule: any thread."""
+        with self._lock:
+            self.sent -= 1
 
     def mark(self) -> tuple[int, int]:
         """``(sent, answered)`` now. Thread rule: any thread."""
