@@ -6,7 +6,9 @@ askers every wake-up also fights for the GIL, so aggregate throughput falls as a
 Some messages need nothing of the actor's thread: a ``DeviceActor``'s ``Allocate`` runs through a
 context that any thread may use (``DeviceClient`` does exactly that). For those, this inbox calls
 a ``serve`` function in the asker's thread, and the reply is set before ``ask`` returns; no
-thread sleeps or wakes.
+thread sleeps or wakes. An isolated device's proxy and its parent-side library actors use it the
+same way to forward an ask to the device's process from the asker's thread (``serve`` answers
+nothing itself then: it sends the ask on, and the reply is set later by another thread).
 
 Invariants (what keeps the actor's message order for each sender):
 
@@ -16,10 +18,11 @@ Invariants (what keeps the actor's message order for each sender):
   took. ``put`` reads the queue first and ``busy`` second: an asker that sees an empty queue and
   then an idle actor knows that every message it put before was served. Messages that other
   threads put meanwhile are concurrent with this one, and pykka orders nothing between senders.
-* ``serve`` returns None when it answered the ask, else the envelope to queue: the one it was
-  given, untouched (the actor must serve it: a refusal changes nothing), or another one for the
-  actor to finish the answer (a ``DeviceActor`` queues the error an allocation met, so that its
-  supervisor acts on it before the asker hears of it, as when its own handler raised).
+* ``serve`` returns None when it answered the ask (or sent it on, to be answered elsewhere),
+  else the envelope to queue: the one it was given, untouched (the actor must serve it: a
+  refusal changes nothing), or another one for the actor to finish the answer (a
+  ``DeviceActor`` queues the error an allocation met, so that its supervisor acts on it before
+  the asker hears of it, as when its own handler raised).
 * Only asks (an envelope with a reply) of ``types`` are offered to ``serve``; tells and every
   other message go through the queue.
 * A queue that holds only *wake-ups* (tells of ``wake_types``: a ``DeviceActor``'s ``Reclaim``,

@@ -7,10 +7,25 @@ proxy as a :class:`~._protocol.LibraryWork`; the proxy maps every ``GpuRef`` in 
 handle (:func:`to_child`) and sends it down the same pipe as the device's own asks; the child
 starts its library actor for this one on first use and serves the message there.
 
+**The asker's path.** While this actor is idle (nothing queued, nothing in hand), an ask of one
+of the library messages is forwarded from the asker's own thread (``CallerServedInbox``, as the
+device actor serves an ``Allocate``): the export of a foreign source and the ``LibraryWork``,
+which the proxy, idle too, sends to the child from that same thread (``_proxy``'s fast path). An
+ask of an isolated copy actor then wakes no thread of the parent on its way out: the asker
+pickles and writes the frame, the child's frame reader takes it, and the parent's reader answers
+the asker, who spins for it. Tells, other messages, asks that find this actor busy or something
+queued, and a ``CopyToDevice`` of more than :data:`CALLER_DATA_BYTES` (whose bytes a non-blocking
+ask should not wait to write) go through this actor's thread, as before. On the asker's path
+``ask`` returns (or starts its timeout) once the message was forwarded: after the export of a
+foreign source, a round trip to its device's process unless a kept export serves.
+
 Invariants:
 
-* **Order.** Messages reach the child's library actor in the order this actor got them: one
-  inbox here, the proxy's FIFO inbox, one pipe, the child's one reading thread.
+* **Order.** Messages reach the child's library actor in the order each sender sent them: an
+  asker forwards its own ask only once everything put before it here was forwarded (the rule of
+  ``CallerServedInbox``), the proxy keeps the same rule, and then one pipe and the child's one
+  reading thread keep it. Asks of different senders forwarded at once are concurrent, as pykka
+  orders nothing between senders.
 * **What crosses.** A message is pickled. ``CopyToDevice.data`` goes as its bytes (a numpy
   array or a buffer); ``CopyToHost`` comes back as ``bytes``. Pinned host memory does not cross:
   ``CopyToDevice`` from a ``PinnedBuffer`` and ``CopyToHost(out=...)`` are refused with
@@ -20,9 +35,9 @@ Invariants:
   a stale one, is refused in the parent before anything is sent (``InvalidRequest``,
   ``GpuRefStale``), with one exception: the source of a ``CopyDeviceToDevice`` may be a handle of
   another device that can export it (another isolated device, or a device of a ``shared=True``
-  host driver or the CUDA driver in this process). It is exported here, on this actor's thread
-  (an ask of its device: the proxies never wait on each other), and crosses as a
-  ``SharedGpuRef``; the child's copy actor pulls it (``actors/shared_copy.py``).
+  host driver or the CUDA driver in this process). It is exported here, on the thread that
+  forwards the message (an ask of its device: the proxies never wait on each other), and crosses
+  as a ``SharedGpuRef``; the child's copy actor pulls it (``actors/shared_copy.py``).
 * **Kept exports.** The export of a source of another *isolated* device is a round trip to that
   device's process, which records the interprocess event of the source's last write. This actor
   keeps the imported result (its count held) for the next copies of the same handle, as long as
@@ -31,15 +46,20 @@ Invariants:
   library work, so the kept export's event still marks the source's last write, and a copy of an
   unchanged source costs no round trip to its owner. At most :data:`KEPT_EXPORTS` are kept, the
   least recently used dropped first; one whose handle was released or went stale is dropped at
-  the next copy, and all of them when this actor stops. The cost: a source dropped (not
-  released) by its owner's user stays allocated while it is kept.
+  the next copy, and all of them when this actor stops. The kept exports are read and changed
+  under a lock (two askers may forward at once), never held across the export or a send; two
+  askers that miss at once both export, and the later one is kept. The cost: a source dropped
+  (not released) by its owner's user stays allocated while it is kept.
 * **Waits.** An asker of this actor spins a while for the reply before it sleeps
   (``hot_waits.SpinningFuture``), as the asker of an in-process library actor does.
 * **Restarts.** This actor's ``ActorRef`` stays valid across child restarts: the new child starts
   its library actor on the next message; a message in flight when a child dies is answered with
   the death's typed error; a device stopped for good answers ``DeviceUnavailable``.
+* **Stop.** Stopping closes the askers' path and waits for the asks being forwarded on it, so
+  the child's actor is stopped (``LibraryStop``) after every message forwarded before.
 
-Thread rules: forwarding runs on this actor's thread; replies are set by the proxy's reader thread.
+Thread rules: forwarding runs on this actor's thread or on an asker's (the asker's path, while
+this actor is idle); replies are set by the proxy's reader thread.
 """
 
 from __future__ import annotations
@@ -47,13 +67,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 from collections import OrderedDict
 from typing import Any, Final
 
 import pykka
 
+from ..._core.doorbell import Doorbell
 from ...errors import DeviceUnavailable, GpuRefStale, InvalidRequest
 from ...memory.pinned import PinnedBuffer
+from ..caller_inbox import CallerServedInbox
 from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, SpinningFuture, spin_budget
 from ..library_messages import BufferArg, CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch, Launches
@@ -63,10 +86,17 @@ from ..shared_ref import SharedGpuRef, export_ref, import_ref
 from ._protocol import LibraryStop, LibraryWork, RemoteHandle
 from ._remote import RemoteContext
 
-__all__ = ["KEPT_EXPORTS", "IsolatedLibrary", "map_refs", "start_library", "to_child"]
+__all__ = [
+    "CALLER_DATA_BYTES", "KEPT_EXPORTS", "IsolatedLibrary", "LibraryAnswer", "map_refs", "start_library", "to_child",
+]
 
 #: Exports of other isolated devices' sources a copy actor keeps for its next copies.
 KEPT_EXPORTS: Final = 4
+
+#: The largest ``CopyToDevice.data`` (bytes) an asker's own thread forwards; a larger one is
+#: pickled and written to the pipe on the actor's thread, so a non-blocking ask of it returns
+#: before its bytes are written.
+CALLER_DATA_BYTES: Final = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +186,7 @@ def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
     return map_refs(message, handle)
 
 
-class _Answer:
+class LibraryAnswer:
     """The reply slot of one forwarded message (a ``pykka_internals.Reply``): the asker's future,
     with a proxy that stopped meanwhile answered as ``DeviceUnavailable``; a told message's
     failure is logged. Thread rule: set once, from whichever thread answers."""
@@ -168,10 +198,13 @@ class _Answer:
         self._what = what
 
     def set(self, value: Any | None = None) -> None:
+        """The reply, to the asker (nothing for a told message). Thread rule: the answering thread."""
         if self._future is not None:
             self._future.set(value)
 
     def set_exception(self, exc_info: Any = None) -> None:
+        """The error (the one being handled when ``exc_info`` is None), to the asker; a told
+        message's is logged. Thread rule: the answering thread."""
         exc_info = exc_info if exc_info is not None else sys.exc_info()
         if isinstance(exc_info[1], pykka.ActorDeadError):
             error = DeviceUnavailable(f"{self._what}: its isolated device was stopped")
@@ -180,6 +213,20 @@ class _Answer:
             self._future.set_exception(exc_info)
         else:
             logger.warning("%s dropped a told message that failed: %r", self._what, exc_info[1])
+
+    def fill(self, value: Any, exc_info: Any | None) -> Doorbell | None:
+        """Answer as :meth:`set` (``exc_info`` None) or :meth:`set_exception` would, but leave
+        the asker's ``SpinningFuture`` unrung and return its bell, for the child's reader to
+        ring once it let go of the GIL (``_reader.RING_AFTER_RELEASE``); None when it answered
+        in full already. Thread rule: the reader thread."""
+        future = self._future
+        if type(future) is SpinningFuture and (exc_info is None or not isinstance(exc_info[1], pykka.ActorDeadError)):
+            return future.fill(value, exc_info)
+        if exc_info is None:
+            self.set(value)
+        else:
+            self.set_exception(exc_info)
+        return None
 
 
 class _Kept:
@@ -223,12 +270,26 @@ class IsolatedLibrary(ResilientActor):
         self._device = device
         self._class = actor_class
         self._track = track
+        self._what = repr(self)
+        #: Guards ``_kept``, ``_serving`` and ``_closed``: held only while they are read or
+        #: changed, never across an ask or a send.
+        self._lock = threading.Lock()
+        self._served = threading.Condition(self._lock)
         #: Exports of other isolated devices' sources, by the source handle's id (the entry
         #: holds the handle, so the id is not reused while it is there).
         self._kept: OrderedDict[int, _Kept] = OrderedDict()
+        #: Asks being served in their askers' threads now, and whether ``on_stop`` closed that
+        #: path (see :meth:`_serve_in_caller`).
+        self._serving = 0
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"IsolatedLibrary({self._class.__name__}, {self._device})"
+
+    # -- pykka hooks ------------------------------------------------------------------------------
+    @staticmethod
+    def _create_actor_inbox() -> CallerServedInbox:
+        return CallerServedInbox()
 
     @staticmethod
     def _create_future() -> SpinningFuture:
@@ -237,44 +298,92 @@ class IsolatedLibrary(ResilientActor):
         # landed answers within the spin, and the asker does not pay a wake-up on top.
         return SpinningFuture(spin_budget(FUTURE_SPIN_S))
 
+    def on_start(self) -> None:
+        """Let askers forward their asks from their own threads while this actor is idle (see
+        the module docstring). Thread rule: this actor's thread (pykka calls it)."""
+        inbox = self.actor_inbox
+        assert isinstance(inbox, CallerServedInbox)
+        inbox.serve_in_caller(_MESSAGES, self._serve_in_caller)
+
     def _handle_envelope(self, envelope: Any, receive: Any = None) -> None:
         # Not answered here: the proxy's reader thread answers the asker once the child replied.
         if type(envelope.message).__module__.startswith("pykka"):  # a stop, a proxy call: this actor's own
             super()._handle_envelope(envelope, receive)
             return
+        self._forward(envelope.message, envelope.reply_to)
+
+    def _serve_in_caller(self, envelope: Any) -> Any:
+        """Forward ``envelope``'s ask from the asker's thread (``CallerServedInbox.put`` calls it
+        while this actor is idle and nothing is queued): None once forwarded, or ``envelope``
+        for this actor's thread to take (a large ``CopyToDevice``, or this actor stopping)."""
         message = envelope.message
+        if type(message) is CopyToDevice and not _small(message.data):
+            return envelope  # its bytes are pickled and written on this actor's thread, not the asker's
+        with self._lock:
+            if self._closed:
+                return envelope  # stopping: its teardown answers it, as pykka answers a late ask
+            self._serving += 1
+        try:
+            self._forward(message, envelope.reply_to)
+        finally:
+            with self._lock:
+                self._serving -= 1
+                if not self._serving:
+                    self._served.notify_all()
+        return None
+
+    def _forward(self, message: Any, reply_to: pykka.Future[Any] | None) -> None:
+        """Send ``message`` to the device's proxy as a ``LibraryWork`` answered into
+        ``reply_to`` (the source of a copy from another device exported first). Thread rule:
+        this actor's thread, or an asker's (``_serve_in_caller``)."""
+        answer = LibraryAnswer(reply_to, self._what)
         if type(message) is CopyDeviceToDevice and self._foreign(message.src):
             try:  # a handle of another device: it crosses as a SharedGpuRef (see the module docstring)
                 shared: Any = self._shared_source(message.src)  # the message's type names a GpuRef
                 message = dataclasses.replace(message, src=shared)
             except Exception:  # noqa: BLE001 - the asker's answer
-                _Answer(envelope.reply_to, repr(self)).set_exception()
+                answer.set_exception()
                 return
-        work = LibraryWork(self.actor_urn, self._class, self._track, message)
-        ask_into(self._device, work, _Answer(envelope.reply_to, repr(self)))
+        ask_into(self._device, LibraryWork(self.actor_urn, self._class, self._track, message), answer)
 
     def _shared_source(self, ref: GpuRef) -> SharedGpuRef:
         """``ref`` (a handle of another device) as the child gets it: the export kept for it when
-        it is still that of its last write (see the module docstring), else a fresh one."""
+        it is still that of its last write (see the module docstring), else a fresh one. The
+        kept exports are read and changed under ``_lock``; the export itself, an ask of the
+        source's device, is made without it, and the entries dropped go (their counts given
+        back) once it is released."""
         ctx = ref.context
         if not isinstance(ctx, RemoteContext):
             return import_ref(self._export(ref))  # exported in this process: no round trip to save
         ref.access()  # a stale or released source is refused as its export would refuse it
-        kept = self._kept
-        for key, entry in list(kept.items()):
-            if not entry.usable():
-                del kept[key]  # its count goes back with the handle
-        mark = ctx.work.mark()  # before the export: work sent meanwhile makes it differ next time
-        entry = kept.get(id(ref))
-        if entry is not None and entry.ref is ref and entry.mark == mark:
-            kept.move_to_end(id(ref))
-            return entry.shared
-        kept.pop(id(ref), None)
+        key = id(ref)
+        dropped: list[_Kept] = []
+        with self._lock:
+            kept = self._kept
+            for old_key, old in list(kept.items()):
+                if not old.usable():
+                    dropped.append(kept.pop(old_key))
+            mark = ctx.work.mark()  # before the export: work sent meanwhile makes it differ next time
+            entry = kept.get(key)
+            if entry is not None and entry.ref is ref and entry.mark == mark:
+                kept.move_to_end(key)
+                hit: SharedGpuRef | None = entry.shared
+            else:
+                hit = None
+                if entry is not None:
+                    dropped.append(kept.pop(key))
+        del dropped  # their counts go back with them, outside the lock
+        if hit is not None:
+            return hit
         shared = import_ref(self._export(ref))
         if mark[0] == mark[1]:  # no library work in flight: the export's event covers every write
-            kept[id(ref)] = _Kept(ref, shared, mark)
-            while len(kept) > KEPT_EXPORTS:
-                kept.popitem(last=False)
+            evicted: list[_Kept | None] = []
+            with self._lock:
+                evicted.append(kept.pop(key, None))  # another asker's, made meanwhile
+                kept[key] = _Kept(ref, shared, mark)
+                while len(kept) > KEPT_EXPORTS:
+                    evicted.append(kept.popitem(last=False)[1])
+            del evicted
         return shared
 
     def _export(self, ref: GpuRef) -> Any:
@@ -302,13 +411,32 @@ class IsolatedLibrary(ResilientActor):
         return not isinstance(ctx, RemoteContext) or ctx.owner != self._device.actor_urn
 
     def on_stop(self) -> None:
-        """Drop the kept exports (their counts go back) and have the child stop its library
-        actor. Thread rule: this actor's thread."""
-        self._kept.clear()
+        """Close the askers' path and wait for the asks being forwarded on it, drop the kept
+        exports (their counts go back) and have the child stop its library actor (after every
+        message forwarded before). Thread rule: this actor's thread."""
+        inbox = self.actor_inbox
+        assert isinstance(inbox, CallerServedInbox)
+        inbox.serve_in_caller((), None)
+        with self._lock:
+            self._closed = True
+            while self._serving:
+                self._served.wait()
+            dropped = list(self._kept.values())
+            self._kept.clear()
+        del dropped
         try:
             self._device.tell(LibraryStop(self.actor_urn))
         except pykka.ActorDeadError:
             pass  # the device went first, and its child with it
+
+
+def _small(data: object) -> bool:
+    """Whether ``CopyToDevice.data`` is at most :data:`CALLER_DATA_BYTES` (a non-buffer counts as
+    small: it is refused at once)."""
+    try:
+        return memoryview(data).nbytes <= CALLER_DATA_BYTES  # type: ignore[arg-type]
+    except TypeError:
+        return True
 
 
 def start_library(actor_class: type, device: pykka.ActorRef[Any], track: object = True) -> pykka.ActorRef[Any]:

@@ -10,8 +10,9 @@ Invariants:
   ``poisoned`` frame records the sticky error that the child's exit follows.
 * **The fast path's waits**: on machines of four cores or more
   (``hot_waits.spin_budget``) the reader spins on the pipe while a reply is due, and a shorter
-  while after each frame, before it sleeps; an answered asker's ``SpinningFuture`` is rung only
-  once the reader let go of the GIL (``RING_AFTER_RELEASE``), so the asker takes it at once.
+  while after each frame, before it sleeps; an answered asker's ``SpinningFuture`` (a library
+  actor's asker's too, behind its ``_library.LibraryAnswer``) is rung only once the reader let go
+  of the GIL (``RING_AFTER_RELEASE``), so the asker takes it at once.
 * **Every asker is answered.** When the pipe ends (the child died or was stopped), every ask sent
   to it and not answered gets a typed error at once, from this thread:
   ``GpuRefStale("context poisoned")`` after a sticky error (the generation is poisoned),
@@ -45,6 +46,7 @@ from .. import messages as m
 from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, spin_budget
 from ..supervisor import EXIT_POISONED
+from ._library import LibraryAnswer
 from ._link import ChildLink
 from ._protocol import LibraryWork, RemoteBlock, decode_error
 
@@ -176,8 +178,12 @@ def _resolve(link: ChildLink, rid: int, ok: bool, value: Any) -> Doorbell | None
     if future is None:
         return None  # told: the value (a handle, say) is dropped, and freed
     exc_info = None if error is None else (type(error), error, None)
-    if RING_AFTER_RELEASE and type(future) is SpinningFuture:
-        return future.fill(value, exc_info)
+    if RING_AFTER_RELEASE:
+        if type(future) is SpinningFuture:
+            return future.fill(value, exc_info)
+        answer: Any = future  # the pending table's replies are pykka_internals.Reply objects
+        if type(answer) is LibraryAnswer:  # a library actor's asker's, behind its error mapping
+            return answer.fill(value, exc_info)
     if exc_info is None:
         future.set(value)
     else:

@@ -1,0 +1,315 @@
+"""The asker's path of an isolated device's library actors, on the host driver: an ask of the
+parent-side ``CopyActor``/``KernelActor`` is forwarded from the asker's own thread while the actor
+is idle, and the device's proxy sends its ``LibraryWork`` (and an export's ``ExportHandle``) to the
+child from that thread too, so neither parent actor's thread is used; everything else (tells, a
+busy actor, refusals, a dead or stopped child) takes the actors' path, with the same answers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pykka
+import pytest
+
+import xlog_actors as xa
+from xlog_actors.actors.caller_inbox import CallerServedInbox
+from xlog_actors.actors.isolated import ChildFault, _library, _protocol, _proxy
+from xlog_actors.actors.isolated._library import IsolatedLibrary
+from xlog_actors.actors.isolated._proxy import IsolatedDevice
+from xlog_actors.driver.kernel_library import FILL_F32
+
+pytestmark = pytest.mark.timeout(60)
+
+IPC_DIR = Path(__file__).resolve().parent / "ipc"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process() -> Iterator[None]:
+    yield
+    pykka.ActorRegistry.stop_all()
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")] == []
+
+
+@pytest.fixture
+def handled(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """The messages each parent-side actor's own thread handled (its stop and pykka's own
+    messages left out), by actor class."""
+    seen: dict[str, list[str]] = {"library": [], "proxy": []}
+    for cls, key in ((IsolatedLibrary, "library"), (IsolatedDevice, "proxy")):
+        real = cls._handle_envelope
+
+        def counting(self: Any, envelope: Any, receive: Any = None, _real: Any = real, _key: str = key) -> None:
+            if not type(envelope.message).__module__.startswith("pykka"):
+                seen[_key].append(type(envelope.message).__name__)
+            _real(self, envelope, receive)
+
+        monkeypatch.setattr(cls, "_handle_envelope", counting)
+    return seen
+
+
+def _quiet(*refs: pykka.ActorRef[Any]) -> None:
+    """Wait until each actor serves in its askers' threads and has served what it took."""
+    deadline = time.monotonic() + 10.0
+    for ref in refs:
+        inbox = ref.actor_inbox
+        assert isinstance(inbox, CallerServedInbox)
+        while inbox.serve is None or not inbox.quiet():
+            assert time.monotonic() < deadline, f"{ref} never went idle"
+            time.sleep(0.001)
+
+
+def test_asks_of_an_isolated_library_actor_use_neither_parent_actors_thread(handled: dict[str, list[str]]) -> None:
+    """Fails with either fast path off: every ask below is then handled on the library actor's
+    or the proxy's thread."""
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    copier, kernels = xa.CopyActor.start(device), xa.KernelActor.start(device)
+    x, y = device.ask(xa.Allocate(64)), device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(x, 0))
+    kernels.ask(xa.Launch(FILL_F32, 1, 16, [xa.Out(y), 0.0, 16]))
+    _quiet(copier, kernels, device)
+    handled["library"].clear()
+    handled["proxy"].clear()
+    assert copier.ask(xa.Fill(x, 7)) is None
+    assert copier.ask(xa.CopyToHost(x, nbytes=4)) == b"\x07" * 4
+    copier.ask(xa.CopyToDevice(y, b"\x01" * 8))
+    copier.ask(xa.CopyDeviceToDevice(x, y))
+    assert copier.ask(xa.CopyToHost(y)) == b"\x07" * 64
+    kernels.ask(xa.Launch(FILL_F32, 1, 16, [xa.Out(y), 2.0, 16]))
+    futures = [copier.ask(xa.Fill(x, k), block=False) for k in range(5)]  # non-blocking asks too
+    assert [f.get(timeout=10) for f in futures] == [None] * 5
+    assert copier.ask(xa.CopyToHost(x, nbytes=1)) == b"\x04"
+    assert handled == {"library": [], "proxy": []}
+    sent, answered = x.context.work.mark()
+    assert sent == answered == 14, "each piece of work was counted as sent and answered"
+
+
+def test_a_copy_from_another_isolated_device_exports_and_forwards_in_the_askers_thread(
+    handled: dict[str, list[str]],
+) -> None:
+    dev0 = xa.DeviceActor.start(0, "host", isolate=True, hot_spare=False)
+    dev1 = xa.DeviceActor.start(1, "host", isolate=True, hot_spare=False)
+    copy0, copy1 = xa.CopyActor.start(dev0), xa.CopyActor.start(dev1)
+    src, dst = dev0.ask(xa.Allocate(4096)), dev1.ask(xa.Allocate(4096))
+    copy0.ask(xa.Fill(src, 0))
+    copy1.ask(xa.Fill(dst, 0))
+    _quiet(dev0, dev1, copy0, copy1)
+    handled["library"].clear()
+    handled["proxy"].clear()
+    for value in (3, 5):
+        copy0.ask(xa.Fill(src, value))  # library work on the source's device: the next copy exports afresh
+        copy1.ask(xa.CopyDeviceToDevice(src, dst))
+        assert copy1.ask(xa.CopyToHost(dst)) == bytes([value]) * 4096
+    assert handled == {"library": [], "proxy": []}, "the exports (ExportHandle) went straight to the child too"
+
+
+def test_the_fast_paths_answer_refusals_and_errors_as_the_actors_path(handled: dict[str, list[str]]) -> None:
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 7))
+    other = xa.HostDriver()
+    local = xa.DeviceActor.start(0, other)
+    try:
+        foreign = local.ask(xa.Allocate(64))
+        pinned = local.ask(xa.AllocatePinned(64))
+        for message, error, match in [
+            (xa.CopyToDevice(ref, pinned), xa.InvalidRequest, "PinnedBuffer cannot cross"),
+            (xa.CopyToHost(ref, out=pinned), xa.InvalidRequest, "pinned memory cannot cross"),
+            (xa.CopyDeviceToDevice(foreign, ref), xa.InvalidRequest, "not a handle of isolated device 0"),
+            (xa.Fill(ref, 300), xa.InvalidRequest, "Fill.byte"),  # judged by the actor in the child
+            (xa.CopyToDevice(ref, bytes(65)), xa.InvalidRequest, "do not fit"),
+        ]:
+            _quiet(copier, device)
+            with pytest.raises(error, match=match):
+                copier.ask(message)
+    finally:
+        local.stop()
+        other.close()
+    stale = device.ask(xa.Allocate(64))
+    stale.release()
+    with pytest.raises(xa.GpuRefStale) as info:
+        copier.ask(xa.Fill(stale, 1))
+    assert info.value.reason == "released"
+    assert copier.ask(xa.CopyToHost(ref)) == b"\x07" * 64  # nothing was written by a refused message
+    assert "LibraryWork" in handled["proxy"], "a refusal met on the fast path is answered by the proxy's own path"
+
+
+def test_a_large_upload_is_written_on_the_actors_thread(
+    handled: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_library, "CALLER_DATA_BYTES", 16)
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 0))
+    _quiet(copier, device)
+    handled["library"].clear()
+    copier.ask(xa.CopyToDevice(ref, b"\x02" * 16))  # small: the asker's thread
+    copier.ask(xa.CopyToDevice(ref, b"\x03" * 17))  # over the bound: the actor's
+    assert copier.ask(xa.CopyToHost(ref, nbytes=18)) == b"\x03" * 17 + b"\x00"
+    assert handled["library"].count("CopyToDevice") == 1  # (the read after it may find the actor not yet idle)
+
+
+def test_a_senders_tells_and_asks_mixed_keep_their_order(handled: dict[str, list[str]]) -> None:
+    """A tell goes through the actor's thread, an ask may not: the ask after a tell must still
+    see its write, and a tell after an ask must not overtake it."""
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(256))
+    copier.ask(xa.Fill(ref, 0))
+    for k in range(1, 41):
+        copier.tell(xa.Fill(ref, k))
+        if k % 3 == 0:
+            copier.tell(xa.CopyToDevice(ref, bytes([k + 100]) * 4))
+        if k % 2:
+            _quiet(copier)  # the tells forwarded by the actor's thread: the ask is the asker's to forward
+        if k % 3 == 0:
+            assert copier.ask(xa.CopyToHost(ref, nbytes=5)) == bytes([k + 100]) * 4 + bytes([k])
+        else:
+            assert copier.ask(xa.CopyToHost(ref, nbytes=1)) == bytes([k])
+    assert handled["library"].count("Fill") == 40  # every tell took the actor's path
+    assert handled["library"].count("CopyToHost") <= 20, "the asks after a quiet actor were the askers' to forward"
+
+
+def test_two_threads_ask_at_once(run_threads: Callable[..., list[BaseException]]) -> None:
+    """Asks served in two askers' threads at once, copies from another device's sources (the
+    kept exports, shared under their lock) among them, each see their own writes."""
+    dev0 = xa.DeviceActor.start(0, "host", isolate=True, hot_spare=False)
+    dev1 = xa.DeviceActor.start(1, "host", isolate=True, hot_spare=False)
+    copy0, copy1 = xa.CopyActor.start(dev0), xa.CopyActor.start(dev1)
+    names = iter(range(2))
+    lock = threading.Lock()
+
+    def work() -> None:
+        with lock:
+            me = next(names)
+        own, src = dev1.ask(xa.Allocate(1024)), dev0.ask(xa.Allocate(1024))
+        copy0.ask(xa.Fill(src, 50 + me))
+        for k in range(25):
+            value = (me * 100 + k) % 256
+            copy1.ask(xa.Fill(own, value))
+            assert copy1.ask(xa.CopyToHost(own, nbytes=2)) == bytes([value]) * 2
+            copy1.ask(xa.CopyDeviceToDevice(src, own))  # the kept export of this thread's source
+            assert copy1.ask(xa.CopyToHost(own, nbytes=2)) == bytes([50 + me]) * 2
+
+    assert run_threads(work, 2, 50) == []
+
+
+def test_a_child_killed_with_asks_in_flight_from_two_threads_answers_each_with_its_error(
+    run_threads: Callable[..., list[BaseException]],
+) -> None:
+    device = xa.DeviceActor.start(0, "host", supervisor=xa.Supervisor(max_restarts=3), isolate=True)
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 1))
+    device.ask(xa.GetStats())
+    device.tell(ChildFault("kill", hold=4))
+    outcomes: list[object] = []
+    lock = threading.Lock()
+
+    def ask_two() -> None:
+        futures = [copier.ask(xa.CopyToHost(ref, nbytes=1), block=False) for _ in range(2)]
+        for future in futures:
+            try:
+                value: object = future.get(timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                value = exc
+            with lock:
+                outcomes.append(value)
+
+    assert run_threads(ask_two, 2, 40) == []
+    assert len(outcomes) == 4 and all(isinstance(o, xa.DeviceUnavailable) for o in outcomes), outcomes
+    with pytest.raises(xa.GpuRefStale):
+        copier.ask(xa.Fill(ref, 1))
+    new = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(new, 9))
+    assert copier.ask(xa.CopyToHost(new, nbytes=2)) == b"\x09\x09"
+
+
+@pytest.fixture
+def slow_kernels() -> Iterator[Any]:
+    """``ipc/slow_kernels.py``, importable in the device processes spawned meanwhile."""
+    sys.path.insert(0, str(IPC_DIR))
+    try:
+        import slow_kernels  # only importable with the path above
+
+        yield slow_kernels
+    finally:
+        pykka.ActorRegistry.stop_all()
+        sys.path.remove(str(IPC_DIR))
+
+
+def test_a_stopped_device_answers_the_asks_in_flight_and_later_ones_device_unavailable(slow_kernels: Any) -> None:
+    device = xa.DeviceActor.start(0, "host", isolate=True, hot_spare=False)
+    kernels, copier = xa.KernelActor.start(device), xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 0))
+    slow = kernels.ask(xa.Launch(slow_kernels.SLOW_FILL_U8, 1, 1, [xa.Out(ref), 9, 64]), block=False)
+    behind = copier.ask(xa.CopyToHost(ref), block=False)  # waits for the slow kernel in the child
+    device.stop()
+    for future in (slow, behind):
+        try:  # answered, or DeviceUnavailable when the child ended first; never left waiting
+            future.get(timeout=30)
+        except xa.DeviceUnavailable as exc:
+            assert "stopped" in str(exc)
+    with pytest.raises(xa.DeviceUnavailable, match="stopped"):
+        copier.ask(xa.Fill(ref, 1))
+
+
+def test_a_stopping_library_actor_waits_for_the_asks_forwarded_in_askers_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its child actor's stop (``LibraryStop``) follows every message forwarded before it, and
+    once it stops no asker forwards any more."""
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 0))
+    _quiet(copier)
+    entered, release = threading.Event(), threading.Event()
+    real = _library.ask_into
+
+    def slow_ask_into(actor: Any, message: Any, reply: Any) -> None:
+        if isinstance(message, _protocol.LibraryWork) and message.message == xa.Fill(ref, 6):
+            entered.set()
+            release.wait(10)
+        real(actor, message, reply)
+
+    monkeypatch.setattr(_library, "ask_into", slow_ask_into)
+    result: list[object] = []
+    asker = threading.Thread(target=lambda: result.append(copier.ask(xa.Fill(ref, 6))), daemon=True)
+    asker.start()
+    assert entered.wait(10)
+    stopper = threading.Thread(target=copier.stop, daemon=True)
+    stopper.start()
+    time.sleep(0.05)
+    assert stopper.is_alive(), "the stop waits for the ask being forwarded"
+    release.set()
+    stopper.join(10)
+    asker.join(10)
+    assert result == [None]
+    with pytest.raises(pykka.ActorDeadError):
+        copier.ask(xa.Fill(ref, 1))
+    # The fill reached the child before its actor was stopped: a new copy actor reads it.
+    assert xa.CopyActor.start(device).ask(xa.CopyToHost(ref, nbytes=1)) == b"\x06"
+
+
+def test_forced_spinning_waits_serve_library_work_as_the_sleeping_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the parent's waits spinning (forced whatever the cores), the library asks served in
+    the askers' threads still reach their askers."""
+    from xlog_actors.actors.isolated import _lane, _reader
+
+    for module in (_proxy, _reader, _lane, _library):
+        monkeypatch.setattr(module, "spin_budget", lambda seconds: seconds)
+    device = xa.DeviceActor.start(0, "host", isolate=True)
+    copier = xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    for k in range(30):
+        copier.ask(xa.Fill(ref, k))
+        assert copier.ask(xa.CopyToHost(ref, nbytes=1)) == bytes([k])
