@@ -19,7 +19,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors.actors.caller_inbox import CallerServedInbox
-from xlog_actors.actors.isolated import ChildFault, _library, _protocol, _proxy
+from xlog_actors.actors.isolated import ChildFault, _child, _library, _protocol, _proxy
 from xlog_actors.actors.isolated._library import IsolatedLibrary
 from xlog_actors.actors.isolated._proxy import IsolatedDevice
 from xlog_actors.driver.kernel_library import FILL_F32
@@ -298,6 +298,70 @@ def test_a_stopping_library_actor_waits_for_the_asks_forwarded_in_askers_threads
         copier.ask(xa.Fill(ref, 1))
     # The fill reached the child before its actor was stopped: a new copy actor reads it.
     assert xa.CopyActor.start(device).ask(xa.CopyToHost(ref, nbytes=1)) == b"\x06"
+
+
+def test_the_child_reader_spins_on_while_library_work_it_handed_on_is_in_flight() -> None:
+    """``_Server.spin_for_frame``: one spin after each frame; more while a library actor holds
+    work or answered some during the last spin; never past ``WORK_SPIN_S``. Run on a ``_Server``
+    in this process with a ``wait`` that counts its spins."""
+    server = object.__new__(_child._Server)
+    server.work = _child._WorkCount()
+    spins: list[float] = []
+
+    def waiting(answer_at: int | None = None) -> Callable[[float], bool]:
+        def wait(seconds: float) -> bool:
+            spins.append(seconds)
+            if answer_at is not None and len(spins) == answer_at:
+                server.work.answer()
+            return False
+
+        return wait
+
+    assert server.spin_for_frame(waiting(), 0.001, False) is False
+    assert len(spins) == 1  # nothing in flight: one spin
+    spins.clear()
+    server.work.forwarded += 1
+    server.spin_for_frame(waiting(answer_at=3), 0.001, False)
+    assert len(spins) == 4  # in flight for three, then one more after the answer came
+    spins.clear()
+    server.work.forwarded += 1  # never answered: bounded
+    server.spin_for_frame(waiting(), 0.001, False)
+    assert len(spins) == round(_child.WORK_SPIN_S / 0.001)
+    spins.clear()
+    assert server.spin_for_frame(waiting(), 0.0, False) is False and len(spins) == 1  # no spin budget: once
+
+    def frame(seconds: float) -> bool:
+        spins.append(seconds)
+        return True
+
+    spins.clear()
+    assert server.spin_for_frame(frame, 0.001, False) is True and len(spins) == 1
+
+
+def test_the_child_counts_the_library_work_it_hands_on_and_its_answers() -> None:
+    """What ``spin_for_frame`` reads: a ``LibraryWork`` served by a ``_Server`` (in this process,
+    over a pipe) counts as forwarded, and as answered once its reply was sent."""
+    driver = xa.HostDriver()
+    device = xa.DeviceActor.start(0, driver)
+    parent, child_end = multiprocessing.Pipe()
+    server = _child._Server(_protocol.Channel(child_end), driver, 0, device)
+    try:
+        ref = device.ask(xa.Allocate(64))
+        server.handles.hold(ref)
+        handle = _protocol.RemoteHandle(ref.block.ptr, ref.generation)
+        server.ask(1, _protocol.LibraryWork("urn:test", xa.CopyActor, True, xa.Fill(handle, 3)))
+        assert parent.recv()[:3] == ("reply", 1, True)
+        deadline = time.monotonic() + 5.0
+        while server.work.answered < 1 and time.monotonic() < deadline:  # counted just after the send
+            time.sleep(0.001)
+        assert (server.work.forwarded, server.work.answered) == (1, 1)
+    finally:
+        for library in server.libraries.values():
+            library.stop()
+        device.stop()
+        driver.close()
+        parent.close()
+        child_end.close()
 
 
 def test_forced_spinning_waits_serve_library_work_as_the_sleeping_ones(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,10 @@ is dropped, and the actor frees the block before its next message). An ``Allocat
 memory-history origin always goes to the actor.
 
 Thread rules: frames are read on the child's main thread, which spins on the pipe a while after
-each frame before it sleeps (only on machines of four cores or more); replies are sent by the
+each frame before it sleeps (only on machines of four cores or more), and on, a while at a time,
+while library work it handed to a library actor is unanswered or was answered during the last
+while (the asker's next message follows the reply: a back-to-back copy finds it awake), up to
+``WORK_SPIN_S`` in all; replies are sent by the
 thread that served the ask (the reader's, or the device actor's through a future whose ``set``
 sends them: no extra thread hop); generation frames by a listener actor.
 :class:`~._protocol.Channel` keeps concurrent frames whole.
@@ -43,7 +46,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -64,7 +69,7 @@ from ..copy_actor import CopyActor
 from ..device_actor import DeviceActor
 from ..device_client import DeviceClient
 from ..gpu_ref import GpuRef
-from ..hot_waits import INBOX_SPIN_S, spin_budget
+from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, spin_budget
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
 from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
@@ -101,6 +106,10 @@ _WRITE_TO_16 = Kernel(
     source='extern "C" __global__ void xlog_write_to_16(unsigned long long p) { *(volatile int*)p = 1; }',
 )
 
+
+#: How long, in all, the frame reader spins for the next frame while library work it handed on is
+#: in flight (see ``_Server.spin_for_frame``): the bound of an asker's own spin for its reply.
+WORK_SPIN_S = FUTURE_SPIN_S
 
 #: What the frame reader serves itself when the device actor is quiet (see ``_Server.serve_here``).
 _SERVED_HERE = (Allocate, Free)
@@ -145,12 +154,12 @@ class _Reply:
     reply to the parent, on the thread that answers (the device actor's). No future: nobody in
     the child waits on it."""
 
-    __slots__ = ("_channel", "_handles", "_rid")
+    __slots__ = ("_channel", "_handles", "rid")
 
     def __init__(self, channel: Channel, handles: _Handles, rid: int) -> None:
         self._channel = channel
         self._handles = handles
-        self._rid = rid
+        self.rid = rid
 
     def set(self, value: Any | None = None) -> None:
         if isinstance(value, GpuRef):
@@ -165,11 +174,53 @@ class _Reply:
 
     def _send(self, ok: bool, value: Any) -> None:
         try:
-            self._channel.send(("reply", self._rid, ok, value))
+            self._channel.send(("reply", self.rid, ok, value))
         except InvalidRequest as exc:  # (before ValueError, its base) a reply that cannot be pickled
             self._send(False, encode_error(exc))
         except (OSError, ValueError):
             pass  # the parent is gone: the main loop ends at the end of the pipe
+
+
+class _WorkCount:
+    """The library work the frame reader handed to the child's library actors (``forwarded``,
+    counted by the reader) and the replies those actors sent for it (``answered``, counted by
+    whichever library actor's thread replied, under a lock): what the reader's spin reads.
+    Thread rule: see the fields."""
+
+    __slots__ = ("_lock", "answered", "forwarded")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.forwarded = 0
+        self.answered = 0
+
+    def answer(self) -> None:
+        with self._lock:
+            self.answered += 1
+
+
+class _WorkReply(_Reply):
+    """The reply slot of a ``LibraryWork`` handed to a library actor: a ``_Reply`` that counts
+    its answer in the server's :class:`_WorkCount` once sent."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self, channel: Channel, handles: _Handles, rid: int, count: _WorkCount) -> None:
+        super().__init__(channel, handles, rid)
+        self._count = count
+
+    def set(self, value: Any | None = None) -> None:
+        try:
+            super().set(value)
+        finally:
+            self._count.answer()
+
+    def set_exception(self, exc_info: Any = None) -> None:
+        exc_info = exc_info if exc_info is not None else sys.exc_info()
+        try:
+            super().set_exception(exc_info)
+        finally:
+            self._count.answer()
 
 
 class _LaneReply:
@@ -235,6 +286,7 @@ class _Server:
         self.lifecycle = self.client._cell.lifecycle  # the device's, read-only here
         #: The library actors serving the parent's, by the parent actor's URN.
         self.libraries: dict[str, pykka.ActorRef[Any]] = {}
+        self.work = _WorkCount()
 
     def loop(self) -> None:
         listener = _Listener.start(self.channel, self.handles)
@@ -246,14 +298,14 @@ class _Server:
             try:
                 if lane is not None:
                     # Requests in the lane first, each once the frames sent before it are read.
-                    found = lane.wait(fd, spin, channel.received)
+                    found = self.spin_for_frame(lambda s: lane.wait(fd, s, channel.received), spin, lanes.NOTHING)
                     if found == lanes.NOTHING:
                         found = lane.sleep(fd, channel.received)
                     if found == lanes.REQUEST:
                         self.serve_lane(lane)
                         continue
                 elif spin:
-                    channel.spin(spin)  # the next ask of a burst: look for it before sleeping
+                    self.spin_for_frame(channel.spin, spin, False)  # the next ask of a burst: look before sleeping
                 frame = channel.recv()
             except (EOFError, OSError):
                 return  # the parent is gone
@@ -266,6 +318,24 @@ class _Server:
                 self.free(frame[1], frame[2])
             elif kind == "stop":
                 return
+
+    def spin_for_frame(self, wait: Callable[[float], Any], spin: float, nothing: Any) -> Any:
+        """Look for the next frame before sleeping: ``wait(seconds)`` spins up to ``seconds``
+        and returns ``nothing`` when none came. One ``spin`` after every frame; more, ``spin``
+        at a time, while library work handed to a library actor here is unanswered or was
+        answered during the last one (its asker's next message follows that reply within
+        microseconds, and a copy takes milliseconds), up to :data:`WORK_SPIN_S` in all. What
+        ``wait`` returned last. Thread rule: the frame reader's (the main thread)."""
+        work = self.work
+        spent = 0.0
+        while True:
+            answered = work.answered
+            found = wait(spin)
+            spent += spin
+            if found != nothing or spent >= WORK_SPIN_S or not spin:
+                return found
+            if work.forwarded == answered == work.answered:
+                return found  # nothing in flight, nothing answered meanwhile: no message is due
 
     def serve_lane(self, lane: CallLane) -> None:
         """Serve every call-lane request whose earlier frames were read: its frees, then its
@@ -375,7 +445,8 @@ class _Server:
         except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
             reply.set_exception((type(exc), exc, None))
             return
-        ask_into(library, message, reply)
+        self.work.forwarded += 1
+        ask_into(library, message, _WorkReply(self.channel, self.handles, reply.rid, self.work))
 
     def export(self, message: ExportBlock, reply: _Reply) -> None:
         """Export the handle the parent pickled (on this thread: it only records an event and

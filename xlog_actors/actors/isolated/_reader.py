@@ -10,9 +10,11 @@ Invariants:
   ``poisoned`` frame records the sticky error that the child's exit follows.
 * **The fast path's waits**: on machines of four cores or more
   (``hot_waits.spin_budget``) the reader spins on the pipe while a reply is due, and a shorter
-  while after each frame, before it sleeps; an answered asker's ``SpinningFuture`` (a library
-  actor's asker's too, behind its ``_library.LibraryAnswer``) is rung only once the reader let go
-  of the GIL (``RING_AFTER_RELEASE``), so the asker takes it at once.
+  while after each frame, before it sleeps (and the longer while once more when an ask was sent
+  during the shorter one, so it stays awake through the next copy of a back-to-back asker); an
+  answered asker's ``SpinningFuture`` (a library actor's asker's too, behind its
+  ``_library.LibraryAnswer``) is rung only once the reader let go of the GIL
+  (``RING_AFTER_RELEASE``), so the asker takes it at once.
 * **Every asker is answered.** When the pipe ends (the child died or was stopped), every ask sent
   to it and not answered gets a typed error at once, from this thread:
   ``GpuRefStale("context poisoned")`` after a sticky error (the generation is poisoned),
@@ -114,9 +116,12 @@ def _read(link: ChildLink, on_exit: Callable[[ChildLink], None], tell: Callable[
         try:
             # A reply is due: look for it a while before sleeping. Else look a shorter while:
             # an asker answered just now sends its next ask a few µs later, and a reader that
-            # went to sleep in between would be woken for that reply (tens of µs on a VM).
+            # went to sleep in between would be woken for that reply (tens of µs on a VM). An
+            # ask sent during that shorter look (the answered asker's next one, a copy taking
+            # milliseconds) makes its reply due: look the longer while for it then.
             if spin:
-                channel.spin(spin if link.pending else idle_spin, bell)
+                if not channel.spin(spin if link.pending else idle_spin, bell) and link.pending:
+                    channel.spin(spin)
             elif bell is not None:
                 bell.ring()
             bell = None
