@@ -60,6 +60,10 @@ Invariants:
 
 Thread rules: forwarding runs on this actor's thread or on an asker's (the asker's path, while
 this actor is idle); replies are set by the proxy's reader thread.
+
+Past 400 lines: the actor's two forwarding paths (its thread, an asker's) share the kept
+exports, their lock and the stop's wait for asks in flight; apart, each would have to restate
+the other's invariants.
 """
 
 from __future__ import annotations
