@@ -11,7 +11,7 @@ import gc
 import pickle
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import pykka
 import pytest
@@ -333,6 +333,40 @@ def test_a_handle_in_a_reference_cycle_frees_its_block_when_collected(device: py
         gc.enable()
     stats = device.ask(xa.GetStats())
     assert stats.live_blocks == 0 and stats.bytes_outstanding == 0
+
+
+class _CycleContext:
+    """A context in a reference cycle with its handle: its ``reclaim`` reads its own attribute,
+    which the collector clears when it breaks the cycle at it (a ``RemoteContext``'s slots are
+    cleared that way), so a hand-over that runs after the clearing finds nothing to queue on."""
+
+    def __init__(self, ctx: Any, frees: list[Any]) -> None:
+        self.generation, self.token, self.state_ref = ctx.generation, ctx.token, ctx.state_ref
+        self.frees = frees
+        self.handle: Any = None
+
+    def reclaim(self, block: Any, wake: bool = False) -> None:
+        self.frees.append(block)
+
+
+def test_a_handle_collected_with_its_context_in_a_cycle_hands_its_free_over(device: pykka.ActorRef[Any]) -> None:
+    # The collector runs the handles' finalizer before it clears any member of the cycle: the
+    # context the hand-over reads is whole then. Without it the free of every handle here is lost.
+    from xlog_actors._core.handles import make_handle
+
+    real = cast(xa.GpuRef, device.ask(xa.Allocate(4096)))
+    frees: list[Any] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):
+            ctx = _CycleContext(real.context, frees)
+            ctx.handle = make_handle(xa.GpuRef, real.block, ctx)
+            del ctx
+        gc.collect()
+    finally:
+        gc.enable()
+    assert frees == [real.block] * 4, "a handle's free was lost when its context was collected with it"
 
 
 def test_a_dropped_handle_stays_dead_when_its_memory_makes_the_next(device: pykka.ActorRef[Any]) -> None:

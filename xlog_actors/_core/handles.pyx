@@ -129,12 +129,18 @@ cdef class HandleCore:
 # ends in ``HandleCore``'s own ``tp_dealloc``, ``_handle_dealloc`` too, so every handle's drop
 # hands its free over.
 #
-# Without a finalizer the garbage collector no longer runs the hand-over before it clears a cycle,
-# so ``HandleCore`` is ``no_gc_clear``: a handle in a cycle keeps its fields until its drop (the
-# cycle is broken at its other members: a handle refers only to its block, context, state cell
-# and ids, none of which refers back to a handle, so every cycle through one has a member that
-# clears). The pool is a C array used with the GIL held and no Python code between its reads and
-# writes; a build without a GIL has no pool.
+# A handle in a garbage cycle is handed over by the collector, through ``tp_finalize``
+# (``_handle_finalize``): the collector runs every finalizer of the cycle before it clears any of
+# its members (PEP 442), so the context and the block the hand-over reads are still whole. Left
+# to the drop, which comes after the clearing, it found them cleared (a context's slots gone, a
+# block's fields None) and the free was lost: the chaos run's isolated device kept blocks
+# whose handles were gone. A handle the collector handed over is marked released, so its drop
+# hands nothing over again, and it never goes to the pool (the collector keeps its finalized mark
+# in the object's header, where a handle made from it would inherit it). The drop of a handle whose
+# last reference goes (the usual case) calls no finalizer: it hands over itself. ``HandleCore``
+# is also ``no_gc_clear``, so a handle keeps its fields until its drop. The pool is a C array used
+# with the GIL held and no Python code between its reads and writes; a build without a GIL has no
+# pool.
 
 cdef extern from *:
     """
@@ -158,11 +164,21 @@ cdef extern from *:
     static PyTypeObject *xa_pool_type = NULL;
     static Py_ssize_t xa_handle_size = 0;  /* HandleCore's tp_basicsize, set when the module loads */
 
-    /* True when instances of `t` are laid out as HandleCore's, with no finalizer of their own:
-       a type whose handles may come from a pool and go back to it. */
+    /* HandleCore's own finalizer (the collector's hand-over), set when the module loads. */
+    static destructor xa_handle_finalize = NULL;
+
+    /* True when instances of `t` are laid out as HandleCore's, with no finalizer but
+       HandleCore's own: a type whose handles may come from a pool and go back to it. */
     static inline int xa_layout_plain(PyTypeObject *t) {
         return XA_POOL_SIZE > 0 && t->tp_basicsize == xa_handle_size && t->tp_itemsize == 0
-               && t->tp_dictoffset == 0 && t->tp_finalize == NULL && t->tp_del == NULL;
+               && t->tp_dictoffset == 0 && t->tp_finalize == xa_handle_finalize && t->tp_del == NULL;
+    }
+    static inline int xa_finalized(PyObject *o) { return PyObject_GC_IsFinalized(o); }
+    static inline void xa_set_finalize(PyTypeObject *t, destructor f) { xa_handle_finalize = f; t->tp_finalize = f; }
+    /* A subclass does not inherit tp_finalize from a static base (CPython 3.11 checks the
+       finalize flag): give one with none the collector's hand-over. */
+    static inline void xa_ensure_finalize(PyTypeObject *t) {
+        if (t->tp_finalize == NULL) t->tp_finalize = xa_handle_finalize;
     }
     static inline int xa_poolable(PyTypeObject *t) { return t == xa_pool_type; }
 
@@ -216,13 +232,13 @@ cdef extern from *:
     void xa_gc_track(PyObject* o) noexcept
     void xa_gc_untrack(PyObject* o) noexcept
     bint xa_is_heap(PyTypeObject* t) noexcept
+    bint xa_finalized(PyObject* o) noexcept
+    void xa_set_finalize(PyTypeObject* t, destructor f) noexcept
+    void xa_ensure_finalize(PyTypeObject* t) noexcept
 
 
 cdef tuple _NO_ARGS = ()
 cdef destructor _core_dealloc = (<PyTypeObject*>HandleCore).tp_dealloc  # Cython's: clears the fields, frees
-_probe = type("_Probe", (HandleCore,), {"__slots__": ()})  # a plain Python subclass: CPython's generic drop
-cdef destructor _generic_dealloc = (<PyTypeObject*>_probe).tp_dealloc
-del _probe
 xa_handle_size = (<PyTypeObject*>HandleCore).tp_basicsize
 
 
@@ -250,20 +266,36 @@ cdef void _clear(PyObject* o) noexcept:
     ref._released = False
 
 
+cdef void _handle_finalize(PyObject* o) noexcept:
+    # tp_finalize: the collector's hand-over of a handle in a garbage cycle, before it clears any
+    # member of the cycle (see the section's comment); the drop that follows hands nothing over.
+    cdef PyObject* exc_type = NULL
+    cdef PyObject* exc_value = NULL
+    cdef PyObject* exc_tb = NULL
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb)
+    _hand_over(o)
+    (<HandleCore>o)._released = True
+    PyErr_Restore(exc_type, exc_value, exc_tb)
+
+
 cdef void _handle_dealloc(PyObject* o) noexcept:
-    # tp_dealloc of HandleCore and of the types ``_adopt`` took: see the section's comment.
+    # tp_dealloc of HandleCore and of the types ``_adopt`` took: see the section's comment. A
+    # subclass that keeps CPython's generic drop reaches it as its base's drop, after the generic
+    # one ran the finalizer (which handed over) and before it lets the type go itself.
     cdef PyTypeObject* t = xa_type(o)
     cdef PyObject* exc_type = NULL
     cdef PyObject* exc_value = NULL
     cdef PyObject* exc_tb = NULL
     cdef bint saved = PyErr_Occurred() != NULL
+    cdef bint own = t.tp_dealloc == _handle_dealloc  # not a generic drop's base call
+    cdef bint poolable = xa_poolable(t) and not xa_finalized(o)
     xa_gc_untrack(o)
     xa_clear_weakrefs(o)  # before any Python code runs: nothing can reach the handle again
     xa_set_refcnt(o, 1)
     if saved:
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb)  # a drop may happen while an error is set
     _hand_over(o)
-    if xa_refcnt(o) == 1 and xa_poolable(t):
+    if xa_refcnt(o) == 1 and poolable:
         _clear(o)
     if saved:
         PyErr_Restore(exc_type, exc_value, exc_tb)
@@ -274,13 +306,17 @@ cdef void _handle_dealloc(PyObject* o) noexcept:
         xa_gc_track(o)
         return
     xa_set_refcnt(o, 0)
-    if not xa_pool_put(o):
+    if not (poolable and xa_pool_put(o)):
         _core_dealloc(o)
-    if xa_is_heap(t):
+    if own and xa_is_heap(t):
         Py_DECREF(<object>(<PyObject*>t))  # what the generic deallocator does for an instance of a heap type
 
 
 (<PyTypeObject*>HandleCore).tp_dealloc = _handle_dealloc
+xa_set_finalize(<PyTypeObject*>HandleCore, <destructor>_handle_finalize)
+_probe = type("_Probe", (HandleCore,), {"__slots__": ()})  # a plain Python subclass: CPython's generic drop
+cdef destructor _generic_dealloc = (<PyTypeObject*>_probe).tp_dealloc
+del _probe
 
 
 cdef int _adopt(type cls) except -1:
@@ -288,6 +324,7 @@ cdef int _adopt(type cls) except -1:
     # with the generic deallocator (a Python class that adds nothing: see the section's comment).
     global xa_pool_type
     cdef PyTypeObject* t = <PyTypeObject*>cls
+    xa_ensure_finalize(t)  # the collector's hand-over, for every handle type (see the section's comment)
     if t.tp_dealloc == _generic_dealloc and xa_layout_plain(t):
         t.tp_dealloc = _handle_dealloc
         if xa_pool_type == NULL:
