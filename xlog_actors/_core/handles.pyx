@@ -132,9 +132,9 @@ cdef class HandleCore:
 # A handle in a garbage cycle is handed over by the collector, through ``tp_finalize``
 # (``_handle_finalize``): the collector runs every finalizer of the cycle before it clears any of
 # its members (PEP 442), so the context and the block the hand-over reads are still whole. Left
-# to the drop, which comes after the clearing, it found them cleared (a context's slots gone, a
-# block's fields None) and the free was lost: the chaos run's isolated device kept blocks
-# whose handles were gone. A handle the collector handed over is marked released, so its drop
+# to the drop, which comes after the clearing, it would find them cleared (a context's slots
+# gone, a block's fields None) and the free would be lost: an isolated device would keep blocks
+# whose handles are gone. A handle the collector handed over is marked released, so its drop
 # hands nothing over again, and it never goes to the pool (the collector keeps its finalized mark
 # in the object's header, where a handle made from it would inherit it). The drop of a handle whose
 # last reference goes (the usual case) calls no finalizer: it hands over itself. ``HandleCore``
