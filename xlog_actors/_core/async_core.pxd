@@ -51,6 +51,5 @@ cdef class AsyncCore(ResourceCore):
     cdef object _resolve_use(self, str owner, object block_id, object use_stream)
     cdef object _recorded_event(self, object stream)
     cdef _prepare_locked(self, _Entry entry, object stream, object use_stream, object access)
-    cdef _finish_locked(self, _Entry entry, object stream, object use_stream, object access)
-    cdef object _finish_sharing(self, _Entry entry, object stream, object use_stream, object access, object shared)
+    cdef object _finish_locked(self, _Entry entry, object stream, object use_stream, object access, object shared)
     cdef int use_blocks(self, list blocks, object use_stream, tuple accesses, bint finish) except -1

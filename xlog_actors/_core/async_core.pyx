@@ -572,7 +572,7 @@ cdef class AsyncCore(ResourceCore):
         of ``blocks`` with the access at the same index, in order, for work on ``use_stream``:
         the stream resolved once and the lock taken once, for a caller that tracks several
         blocks at a time (a graph's replay); the finish records one event for all of them
-        (``_finish_sharing``). The errors are the single calls'; on one, the
+        (``_finish_locked``). The errors are the single calls'; on one, the
         blocks before it are done and the rest untouched, as a loop of single calls leaves them.
         Thread rule: any thread; everything runs under the lock."""
         cdef uint64_t key
@@ -585,14 +585,14 @@ cdef class AsyncCore(ResourceCore):
         for i in range(1, n):
             if ordinal_of(blocks[i]) != self._ordinal:
                 check_device(owner, self._ordinal, blocks[i])
-        shared = None  # the one event the finish records for all the blocks (_finish_sharing)
+        shared = None  # the one event the finish records for all the blocks (_finish_locked)
         lock_acquire(&self._lock)
         try:
             for i in range(n):
                 block = blocks[i]
                 entry = self._checked_entry(owner, block, ptr_of(block), &key)
                 if finish:
-                    shared = self._finish_sharing(entry, stream, use_stream, accesses[i], shared)
+                    shared = self._finish_locked(entry, stream, use_stream, accesses[i], shared)
                 else:
                     self._prepare_locked(entry, stream, use_stream, accesses[i])
         finally:
@@ -621,52 +621,26 @@ cdef class AsyncCore(ResourceCore):
         lock_acquire(&self._lock)
         try:
             self._finish_locked(self._checked_entry("AsyncCudaResource.finish_block_use", block_id, ptr, &key),
-                                stream, use_stream, access)
+                                stream, use_stream, access, None)
         finally:
             lock_release(&self._lock)
 
-    cdef _finish_locked(self, _Entry entry, object stream, object use_stream, object access):
+    cdef object _finish_locked(self, _Entry entry, object stream, object use_stream, object access, object shared):
+        # What later users and the free of ``entry``'s block must wait for, after work with
+        # ``access`` went on ``use_stream``; call under the lock. ``shared``: None for one block
+        # (its own event is re-recorded in place, or a new one recorded), or the event this call
+        # recorded already for other blocks of the same work (``use_blocks``: a graph's replay),
+        # which the block then takes instead of recording its own: a replay records one event,
+        # not one a block. Returns the call's event so far. An event re-recorded in place may be
+        # held by blocks outside the call too: only ever for this same stream (an event is only
+        # shared for the stream it is recorded on), so they wait for a later point of it, never
+        # less.
+        cdef EventPool events = self._events
         if access is _READ:
             if entry.lw_event is None and use_stream == entry.stream:
                 # Still only on its own stream: the free is queued there, and the lazy fence a
                 # later cross-stream user records there will cover this read too. No event.
-                return
-            reads = entry.reads
-            if reads is None:
-                reads = entry.reads = {}
-            event = reads.get(use_stream)
-            if event is not None:
-                self._ops.record(event, stream)  # same stream: the new record subsumes the old one
-                return
-            reads[use_stream] = self._recorded_event(stream)
-            return
-        old_event = entry.lw_event
-        if old_event is None and use_stream == entry.stream:
-            pass  # still only on its own stream: the lazy fence will cover this write too
-        elif old_event is not None and entry.lw_stream == use_stream:
-            self._ops.record(old_event, stream)
-        else:
-            entry.lw_event = self._recorded_event(stream)
-            entry.lw_stream = use_stream
-            if old_event is not None:
-                self._events.release(old_event)
-        if entry.reads:
-            for event in entry.reads.values():
-                self._events.release(event)
-            entry.reads = None
-
-    cdef object _finish_sharing(self, _Entry entry, object stream, object use_stream, object access, object shared):
-        # ``_finish_locked`` for one block of several whose work went on ``use_stream`` at once
-        # (a graph's replay): the first block that needs an event there records one (its own,
-        # re-recorded in place, or a new one) and every later block takes that same event, so a
-        # replay records one event, not one a block. ``shared``: the event recorded so far by
-        # this call, or None; returned updated. An event re-recorded in place may be held by
-        # blocks outside the call too: only ever for this same stream (an event is only shared
-        # for the stream it is recorded on), so they wait for a later point of it, never less.
-        cdef EventPool events = self._events
-        if access is _READ:
-            if entry.lw_event is None and use_stream == entry.stream:
-                return shared  # as _finish_locked: the lazy fence covers it
+                return shared
             reads = entry.reads
             if reads is None:
                 reads = entry.reads = {}
@@ -675,7 +649,7 @@ cdef class AsyncCore(ResourceCore):
                 return shared
             if shared is None:
                 if event is not None:
-                    self._ops.record(event, stream)
+                    self._ops.record(event, stream)  # same stream: the new record subsumes the old one
                     return event
                 shared = self._recorded_event(stream)
                 reads[use_stream] = shared
@@ -687,7 +661,7 @@ cdef class AsyncCore(ResourceCore):
             return shared
         old_event = entry.lw_event
         if old_event is None and use_stream == entry.stream:
-            pass  # as _finish_locked: the lazy fence covers it
+            pass  # still only on its own stream: the lazy fence will cover this write too
         elif old_event is not None and entry.lw_stream == use_stream and (shared is None or old_event is shared):
             if shared is None:
                 self._ops.record(old_event, stream)
