@@ -14,7 +14,8 @@ from xlog_actors.driver.kernel_library import SCALE_ADD_F32, launch_shape
 
 class GraphBuffers:
     """``count`` pinned buffers (with their byte views) and ``count`` device buffers of ``n``
-    float32s each, and a stream, on device 0 of ``driver``; all freed by :meth:`close`."""
+    float32s each, and a stream, on device 0 of ``driver``; more of any size through
+    :meth:`host` and :meth:`device`; all freed by :meth:`close`."""
 
     def __init__(self, driver: xa.Driver, count: int, n: int) -> None:
         self.driver = driver
@@ -23,6 +24,17 @@ class GraphBuffers:
         self.views = [driver.pinned_view(p, 4 * n) for p in self.pinned]
         self.dev = [driver.alloc(0, 4 * n) for _ in range(count)]
         self.stream = driver.create_stream(0)
+
+    def host(self, nbytes: int, offset: int = 0) -> memoryview:
+        """A byte view of ``nbytes`` of a new pinned allocation, starting ``offset`` bytes in."""
+        p = self.driver.alloc_pinned(0, nbytes + offset)
+        self.pinned.append(p)
+        return self.driver.pinned_view(p, nbytes + offset)[offset:]
+
+    def device(self, nbytes: int) -> int:
+        """A new device allocation of ``nbytes``."""
+        self.dev.append(self.driver.alloc(0, nbytes))
+        return self.dev[-1]
 
     def floats(self, i: int) -> np.ndarray:
         """Pinned buffer ``i`` as float32s."""

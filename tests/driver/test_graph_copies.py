@@ -5,52 +5,22 @@ or into the new one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-import xlog_actors as xa
 from xlog_actors.driver.cuda.graph_copies import KERNEL_COPY_MAX, copy_grid
 from xlog_actors.driver.graph import DeviceToHost, HostToDevice
 
 SIZES = (4, 20, 4096, 65536 + 4, KERNEL_COPY_MAX, KERNEL_COPY_MAX + 16, 1 << 20)
 
 
-class _Pinned:
-    """Pinned allocations of ``driver``'s device 0 with byte views, and device buffers; freed
-    at the end."""
-
-    def __init__(self, driver: xa.Driver) -> None:
-        self.driver = driver
-        self.pinned: list[int] = []
-        self.dev: list[int] = []
-        self.stream = driver.create_stream(0)
-
-    def host(self, nbytes: int, offset: int = 0) -> memoryview:
-        p = self.driver.alloc_pinned(0, nbytes + offset)
-        self.pinned.append(p)
-        return self.driver.pinned_view(p, nbytes + offset)[offset:]
-
-    def device(self, nbytes: int) -> int:
-        self.dev.append(self.driver.alloc(0, nbytes))
-        return self.dev[-1]
-
-    def close(self) -> None:
-        self.stream.synchronize()
-        self.stream.close()
-        for d in self.dev:
-            self.driver.free(0, d)
-        for p in self.pinned:
-            self.driver.free_pinned(0, p)
-
-
 @pytest.fixture
-def mem(driver: xa.Driver) -> Iterator[_Pinned]:
-    m = _Pinned(driver)
-    yield m
-    m.close()
+def mem(graph_buffers: Any) -> Any:
+    """Allocations of any size on device 0 and a stream, freed after the test
+    (``GraphBuffers`` of tests/driver/conftest.py, with no buffers of its own)."""
+    return graph_buffers(0, 0)
 
 
 def _fill(view: memoryview, seed: int) -> bytes:
@@ -61,7 +31,7 @@ def _fill(view: memoryview, seed: int) -> bytes:
 
 @pytest.mark.parametrize("nbytes", SIZES)
 @pytest.mark.parametrize("offset", [0, 1])
-def test_a_host_copy_there_and_back_moves_exactly_its_bytes(mem: _Pinned, nbytes: int, offset: int) -> None:
+def test_a_host_copy_there_and_back_moves_exactly_its_bytes(mem: Any, nbytes: int, offset: int) -> None:
     src, dst = mem.host(nbytes, offset), mem.host(nbytes + 8, offset)
     want = _fill(src, nbytes)
     sentinel = _fill(dst, 7)[nbytes:]  # the bytes past the copy back stay as they were
@@ -75,7 +45,7 @@ def test_a_host_copy_there_and_back_moves_exactly_its_bytes(mem: _Pinned, nbytes
 
 
 @pytest.mark.parametrize("offset", [0, 1, 4])
-def test_a_rebound_host_side_copies_from_and_into_the_new_view(mem: _Pinned, offset: int) -> None:
+def test_a_rebound_host_side_copies_from_and_into_the_new_view(mem: Any, offset: int) -> None:
     n = 8192
     a, b = mem.host(n), mem.host(n)
     a2, b2 = mem.host(n, offset), mem.host(n, offset)
@@ -95,7 +65,7 @@ def test_a_rebound_host_side_copies_from_and_into_the_new_view(mem: _Pinned, off
 
 
 @pytest.mark.gpu
-def test_small_host_copies_are_copy_kernels_and_large_ones_memcpy_nodes(mem: _Pinned) -> None:
+def test_small_host_copies_are_copy_kernels_and_large_ones_memcpy_nodes(mem: Any) -> None:
     if mem.driver.kind != "cuda":
         pytest.skip("the node kinds are the CUDA driver's; the host driver runs steps in order")
     small, large = KERNEL_COPY_MAX, KERNEL_COPY_MAX + 16
