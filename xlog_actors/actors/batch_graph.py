@@ -297,23 +297,10 @@ class BatchGraph:
         Thread rule: any thread but the device actor's own; serialized with this graph's replays.
         """
         with self._lock:
-            if self._graph is None:
-                raise InvalidRequest("BatchGraph.derive: the graph was closed")
+            self._live_graph("derive")
             ctx = self._ctx
-            if not ctx.is_current():
-                self._close_locked()
-                raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}: the graph was recorded in "
-                                  f"generation {ctx.generation}; record it again on the new handles")
+            changed = self._changes(bind, "derive")
             bound = dict(self._bound)
-            changed: list[tuple[int, Operand]] = []
-            for recorded, new in bind.items():
-                slot = self._by_recorded.get(id(recorded))
-                if slot is None or slot.recorded is not recorded:
-                    raise InvalidRequest(
-                        f"BatchGraph.derive: bind names {recorded!r}, which no stage of the graph names")
-                if new is not bound[id(recorded)]:
-                    check_operand(new, recorded, ctx, None)
-                    changed.append((id(recorded), new))
             if changed and self._lane_index is not None:
                 self._lane_index.check(changed, self._bound)
             bound.update(changed)
@@ -347,14 +334,8 @@ class BatchGraph:
         Thread rule: any thread; serialized with the graph's other replays.
         """
         with self._lock:
-            graph = self._graph
-            if graph is None:
-                raise InvalidRequest("BatchGraph.replay: the graph was closed")
+            graph = self._live_graph("replay")
             ctx = self._ctx
-            if not ctx.is_current():
-                self._close_locked()
-                raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}: the graph was recorded in "
-                                  f"generation {ctx.generation}; record it again on the new handles")
             if isinstance(bind, HostBinding):
                 self._apply(bind, graph)
             elif bind:
@@ -389,24 +370,8 @@ class BatchGraph:
     def _bind(self, bind: Mapping[Operand, Operand], graph: Graph) -> None:
         """Check every replacement, then update the steps they change (nothing changes on a
         refused one)."""
-        ctx, bound = self._ctx, self._bound
-        changed: list[tuple[int, Operand]] = []
-        for recorded, new in bind.items():
-            key = id(recorded)
-            slot = self._by_recorded.get(key)
-            if slot is None or slot.recorded is not recorded:
-                raise InvalidRequest(f"BatchGraph.replay: bind names {recorded!r}, which no stage of the graph names")
-            if new is not bound[key]:
-                # A pinned buffer already found fit for this operand needs only its release
-                # checked again (its kind, device and size never change).
-                checked = self._checked_host.get((key, id(new)))
-                if checked is not new or cast(PinnedBuffer, new).released:
-                    check_operand(new, recorded, ctx, None)
-                    if isinstance(new, PinnedBuffer):
-                        if len(self._checked_host) >= 256:  # bounded: ever new buffers
-                            self._checked_host.clear()
-                        self._checked_host[(key, id(new))] = new
-                changed.append((key, new))
+        bound = self._bound
+        changed = self._changes(bind, "replay")
         if not changed:
             return
         if self._lane_index is not None:
@@ -455,6 +420,44 @@ class BatchGraph:
         if devices:
             self._uses = self._merged_uses()
             self._core.set_uses(self._uses)
+
+    def _live_graph(self, what: str) -> Graph:
+        """The driver graph, when the graph is open and of the device's current generation; else
+        ``InvalidRequest`` (closed) or ``GpuRefStale`` (rebuilt: the graph is closed then).
+        ``what``: the method, for the error. Call under the lock."""
+        graph = self._graph
+        if graph is None:
+            raise InvalidRequest(f"BatchGraph.{what}: the graph was closed")
+        ctx = self._ctx
+        if not ctx.is_current():
+            self._close_locked()
+            raise GpuRefStale("context rebuilt", f"device {ctx.ordinal}: the graph was recorded in "
+                              f"generation {ctx.generation}; record it again on the new handles")
+        return graph
+
+    def _changes(self, bind: Mapping[Operand, Operand], what: str) -> list[tuple[int, Operand]]:
+        """The replacements of ``bind`` that differ from the bindings of now, as (recorded
+        operand's key, replacement), each checked (``InvalidRequest``, ``GpuRefStale``); nothing
+        changes. ``what``: the method, for the error. Call under the lock."""
+        ctx, bound = self._ctx, self._bound
+        changed: list[tuple[int, Operand]] = []
+        for recorded, new in bind.items():
+            key = id(recorded)
+            slot = self._by_recorded.get(key)
+            if slot is None or slot.recorded is not recorded:
+                raise InvalidRequest(f"BatchGraph.{what}: bind names {recorded!r}, which no stage of the graph names")
+            if new is not bound[key]:
+                # A pinned buffer already found fit for this operand needs only its release
+                # checked again (its kind, device and size never change).
+                checked = self._checked_host.get((key, id(new)))
+                if checked is not new or cast(PinnedBuffer, new).released:
+                    check_operand(new, recorded, ctx, None)
+                    if isinstance(new, PinnedBuffer):
+                        if len(self._checked_host) >= 256:  # bounded: ever new buffers
+                            self._checked_host.clear()
+                        self._checked_host[(key, id(new))] = new
+                changed.append((key, new))
+        return changed
 
     def _set_bound(self, key: int, new: Operand) -> None:
         """Bind recorded operand ``key`` to ``new``, keeping the lanes' index of memory written."""
