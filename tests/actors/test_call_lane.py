@@ -4,7 +4,6 @@ that answers allocations through it (forced on here whatever the machine's cores
 from __future__ import annotations
 
 import mmap
-import multiprocessing
 import os
 import signal
 import threading
@@ -20,7 +19,7 @@ from xlog_actors._core import call_lane as lanes
 from xlog_actors._core.call_lane import CallLane
 from xlog_actors.actors.isolated import ChildTimeline, _proxy
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_process")]
 
 
 def _pair() -> tuple[CallLane, CallLane]:
@@ -127,13 +126,6 @@ def test_a_sleeping_child_is_seen_by_the_poster_and_woken_by_the_pipe() -> None:
 
 
 # -- an isolated device through its lane ----------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_process() -> Iterator[None]:
-    yield
-    pykka.ActorRegistry.stop_all()
-    assert [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")] == []
 
 
 @pytest.fixture

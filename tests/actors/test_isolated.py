@@ -11,7 +11,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pykka
@@ -20,11 +20,10 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.actors.isolated import ChildFault, ChildTimeline, _proxy
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_process")]
 
-
-def _children() -> list[multiprocessing.Process]:
-    return [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")]
+#: the ``device_children`` fixture (tests/actors/conftest.py): the device processes alive now
+Children = Callable[[], list[multiprocessing.Process]]
 
 
 @pytest.fixture(autouse=True, params=["pipe", "lane"])
@@ -32,13 +31,6 @@ def call_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Every test of this module runs with allocations through the pipe and through the call
     lane (the default only where the waits spin: four cores or more)."""
     monkeypatch.setattr(_proxy, "CALL_LANE", request.param == "lane")
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_process() -> Iterator[None]:
-    yield
-    pykka.ActorRegistry.stop_all()
-    assert _children() == [], "a device process outlived its actor"
 
 
 class Listener(pykka.ThreadingActor):
@@ -121,12 +113,12 @@ def test_bad_messages_are_refused_and_change_nothing() -> None:
     ],
 )
 def test_a_bad_configuration_raises_in_the_caller_and_leaves_nothing_running(
-    kwargs: dict[str, Any], match: str
+    device_children: Children, kwargs: dict[str, Any], match: str
 ) -> None:
     args = {"ordinal": 0, "driver": "host", **kwargs}
     with pytest.raises(xa.InvalidRequest, match=match):
         xa.DeviceActor.start(args.pop("ordinal"), isolate=True, **args)
-    assert _children() == []
+    assert device_children() == []
     assert pykka.ActorRegistry.get_all() == []
 
 
@@ -233,7 +225,7 @@ def test_rebuild_in_the_child_bumps_the_parents_generation() -> None:
     assert device.ask(xa.GetStats()).generation == 1
 
 
-def test_past_the_restart_intensity_the_device_stops_for_good() -> None:
+def test_past_the_restart_intensity_the_device_stops_for_good(device_children: Children) -> None:
     device, events = start(max_restarts=1)
     device.ask(xa.Allocate(64))
     with pytest.raises(xa.DeviceUnavailable):
@@ -248,16 +240,16 @@ def test_past_the_restart_intensity_the_device_stops_for_good() -> None:
         device.ask(xa.Allocate(64))
     assert device.ask(xa.GetStats()).status == "stopped"
     assert device.is_alive()
-    assert _children() == []  # the reserve is stopped too
+    assert device_children() == []  # the reserve is stopped too
 
 
-def test_stop_ends_the_child_and_its_reserve_without_a_zombie() -> None:
+def test_stop_ends_the_child_and_its_reserve_without_a_zombie(device_children: Children) -> None:
     device, _ = start()
     ref = device.ask(xa.Allocate(64))
     child = pid(device)
-    assert len(_children()) == 2  # the serving child and the booted reserve
+    assert len(device_children()) == 2  # the serving child and the booted reserve
     device.stop()
-    assert _children() == []
+    assert device_children() == []
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)  # reaped: no zombie left behind either
     assert stale_reason(ref) == "device shutting down"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pykka
@@ -15,7 +15,7 @@ import pytest
 import xlog_actors as xa
 from xlog_actors.actors.isolated import ChildFault, _child, _lane, _protocol, _proxy, _reader
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_process")]
 
 
 @pytest.fixture(autouse=True, params=["pipe", "lane"])
@@ -23,13 +23,6 @@ def call_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Every test of this module runs with allocations through the pipe and through the call
     lane (the default only where the waits spin: four cores or more)."""
     monkeypatch.setattr(_proxy, "CALL_LANE", request.param == "lane")
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_process() -> Iterator[None]:
-    yield
-    pykka.ActorRegistry.stop_all()
-    assert [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")] == []
 
 
 def test_channel_spin_sees_a_frame_and_the_end_of_the_pipe() -> None:

@@ -6,10 +6,6 @@ was in flight with a typed error and re-creates its child actor; a stopped devic
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,21 +17,7 @@ from xlog_actors.actors.isolated import ChildFault
 from xlog_actors.actors.isolated._library import IsolatedLibrary
 from xlog_actors.driver.kernel_library import FILL_F32, SCALE_ADD_F32
 
-pytestmark = pytest.mark.timeout(60)
-
-IPC_DIR = Path(__file__).resolve().parent / "ipc"
-
-
-def _children() -> list[multiprocessing.Process]:
-    return [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")]
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_process() -> Iterator[None]:
-    yield
-    pykka.ActorRegistry.stop_all()
-    assert _children() == [], "a device process outlived its actor"
-
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_process")]
 
 @pytest.fixture
 def device() -> pykka.ActorRef[Any]:
@@ -173,19 +155,6 @@ def test_past_the_restart_intensity_library_work_answers_device_unavailable(
     copier.stop()  # its stop, told to a device stopped for good, is nothing to complain of
     device.ask(xa.GetStats())  # the told stop was served before this
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
-
-
-@pytest.fixture
-def slow_kernels() -> Iterator[Any]:
-    """``ipc/slow_kernels.py``, importable in the device processes spawned meanwhile."""
-    sys.path.insert(0, str(IPC_DIR))
-    try:
-        import slow_kernels  # only importable with the path above
-
-        yield slow_kernels
-    finally:
-        pykka.ActorRegistry.stop_all()  # before the path goes: a restart would spawn without it
-        sys.path.remove(str(IPC_DIR))
 
 
 @pytest.mark.parametrize("track", [True, False])

@@ -7,11 +7,9 @@ busy actor, refusals, a dead or stopped child) takes the actors' path, with the 
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pykka
@@ -24,17 +22,7 @@ from xlog_actors.actors.isolated._library import IsolatedLibrary
 from xlog_actors.actors.isolated._proxy import IsolatedDevice
 from xlog_actors.driver.kernel_library import FILL_F32
 
-pytestmark = pytest.mark.timeout(60)
-
-IPC_DIR = Path(__file__).resolve().parent / "ipc"
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_process() -> Iterator[None]:
-    yield
-    pykka.ActorRegistry.stop_all()
-    assert [p for p in multiprocessing.active_children() if p.name.startswith("xlog-device-")] == []
-
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_process")]
 
 @pytest.fixture
 def handled(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
@@ -230,19 +218,6 @@ def test_a_child_killed_with_asks_in_flight_from_two_threads_answers_each_with_i
     new = device.ask(xa.Allocate(64))
     copier.ask(xa.Fill(new, 9))
     assert copier.ask(xa.CopyToHost(new, nbytes=2)) == b"\x09\x09"
-
-
-@pytest.fixture
-def slow_kernels() -> Iterator[Any]:
-    """``ipc/slow_kernels.py``, importable in the device processes spawned meanwhile."""
-    sys.path.insert(0, str(IPC_DIR))
-    try:
-        import slow_kernels  # only importable with the path above
-
-        yield slow_kernels
-    finally:
-        pykka.ActorRegistry.stop_all()
-        sys.path.remove(str(IPC_DIR))
 
 
 def test_a_stopped_device_answers_the_asks_in_flight_and_later_ones_device_unavailable(slow_kernels: Any) -> None:
