@@ -79,6 +79,24 @@ _SET_CALL = ("cuGraphExecKernelNodeSetParams(xlog_graph_copy)", "cuGraphExecMemc
 _SRC_HOST_AT, _DST_HOST_AT = 40, 128
 
 
+def _dst_src(addresses: tuple[int, int, int, int]) -> tuple[int, int]:
+    """A copy's (dst, src) from its (srcHost, srcDevice, dstHost, dstDevice): the side it has of
+    each, what a copy kernel takes."""
+    return addresses[3] or addresses[2], addresses[0] or addresses[1]
+
+
+def _kernel_node(fn: Any, grid: tuple[int, int, int], block: tuple[int, int, int], params: int) -> Any:
+    """A kernel node's parameters: ``fn`` on ``grid`` x ``block``, no shared memory, its
+    arguments' pointer array at ``params``."""
+    p = cu.CUDA_KERNEL_NODE_PARAMS()
+    p.func = fn
+    p.gridDimX, p.gridDimY, p.gridDimZ = grid
+    p.blockDimX, p.blockDimY, p.blockDimZ = block
+    p.sharedMemBytes = 0
+    p.kernelParams = params
+    return p
+
+
 class _Node:
     """One step's node, its parameters as the driver last took them (and, for a copy, the
     addresses in them as ints), and what they keep alive.
@@ -215,20 +233,26 @@ class CudaGraph:
         p.Height = 1
         p.Depth = 1
         p.WidthInBytes = step.nbytes
-        keep: object = None
+        addresses, keep = self._sides(i, step)
+        p.srcMemoryType = _HOST if addresses[0] else _DEVICE
+        p.dstMemoryType = _HOST if addresses[2] else _DEVICE
+        p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = addresses
+        return p, keep
+
+    def _sides(
+        self, i: int, step: HostToDevice | DeviceToHost | DeviceToDevice
+    ) -> tuple[tuple[int, int, int, int], object]:
+        """``step``'s (srcHost, srcDevice, dstHost, dstDevice), 0 for the sides it has not, and its
+        host view (None for a device copy), the view checked to be pinned (``InvalidRequest``)."""
         if isinstance(step, HostToDevice):
             host = _address(step.src)
             self._check_pinned(i, step.src, host)
-            p.srcMemoryType, p.srcHost, p.dstMemoryType, p.dstDevice = _HOST, host, _DEVICE, step.dst
-            keep = step.src
-        elif isinstance(step, DeviceToHost):
+            return (host, 0, 0, step.dst), step.src
+        if isinstance(step, DeviceToHost):
             host = _address(step.dst)
             self._check_pinned(i, step.dst, host)
-            p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstHost = _DEVICE, step.src, _HOST, host
-            keep = step.dst
-        else:
-            p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstDevice = _DEVICE, step.src, _DEVICE, step.dst
-        return p, keep
+            return (0, step.src, host, 0), step.dst
+        return (0, step.src, 0, step.dst), None
 
     def _check_pinned(self, i: int, view: memoryview, host: int) -> None:
         """``view`` (at ``host``) lies in pinned memory; else ``InvalidRequest``."""
@@ -243,13 +267,7 @@ class CudaGraph:
 
     def _kernel_params(self, step: KernelStep, fn: Any) -> tuple[Any, object]:
         slots, address = self._pack(step.kernel, step.args)
-        p = cu.CUDA_KERNEL_NODE_PARAMS()
-        p.func = fn
-        p.gridDimX, p.gridDimY, p.gridDimZ = step.grid
-        p.blockDimX, p.blockDimY, p.blockDimZ = step.block
-        p.sharedMemBytes = 0
-        p.kernelParams = address
-        return p, slots
+        return _kernel_node(fn, step.grid, step.block, address), slots
 
     @staticmethod
     def _memset_params(step: Memset) -> Any:
@@ -286,22 +304,9 @@ class CudaGraph:
     def _add_kernel_copy(self, i: int, step: HostToDevice | DeviceToHost, prev: list[Any]) -> _Node:
         """A small host copy as a copy-kernel node (:mod:`.graph_copies`): the host side by its
         address, which the device reaches through the pinned memory's mapping."""
-        if isinstance(step, HostToDevice):
-            view, dst, src = step.src, step.dst, 0
-            src = _address(view)
-            self._check_pinned(i, view, src)
-        else:
-            view, src = step.dst, step.src
-            dst = _address(view)
-            self._check_pinned(i, view, dst)
-        args = CopyArgs(dst, src, step.nbytes)
-        grid, block = copy_grid(step.nbytes)
-        p = cu.CUDA_KERNEL_NODE_PARAMS()
-        p.func = self._copy_fn
-        p.gridDimX, p.gridDimY, p.gridDimZ = grid
-        p.blockDimX, p.blockDimY, p.blockDimZ = block
-        p.sharedMemBytes = 0
-        p.kernelParams = args.params
+        addresses, view = self._sides(i, step)
+        args = CopyArgs(*_dst_src(addresses), step.nbytes)
+        p = _kernel_node(self._copy_fn, *copy_grid(step.nbytes), args.params)
         err, node = cu.cuGraphAddKernelNode(self._graph, prev, len(prev), p)
         if err != SUCCESS:
             self._dev.fail(err, f"graph step {i}: cuGraphAddKernelNode(xlog_graph_copy, {step.nbytes} bytes)")
@@ -481,31 +486,19 @@ class CudaGraph:
         view it replaced, which launches before it may still use (None when there is none)."""
         p = node.params
         old = node.addresses
-        keep: object = None
-        if isinstance(step, HostToDevice):
-            host = _address(step.src)
-            self._check_pinned(index, step.src, host)
-            new = (host, 0, 0, step.dst)
-            keep = step.src
-        elif isinstance(step, DeviceToHost):
-            host = _address(step.dst)
-            self._check_pinned(index, step.dst, host)
-            new = (0, step.src, host, 0)
-            keep = step.dst
-        else:
-            new = (0, step.src, 0, step.dst)
+        new, keep = self._sides(index, step)
         if new == old:
             node.keep = keep
             return None
         args = node.args
-        if args is not None:  # a copy kernel's (dst, src): the device or host side of each
-            args.set(new[3] or new[2], new[0] or new[1])
+        if args is not None:
+            args.set(*_dst_src(new))
         else:
             p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = new
         err = self._set_node(node)
         if err:
             if args is not None:
-                args.set(old[3] or old[2], old[0] or old[1])
+                args.set(*_dst_src(old))
             else:
                 p.srcHost, p.srcDevice, p.dstHost, p.dstDevice = old
             dev.fail(as_result(err), f"graph step {index}: {_SET_CALL[args is None]}")
