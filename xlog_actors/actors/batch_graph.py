@@ -78,8 +78,8 @@ class HostBinding:
     does with the same mapping, with the checks of kind, device and size made once, and, once
     the graph has bound each buffer before, every node update made in one compiled call.
 
-    A pipeline that turns a few host buffers over a graph's copies (inputs, outputs) makes one
-    per arrangement and replays them in turn.
+    Each replay that changes a buffer still updates its node; a pipeline that turns the same few
+    arrangements over and over replays a graph derived for each (:meth:`BatchGraph.derive`).
 
     Thread rule: immutable for its user; its graph's lock serializes its use.
     """
