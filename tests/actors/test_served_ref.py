@@ -269,6 +269,30 @@ def test_a_posted_ask_that_only_enqueues_is_served_in_the_askers_thread(
     assert not copy._actor_weakref().posts_in_caller(xa.CopyToDevice(ref, b"pageable"))
 
 
+def test_ask_served_returns_the_answer_of_an_ask_served_here_and_posts_the_others(
+    device: Any, monkeypatch: Any, thread_ident: None
+) -> None:
+    """``ask_served`` of a Fill (served in this thread) returns its answer and posts nothing; a
+    Fill the handler refuses returns the error as the answer; a CopyToHost into pageable memory
+    (served by the actor) returns None and its answer is posted."""
+    import queue
+
+    from xlog_actors.actors.pykka_internals import Answer, ask_served
+
+    rec = Recorded(monkeypatch)
+    copy = xa.CopyActor.start(device)
+    actor_thread(copy)  # started and attached: an idle actor
+    ref = device.ask(xa.Allocate(4096))
+    replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
+    assert ask_served(copy, xa.Fill(ref, 7), replies, "fill") == Answer("fill", None, None)
+    assert replies.empty() and rec.calls == [(threading.get_ident(), 7)]
+    bad = ask_served(copy, xa.Fill(ref, 300), replies, "bad")
+    assert bad is not None and bad.key == "bad" and isinstance(bad.error, xa.InvalidRequest)
+    assert replies.empty()
+    assert ask_served(copy, xa.CopyToHost(ref, nbytes=4), replies, "back") is None
+    assert replies.get(timeout=10) == Answer("back", b"\x07" * 4, None)
+
+
 def test_a_posted_ask_is_not_served_in_the_caller_on_an_untracked_stack(driver: xa.Driver) -> None:
     """On the direct stack a handler synchronizes its stream: never served in a posting caller."""
     device = xa.DeviceActor.start(0, driver, resource="direct")

@@ -77,7 +77,7 @@ from .served_ref import NOT_SERVED
 
 __all__ = [
     "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_posting",
-    "is_actor_ref_of",
+    "ask_served", "is_actor_ref_of",
 ]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
@@ -403,14 +403,32 @@ def ask_posting(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQue
     Thread rule: any thread. A dead actor's answer (``ActorDeadError``) is posted before this
     returns; an actor that stops with the message still queued answers it the same way.
     """
+    answer = ask_served(ref, message, replies, key)
+    if answer is not None:
+        replies.put(answer)
+
+
+def ask_served(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQueue[Answer],
+               key: Hashable) -> Answer | None:
+    """:func:`ask_posting`, except that an ask served in the asking thread (see there) returns its
+    answer instead of posting it: a caller that reacts to an answer by sending the next ask runs
+    that at once, with no queue round trip.
+
+    Args:
+        ref, message, replies, key: as :func:`ask_posting`.
+    Returns:
+        the ``Answer`` (reply or error) of an ask served in this thread; None when the answer
+        will be posted on ``replies`` (a dead actor's ``ActorDeadError`` is posted before this
+        returns).
+    Thread rule: any thread.
+    """
     serve = getattr(ref, "serve_posted", None)
     if serve is not None:
         try:
             value = serve(message)
         except Exception as exc:  # noqa: BLE001 - the handler's error is the answer, as on the actor's thread
-            replies.put(Answer(key, None, exc))
-            return
+            return Answer(key, None, exc)
         if value is not NOT_SERVED:
-            replies.put(Answer(key, value, None))
-            return
+            return Answer(key, value, None)
     ask_into(ref, message, _PostingReply(replies, key))
+    return None

@@ -3,9 +3,11 @@ three library actors (a ``CopyActor`` in, a ``KernelActor``, a ``CopyActor`` out
 ``depth`` device buffer sets.
 
 One thread orchestrates, and it waits on one queue only. Every ask goes out with
-``ask_posting``, whose answer (the reply or its error) is posted on that queue with the batch as
-its key, once the actor has *enqueued* the stage (the device work goes on). A batch is three
-asks: its copy in, its kernel, and one copy back of its output with the checksum behind it. When
+``ask_served``: an ask the library actor serves in this thread (it was idle) answers at once, and
+the batch's next stage is sent right then; any other answer (the reply or its error) is posted on
+that queue with the batch as its key, once the actor has *enqueued* the stage (the device work
+goes on). A batch is three asks: its copy in, its kernel, and one copy back of its output with
+the checksum behind it. When
 the copy back is enqueued, the orchestrator watches it land itself (``_Landing``: a query per
 look, a blocking wait on the oldest only when no other answer can come). The orchestrator never
 waits for one batch while another has a stage to send. No code here synchronizes the device: the
@@ -45,7 +47,7 @@ import pykka
 from ..actors import CopyActor, DeviceActor, GpuRef, KernelActor
 from ..actors.library_messages import CopyDone, CopyToDevice, CopyToHost, Fill, In, Launch, Out
 from ..actors.messages import Allocate, AllocatePinned, GetStats, Rebuild
-from ..actors.pykka_internals import Answer, ask_posting
+from ..actors.pykka_internals import Answer, ask_served
 from ..driver.kernel import Kernel
 from ..driver.kernel_library import SCALE_ADD_CHECKSUM_F32, checksum_tail, launch_shape
 from ..driver.protocol import Driver
@@ -144,11 +146,11 @@ def _host_array(buffer: PinnedBuffer) -> np.ndarray:
 
 
 def _copy_back(copy_out: pykka.ActorRef[Any], ref: GpuRef, nbytes: int, out: PinnedBuffer,
-               replies: queue.SimpleQueue[Answer], key: object) -> None:
+               replies: queue.SimpleQueue[Answer], key: object) -> Answer | None:
     """Ask ``copy_out`` to copy ``nbytes`` of ``ref`` into ``out`` (a buffer from
-    ``_host_buffer``); its answer, a ``CopyDone`` once the copy is enqueued, is posted on
-    ``replies`` under ``key``."""
-    ask_posting(copy_out, CopyToHost(ref, nbytes, out=out), replies, key)
+    ``_host_buffer``); its answer, a ``CopyDone`` once the copy is enqueued, is returned when
+    the ask was served in this thread, else posted on ``replies`` under ``key`` (then None)."""
+    return ask_served(copy_out, CopyToHost(ref, nbytes, out=out), replies, key)
 
 
 def _wait_landed(reply: CopyDone) -> None:
@@ -262,7 +264,7 @@ class _Run:
         self.out_bytes = self.tail + 8  # what a batch's copy back carries: output and checksum
         self.replies: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         self.landing = _Landing()
-        self.asked = 0  # asks sent whose answer has not come back yet
+        self.asked = 0  # asks whose answer is still to be posted on ``replies``
         self.slots: list[_Slot | None] = [None] * cfg.depth
         self.free = deque(range(cfg.depth))
         self.hosts: deque[_HostSet] = deque()  # free host sets; 2 * depth at most are made
@@ -327,12 +329,18 @@ class _Run:
                 grid, block = self.shape
                 args = [Out(slot.out), In(slot.inp), ALPHA, BETA, self.n]
                 slot.launch = Launch(SCALE_ADD_CHECKSUM_F32, grid, block, args)
-            self.asked += 1
-            ask_posting(self.kernels, slot.launch, self.replies, batch)
+            self._took(ask_served(self.kernels, slot.launch, self.replies, batch))
         else:
             out = self.kept.get(batch.index, batch.host.out)
+            self._took(_copy_back(self.copy_out, slot.out, self.out_bytes, out, self.replies, batch))
+
+    def _took(self, answer: Answer | None) -> None:
+        """After an ask: its answer, when it was served in this thread, is taken now (which sends
+        the batch's next stage at once); else it is to come on ``replies``."""
+        if answer is None:
             self.asked += 1
-            _copy_back(self.copy_out, slot.out, self.out_bytes, out, self.replies, batch)
+        else:
+            self.on_answer(answer)
 
     def start(self, index: int, s: int) -> None:
         """Send batch ``index``'s copy in to slot ``s``, with the next free host set."""
@@ -342,8 +350,8 @@ class _Run:
         host = self.hosts.popleft() if self.hosts else self._new_host_set()
         batch = _Batch(index, s, slot, host, 0)
         self.inflight.add(batch)
-        self.asked += 1
-        ask_posting(self.copy_in, CopyToDevice(slot.inp, self.inputs[index % len(self.inputs)]), self.replies, batch)
+        data = self.inputs[index % len(self.inputs)]
+        self._took(ask_served(self.copy_in, CopyToDevice(slot.inp, data), self.replies, batch))
 
     def _slow_producer(self, ref: GpuRef) -> None:
         # A spin on the copy actor's stream before the copy: what tracking must order after.
