@@ -71,7 +71,7 @@ class FakeCuda:
             "cuMemAlloc": _MEM_ALLOC(self._mem_alloc),
             "cuMemFree": _MEM_FREE(lambda p: self._call("mem_free", p)),
             "cuGraphLaunch": _GRAPH_LAUNCH(lambda g, s: self._call("graph_launch", g, s)),
-            "cuEventQuery": _QUERY(lambda e: self._call("query", e)),
+            "cuEventQuery": _QUERY(self._query),
             "cuGraphExecMemcpyNodeSetParams": _NODE_SET(lambda g, n, p, c: self._call("node_set", g, n, p, c)),
             "cuGraphExecKernelNodeSetParams": _KERNEL_SET(lambda g, n, p: self._call("kernel_set", g, n, p)),
             "cuDevicePrimaryCtxGetState": _PRIMARY(self._primary_state),
@@ -83,6 +83,7 @@ class FakeCuda:
         #: The parameter kinds of the next launches, to read their packed values back.
         self.launch_kinds: tuple[str, ...] = ()
         self.primary_active = 1
+        self.events_fired = True  # False: every query answers CUDA_ERROR_NOT_READY
         self.entry_points = {name: ctypes.cast(cb, ctypes.c_void_p).value for name, cb in self.callbacks.items()}
 
     def _primary_state(self, dev: int, flags: Any, active: Any) -> int:
@@ -90,6 +91,10 @@ class FakeCuda:
         active[0] = self.primary_active
         err, self.fail_next = self.fail_next, 0
         return err
+
+    def _query(self, event: int) -> int:
+        err = self._call("query", event)
+        return err if err or self.events_fired else 600
 
     def _call(self, *entry: Any) -> int:
         self.log.append(entry)
@@ -564,6 +569,28 @@ def test_a_fill_and_the_pinned_copies_go_to_libcuda(rig: Any, lib: Any) -> None:
     lib.core.prune()  # the stand-in's queries answer done
     assert lib.core.kept() == 0
     assert rig.driver.slow == [], "no Python driver call"
+
+
+def test_kept_copies_are_looked_at_once_past_the_slack_and_let_go_in_one_query(rig: Any, lib: Any) -> None:
+    """Kept buffers are looked at only once more than ``KEEP_SLACK`` are kept (a look is an event
+    query); one stream's events fire in order, so when the newest that may go has fired, one query
+    lets all of them go, and none goes while its copy has not run."""
+    from xlog_actors._core.library_core import KEEP_SLACK
+
+    def queries() -> int:
+        return sum(1 for entry in rig.cuda.log if entry[0] == "query")
+
+    rig.cuda.events_fired = False
+    for _ in range(KEEP_SLACK):
+        assert lib.core.to_device(lib.refs[0], lib.buf) is True
+    assert lib.core.kept() == KEEP_SLACK and queries() == 0, "no look before the slack is used"
+    for _ in range(3):
+        assert lib.core.to_device(lib.refs[0], lib.buf) is True
+    assert lib.core.kept() == KEEP_SLACK + 3, "nothing let go before its copy ran"
+    rig.cuda.events_fired = True
+    rig.cuda.log.clear()
+    assert lib.core.to_device(lib.refs[0], lib.buf) is True
+    assert lib.core.kept() == 1 and queries() == 1, "all but the newest let go on one query"
 
 
 def test_a_launch_packs_every_kind_as_the_driver_does(rig: Any, lib: Any) -> None:

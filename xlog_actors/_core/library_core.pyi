@@ -3,7 +3,9 @@ from typing import Any
 
 from .blocks import Access, StreamId
 
-__all__ = ["EnqueueCore"]
+__all__ = ["KEEP_SLACK", "EnqueueCore"]
+
+KEEP_SLACK: int
 
 class EnqueueCore:
     @property

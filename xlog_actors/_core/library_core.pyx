@@ -31,7 +31,8 @@ copy, until that event fired: a ``release()`` of the buffer meanwhile frees noth
 back shares the event its ``CopyDone`` carries; those events are re-recorded in turn once nothing
 but the core holds them (a ``CopyDone`` dropped, with every reference to its event), so a copy back
 does not create one. Kept owners are let go, oldest first, as later
-copies find their events fired and when the actor's Python path ran (:meth:`EnqueueCore.prune`:
+copies find their events fired (a copy looks once more than ``_KEEP_SLACK`` are kept: a look is
+an event query, and the events of one stream fire in order, so one query can let many go) and when the actor's Python path ran (:meth:`EnqueueCore.prune`:
 a copy to pageable memory waits for the stream, so everything before it ran), as the driver's
 streams let go of theirs; :meth:`EnqueueCore.close` waits for the rest (the stream's
 context, when it is gone, was synchronized by its rebuild, which ran every copy). A copy the
@@ -58,10 +59,14 @@ from .context_core cimport ContextCore
 from .handles cimport HandleCore
 from .ops cimport DriverOps, ops_for
 
-__all__ = ["EnqueueCore"]
+__all__ = ["KEEP_SLACK", "EnqueueCore"]
 
 #: Marker events kept for reuse once their copies ran.
 cdef Py_ssize_t _SPARE = 32
+#: Kept owners a copy leaves before it looks for ones to let go: a look costs an event query, so
+#: it is made once per this many copies, not per copy (the memory is kept that much longer).
+KEEP_SLACK = 8
+cdef Py_ssize_t _KEEP_SLACK = KEEP_SLACK
 #: The most ``CopyDone`` events a core re-records in turn.
 cdef Py_ssize_t _DONE_RING = 64
 #: The most parameters a compiled launch packs (more take the Python path), and the most
@@ -404,10 +409,10 @@ cdef class EnqueueCore:
         no one can see it move), else a new one, added to the ring while it has room."""
         done = self._done
         cdef Py_ssize_t n = len(done)
-        if self._kept:
-            self._prune(0)  # a kept copy that ran lets go of its event too
         if n:
             event = done[self._done_at]
+            if Py_REFCNT(event) != 2 and self._kept:
+                self._prune(0)  # a kept copy that ran lets go of its event too
             if Py_REFCNT(event) == 2:  # the ring's reference and this one
                 self._ops.record(event, self._stream)
                 self._done_at = (self._done_at + 1) % n
@@ -441,13 +446,23 @@ cdef class EnqueueCore:
             kept.append((marker, owner, True))
         else:
             kept.append((event, owner, False))
-        self._prune(1)
+        if len(kept) > _KEEP_SLACK:
+            self._prune(1)
 
     cdef _prune(self, Py_ssize_t leave):
         """Let go of the kept owners whose copies ran, oldest first, leaving at least ``leave``
-        (the newest, just recorded, has not run)."""
+        (the newest, just recorded, has not run). Every kept event was recorded on the core's
+        one stream, so they fire in order: when the newest that may go has fired, all before it
+        have, and one query lets them all go."""
         cdef list spare = self._spare
         kept = self._kept
+        cdef Py_ssize_t i, n = len(kept) - leave
+        if n > 1 and self._ops.query(kept[n - 1][0]):
+            for i in range(n):
+                mark, _, ours = kept.popleft()
+                if ours and len(spare) < _SPARE:
+                    spare.append(mark)
+            return
         while len(kept) > leave:
             mark, _, ours = kept[0]
             if not self._ops.query(mark):
