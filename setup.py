@@ -36,6 +36,7 @@ _MODULES = (
     "call_lane",
     "graph_replay",
     "library_core",
+    "posted_serve",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

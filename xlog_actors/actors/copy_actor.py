@@ -43,6 +43,7 @@ class CopyActor(LibraryActor):
 
     expected_messages = "CopyToDevice, CopyToHost, CopyDeviceToDevice or Fill"
     caller_served = (CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill)
+    posted_compiled = (CopyToDevice, CopyToHost)
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         name = _HANDLERS.get(type(message))

@@ -30,6 +30,7 @@ class KernelActor(LibraryActor):
 
     expected_messages = "Launch or Launches"
     caller_served = (Launch, Launches)
+    posted_compiled = (Launch,)
 
     def _handler(self, message: Any) -> Callable[[Any], Any] | None:
         kind = type(message)

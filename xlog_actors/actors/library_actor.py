@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
@@ -18,6 +19,7 @@ import pykka
 
 from .._core.library_core import EnqueueCore
 from .._core.ops import ops_for
+from .._core.posted_serve import PostedServe
 from ..driver.protocol import Driver, Stream
 from ..errors import ContextLost, ContextPoisoned, DeviceUnavailable, GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, BlockId, DeviceBlock, StreamId
@@ -29,7 +31,7 @@ from .gpu_ref import GpuRef
 from .hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, SpinningInbox, spin_budget
 from .isolated._library import start_library
 from .isolated._proxy import IsolatedDevice
-from .library_messages import BufferArg
+from .library_messages import BufferArg, CopyDone, CopyToDevice, CopyToHost, Launch
 from .messages import Attach, GenerationChanged, ReportFailure, Subscribe, Unsubscribe
 from .peer_use import PeerBridges, claim_peer_failure
 from .pykka_internals import ResilientActor, is_actor_ref_of
@@ -71,6 +73,12 @@ class LibraryActor(ResilientActor):
 
     #: The message types whose blocking asks may be served in the asker's thread (exact types).
     caller_served: ClassVar[tuple[type, ...]] = ()
+
+    #: Of ``CopyToDevice``, ``CopyToHost`` and ``Launch``: those whose posted asks
+    #: :class:`~xlog_actors._core.posted_serve.PostedServe` serves in C, making the checks and the
+    #: ``EnqueueCore`` call of the handler's compiled path. A subclass that overrides one of
+    #: these handlers must leave its type out.
+    posted_compiled: ClassVar[tuple[type, ...]] = ()
 
     @classmethod
     def start(cls, *args: Any, **kwargs: Any) -> pykka.ActorRef[Any]:
@@ -151,7 +159,12 @@ class LibraryActor(ResilientActor):
         self._exclusive = threading.Lock()
         #: Set once ``on_start`` ran: no asker serves before it.
         self._started = False
-        self._actor_ref = ServedRef(self)  # pykka's own ref, made in its __init__, is replaced
+        ref = ServedRef(self)  # pykka's own ref, made in its __init__, is replaced
+        if self.posted_compiled:
+            ref.serve_posts_with(PostedServe(weakref.ref(self), ref.serve_posted, NOT_SERVED, ranges,
+                                             self.posted_compiled, PinnedBuffer, CopyDone, CopyToDevice,
+                                             CopyToHost, Launch))
+        self._actor_ref = ref
 
     def on_start(self) -> None:
         """Subscribe to the device's status changes and attach to its context.
@@ -300,10 +313,29 @@ class LibraryActor(ResilientActor):
         try:
             return call(*args)
         except XlogError as exc:
-            core = self._core
-            if core is not None and not isinstance(exc, GpuRefStale):
-                _raise_if_rebuilt([core.context], exc)
+            self._stale_if_rebuilt(exc)
             raise
+
+    def _stale_if_rebuilt(self, exc: XlogError) -> None:
+        """``GpuRefStale`` from ``exc``, a compiled call's error, when the context it ran in was
+        rebuilt meanwhile; nothing otherwise."""
+        core = self._core
+        if core is not None and not isinstance(exc, GpuRefStale):
+            _raise_if_rebuilt([core.context], exc)
+
+    def _compiled_failed(self, exc: BaseException) -> None:
+        """What the handler's path does with ``exc``, the error of a compiled call that
+        :class:`~xlog_actors._core.posted_serve.PostedServe` made, before it is raised: the rule
+        of :meth:`_compiled`, then :meth:`on_receive`'s report of a lost or poisoned context.
+
+        Raises:
+            GpuRefStale: the context was rebuilt during the call (from ``exc``).
+        Thread rule: whoever holds ``exclusive``; the caller raises ``exc`` after.
+        """
+        if isinstance(exc, XlogError):
+            self._stale_if_rebuilt(exc)
+        if isinstance(exc, (ContextLost, ContextPoisoned)):
+            self._context_failed(exc, self._ctx)
 
     def _context_for(self, refs: Sequence[GpuRef]) -> DeviceContext:
         """The context the handles belong to, re-attaching when they are newer than ours."""
@@ -337,13 +369,17 @@ class LibraryActor(ResilientActor):
         except SupervisedFailure as wrapped:
             raise wrapped.error from None
         except (ContextLost, ContextPoisoned) as exc:
-            # The device actor's supervisor decides what a lost or poisoned context means; the
-            # asker gets the error either way.
-            ctx = self._ctx or ctx
-            generation = self._attaching if self._attaching is not None else None if ctx is None else ctx.generation
-            self._attaching = None
-            self._report(exc, generation)
+            self._context_failed(exc, ctx)
             raise
+
+    def _context_failed(self, exc: ContextLost | ContextPoisoned, ctx: DeviceContext | None) -> None:
+        """Report ``exc``, met serving a message, to the device actor's supervisor, which decides
+        what a lost or poisoned context means (the asker gets the error either way); ``ctx``: the
+        context attached when the message came."""
+        ctx = self._ctx or ctx
+        generation = self._attaching if self._attaching is not None else None if ctx is None else ctx.generation
+        self._attaching = None
+        self._report(exc, generation)
 
     def _report(self, exc: BaseException, generation: int | None) -> None:
         """Tell the device actor's supervisor about a context failure met here (``generation``

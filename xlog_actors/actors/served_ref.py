@@ -36,6 +36,7 @@ Thread rule: any thread asks; see :class:`ServedRef`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import pykka
@@ -117,3 +118,14 @@ class ServedRef(pykka.ActorRef[Any]):
         if actor is None or not actor.posts_in_caller(message):
             return NOT_SERVED
         return actor.serve_in_caller(message)
+
+    def serve_posts_with(self, server: Callable[[Any], Any]) -> None:
+        """Serve posted asks through ``server`` from now on: a compiled equivalent of
+        :meth:`serve_posted` that takes this method (as bound before the call) for whatever it
+        does not serve itself (``LibraryActor`` gives its ``PostedServe``).
+
+        Args:
+            server: ``server(message)`` returns what :meth:`serve_posted` would.
+        Thread rule: the actor's constructor, before the ref is handed out.
+        """
+        self.serve_posted = server  # type: ignore[method-assign,assignment]
