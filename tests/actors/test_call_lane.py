@@ -104,6 +104,25 @@ def test_bad_fields_are_refused_and_post_nothing() -> None:
         CallLane(bytearray(64))
 
 
+def test_the_childs_waits_ring_the_bell_they_are_given_before_they_look() -> None:
+    """``wait`` and ``sleep`` ring a bell once the GIL is released (the library actor the frame
+    reader handed work: it then takes the GIL at once), whatever they find; none is rung
+    without one."""
+    from xlog_actors._core.doorbell import Doorbell
+
+    parent, child = _pair()
+    r, w = os.pipe()
+    try:
+        bell = Doorbell()
+        assert child.wait(-1, 0.0, 0, bell) == lanes.NOTHING and bell.count == 1
+        assert child.wait(-1, 0.0, 0) == lanes.NOTHING and bell.count == 1
+        os.write(w, b"x")
+        assert child.sleep(r, 0, bell) == lanes.PIPE and bell.count == 2
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_a_sleeping_child_is_seen_by_the_poster_and_woken_by_the_pipe() -> None:
     parent, child = _pair()
     r, w = os.pipe()

@@ -131,6 +131,42 @@ def test_fill_sets_the_reply_without_ringing_and_hands_the_bell_over() -> None:
         failed.get(timeout=1)
 
 
+def test_put_unrung_queues_and_counts_without_ringing_and_hands_the_bell_over() -> None:
+    inbox = SpinningInbox(5.0)
+    seen = inbox._bell.count
+    bell = inbox.put_unrung("work")
+    assert bell is inbox._bell and bell.count == seen  # the caller rings it once it let go of the GIL
+    assert inbox.unserved() == 1
+    assert inbox.get(timeout=1) == "work"  # queued all the same
+
+
+def test_ask_into_unrung_hands_a_library_actors_bell_over_and_sends_the_rest_as_ask_into(
+    host_driver: xa.Driver,
+) -> None:
+    from xlog_actors.actors.pykka_internals import ask_into_unrung
+
+    device = xa.DeviceActor.start(0, host_driver)
+    copy = xa.CopyActor.start(device)
+    try:
+        ref = device.ask(xa.Allocate(64))
+        future: Any = pykka.ThreadingFuture()
+        bell = ask_into_unrung(copy, xa.Fill(ref, 7), future)
+        assert isinstance(bell, Doorbell)
+        bell.ring()
+        assert future.get(timeout=10) is None  # served by the actor
+        assert copy.ask(xa.CopyToHost(ref, nbytes=4)) == b"\x07" * 4
+        plain = pykka.ThreadingFuture()
+        assert ask_into_unrung(device, xa.GetStats(), plain) is None  # not a spinning inbox
+        assert plain.get(timeout=10).bytes_outstanding >= 64
+        copy.stop()
+        dead: Any = pykka.ThreadingFuture()
+        assert ask_into_unrung(copy, xa.Fill(ref, 1), dead) is None
+        with pytest.raises(pykka.ActorDeadError):
+            dead.get(timeout=1)
+    finally:
+        pykka.ActorRegistry.stop_all()
+
+
 def test_a_getter_asleep_on_the_condition_is_woken_by_fill_alone() -> None:
     future = SpinningFuture(0.0)  # no spin: the getter sleeps on the condition at once
     thread = later(0.01, future.fill, "late")

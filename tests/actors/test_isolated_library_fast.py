@@ -277,15 +277,21 @@ def test_a_stopping_library_actor_waits_for_the_asks_forwarded_in_askers_threads
 
 def test_the_child_reader_spins_on_while_library_work_it_handed_on_is_in_flight() -> None:
     """``_Server.spin_for_frame``: one spin after each frame; more while a library actor holds
-    work or answered some during the last spin; never past ``WORK_SPIN_S``. Run on a ``_Server``
-    in this process with a ``wait`` that counts its spins."""
+    work or answered some during the last spin; never past ``WORK_SPIN_S``. The bell of the
+    library actor last handed work goes to the first spin only (rung there, once the GIL is let
+    go). Run on a ``_Server`` in this process with a ``wait`` that counts its spins."""
+    from xlog_actors._core.doorbell import Doorbell
+
     server = object.__new__(_child._Server)
     server.work = _child._WorkCount()
+    server.bell = None
     spins: list[float] = []
+    bells: list[Doorbell | None] = []
 
-    def waiting(answer_at: int | None = None) -> Callable[[float], bool]:
-        def wait(seconds: float) -> bool:
+    def waiting(answer_at: int | None = None) -> Callable[[float, Doorbell | None], bool]:
+        def wait(seconds: float, bell: Doorbell | None) -> bool:
             spins.append(seconds)
+            bells.append(bell)
             if answer_at is not None and len(spins) == answer_at:
                 server.work.answer()
             return False
@@ -296,8 +302,11 @@ def test_the_child_reader_spins_on_while_library_work_it_handed_on_is_in_flight(
     assert len(spins) == 1  # nothing in flight: one spin
     spins.clear()
     server.work.forwarded += 1
+    server.bell = bell = Doorbell()
+    bells.clear()
     server.spin_for_frame(waiting(answer_at=3), 0.001, False)
     assert len(spins) == 4  # in flight for three, then one more after the answer came
+    assert bells == [bell, None, None, None] and server.bell is None  # handed to the first spin only
     spins.clear()
     server.work.forwarded += 1  # never answered: bounded
     server.spin_for_frame(waiting(), 0.001, False)
@@ -305,7 +314,7 @@ def test_the_child_reader_spins_on_while_library_work_it_handed_on_is_in_flight(
     spins.clear()
     assert server.spin_for_frame(waiting(), 0.0, False) is False and len(spins) == 1  # no spin budget: once
 
-    def frame(seconds: float) -> bool:
+    def frame(seconds: float, bell: Doorbell | None) -> bool:
         spins.append(seconds)
         return True
 
@@ -315,7 +324,8 @@ def test_the_child_reader_spins_on_while_library_work_it_handed_on_is_in_flight(
 
 def test_the_child_counts_the_library_work_it_hands_on_and_its_answers() -> None:
     """What ``spin_for_frame`` reads: a ``LibraryWork`` served by a ``_Server`` (in this process,
-    over a pipe) counts as forwarded, and as answered once its reply was sent."""
+    over a pipe) counts as forwarded, and as answered once its reply was sent; the library
+    actor's bell is kept for the reader's next wait."""
     driver = xa.HostDriver()
     device = xa.DeviceActor.start(0, driver)
     parent, child_end = multiprocessing.Pipe()
@@ -325,6 +335,10 @@ def test_the_child_counts_the_library_work_it_hands_on_and_its_answers() -> None
         server.handles.hold(ref)
         handle = _protocol.RemoteHandle(ref.block.ptr, ref.generation)
         server.ask(1, _protocol.LibraryWork("urn:test", xa.CopyActor, True, xa.Fill(handle, 3)))
+        # The copy actor's bell is left for the reader's next wait to ring, the GIL let go.
+        assert server.bell is server.libraries["urn:test"].actor_inbox._bell
+        server.take_bell().ring()  # type: ignore[union-attr]
+        assert server.bell is None
         assert parent.recv()[:3] == ("reply", 1, True)
         deadline = time.monotonic() + 5.0
         while server.work.answered < 1 and time.monotonic() < deadline:  # counted just after the send

@@ -57,6 +57,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 from posix.time cimport nanosleep, timespec
 
+from .doorbell cimport Doorbell, xlog_bell_ring
 from .spin cimport POLLIN, now, poll, pollfd, sched_yield
 
 cdef extern from *:
@@ -316,13 +317,15 @@ cdef class CallLane:
                 found = W_PIPE  # it waits for frames that are in the pipe already
         return found
 
-    def wait(self, int fd, double seconds, u64 received) -> int:
+    def wait(self, int fd, double seconds, u64 received, Doorbell bell=None) -> int:
         """Spin, the GIL released, up to ``seconds`` for a servable request or a readable ``fd``.
 
         Args:
             fd: the pipe.
             seconds: the longest spin; 0 looks once.
             received: the count of pipe frames read so far.
+            bell: rung once the GIL is released, before the first look (as
+                ``fdwait.wait_readable``'s: the thread waiting on it takes the GIL at once).
         Returns:
             ``REQUEST``, ``PIPE`` or ``NOTHING``.
         """
@@ -330,10 +333,15 @@ cdef class CallLane:
         cdef int found
         cdef double deadline
         cdef unsigned int turn = 0
+        cdef unsigned long long* count = NULL
+        if bell is not None:
+            count = &bell._count
         p.fd = fd
         p.events = POLLIN
         p.revents = 0
         with nogil:
+            if count != NULL:
+                xlog_bell_ring(count)
             deadline = now() + seconds
             while True:
                 found = self._scan(received)
@@ -351,19 +359,24 @@ cdef class CallLane:
                 sched_yield()
         return found
 
-    def sleep(self, int fd, u64 received) -> int:
+    def sleep(self, int fd, u64 received, Doorbell bell=None) -> int:
         """Block, the GIL released, until a request is posted or ``fd`` can be read: the
-        ``sleeping`` mark tells posters to send a frame.
+        ``sleeping`` mark tells posters to send a frame. ``bell``: as :meth:`wait`'s.
         Returns:
             ``REQUEST`` or ``PIPE``.
         """
         cdef pollfd p
         cdef int found
         cdef u64* sleeping = &self._words[_SLEEPING]
+        cdef unsigned long long* count = NULL
+        if bell is not None:
+            count = &bell._count
         p.fd = fd
         p.events = POLLIN
         p.revents = 0
         with nogil:
+            if count != NULL:
+                xlog_bell_ring(count)
             xl_store_sc(sleeping, 1)
             found = self._scan(received)
             if found == W_NOTHING:

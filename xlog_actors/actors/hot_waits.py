@@ -77,6 +77,23 @@ class SpinningInbox(queue.SimpleQueue):  # type: ignore[type-arg]
         super().put(item, block, timeout)
         self._bell.ring()
 
+    def put_unrung(self, item: Any) -> Doorbell:
+        """Count ``item`` as unserved and queue it, as :meth:`put`, without ringing: the caller
+        rings the returned bell once it lets go of the GIL (``fdwait.wait_readable``'s or
+        ``CallLane.wait``'s ``bell``). Rung while the ringer keeps the GIL, the actor leaves its
+        spin only to wait for the GIL (a futex sleep and wake: on a VM, tens to hundreds of µs);
+        rung right after the ringer let it go, the actor takes it at once. Unrung, the actor
+        still finds ``item`` when its spin ends.
+
+        Returns:
+            the inbox's bell, for the caller to ring.
+        Thread rule: any thread.
+        """
+        with self._count_lock:
+            self._unserved += 1
+        super().put(item)
+        return self._bell
+
     def served(self) -> None:
         """The actor served one message it took: the unserved count goes down.
         Thread rule: the actor's thread, after the message's handler returned."""

@@ -76,8 +76,8 @@ from .latch_future import LatchFuture
 from .served_ref import NOT_SERVED
 
 __all__ = [
-    "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_posting",
-    "ask_served", "is_actor_ref_of",
+    "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_into_unrung",
+    "ask_posting", "ask_served", "is_actor_ref_of",
 ]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
@@ -384,6 +384,25 @@ def ask_into(ref: pykka.ActorRef[Any], message: Any, reply: Reply) -> None:
             reply.set_exception()
         return
     ref.actor_inbox.put(Envelope(message, reply_to=cast("pykka.Future[Any]", reply)))
+
+
+def ask_into_unrung(ref: pykka.ActorRef[Any], message: Any, reply: Reply) -> Any:
+    """:func:`ask_into`, except that an inbox that can (``hot_waits.SpinningInbox.put_unrung``)
+    queues the message without ringing its doorbell, which is returned for the caller to ring
+    once it lets go of the GIL (see ``put_unrung``).
+
+    Args:
+        ref, message, reply: as :func:`ask_into`.
+    Returns:
+        the bell to ring (a ``Doorbell``), or None: the message went as :func:`ask_into` sends
+        it (an inbox without the method, a dead actor's answer).
+    Thread rule: any thread.
+    """
+    put_unrung = getattr(ref.actor_inbox, "put_unrung", None)
+    if put_unrung is None or not ref.is_alive():
+        ask_into(ref, message, reply)
+        return None
+    return put_unrung(Envelope(message, reply_to=cast("pykka.Future[Any]", reply)))
 
 
 def ask_posting(ref: pykka.ActorRef[Any], message: Any, replies: queue.SimpleQueue[Answer], key: Hashable) -> None:

@@ -57,6 +57,7 @@ import pykka
 
 from ..._core import call_lane as lanes
 from ..._core.call_lane import CallLane
+from ..._core.doorbell import Doorbell
 from ...driver.host import MAX_EMULATED_DEVICES, HostDriver
 from ...driver.open import open_driver
 from ...driver.protocol import Driver
@@ -73,7 +74,7 @@ from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, spin_budget
 from ..kernel_actor import KernelActor
 from ..library_messages import CopyToHost, Launch
 from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
-from ..pykka_internals import ask_into
+from ..pykka_internals import ask_into, ask_into_unrung
 from ..shared_ref import export_ref
 from ..supervisor import Supervisor, exit_process
 from ._library import map_refs
@@ -287,6 +288,9 @@ class _Server:
         #: The library actors serving the parent's, by the parent actor's URN.
         self.libraries: dict[str, pykka.ActorRef[Any]] = {}
         self.work = _WorkCount()
+        #: The doorbell of the library actor last handed work, not yet rung: the frame reader
+        #: rings it once it lets go of the GIL, in its next wait (``put_unrung`` says why).
+        self.bell: Doorbell | None = None
 
     def loop(self) -> None:
         listener = _Listener.start(self.channel, self.handles)
@@ -298,14 +302,17 @@ class _Server:
             try:
                 if lane is not None:
                     # Requests in the lane first, each once the frames sent before it are read.
-                    found = self.spin_for_frame(lambda s: lane.wait(fd, s, channel.received), spin, lanes.NOTHING)
+                    found = self.spin_for_frame(lambda s, bell: lane.wait(fd, s, channel.received, bell), spin,
+                                                lanes.NOTHING)
                     if found == lanes.NOTHING:
-                        found = lane.sleep(fd, channel.received)
+                        found = lane.sleep(fd, channel.received, self.take_bell())
                     if found == lanes.REQUEST:
                         self.serve_lane(lane)
                         continue
                 elif spin:
                     self.spin_for_frame(channel.spin, spin, False)  # the next ask of a burst: look before sleeping
+                if (bell := self.take_bell()) is not None:
+                    bell.ring()  # no spin here: nothing spins on it either, but ring what was promised
                 frame = channel.recv()
             except (EOFError, OSError):
                 return  # the parent is gone
@@ -319,18 +326,25 @@ class _Server:
             elif kind == "stop":
                 return
 
-    def spin_for_frame(self, wait: Callable[[float], Any], spin: float, nothing: Any) -> Any:
-        """Look for the next frame before sleeping: ``wait(seconds)`` spins up to ``seconds``
-        and returns ``nothing`` when none came. One ``spin`` after every frame; more, ``spin``
-        at a time, while library work handed to a library actor here is unanswered or was
-        answered during the last one (its asker's next message follows that reply within
-        microseconds, and a copy takes milliseconds), up to :data:`WORK_SPIN_S` in all. What
-        ``wait`` returned last. Thread rule: the frame reader's (the main thread)."""
+    def take_bell(self) -> Doorbell | None:
+        """The library actor's bell still to ring (:attr:`bell`), now the caller's to ring.
+        Thread rule: the frame reader's."""
+        bell, self.bell = self.bell, None
+        return bell
+
+    def spin_for_frame(self, wait: Callable[[float, Doorbell | None], Any], spin: float, nothing: Any) -> Any:
+        """Look for the next frame before sleeping: ``wait(seconds, bell)`` spins up to
+        ``seconds``, ringing ``bell`` first once the GIL is released (the library actor last
+        handed work, :attr:`bell`), and returns ``nothing`` when none came. One ``spin`` after
+        every frame; more, ``spin`` at a time, while library work handed to a library actor here
+        is unanswered or was answered during the last one (its asker's next message follows that
+        reply within microseconds, and a copy takes milliseconds), up to :data:`WORK_SPIN_S` in
+        all. What ``wait`` returned last. Thread rule: the frame reader's (the main thread)."""
         work = self.work
         spent = 0.0
         while True:
             answered = work.answered
-            found = wait(spin)
+            found = wait(spin, self.take_bell())
             spent += spin
             if found != nothing or spent >= WORK_SPIN_S or not spin:
                 return found
@@ -446,7 +460,11 @@ class _Server:
             reply.set_exception((type(exc), exc, None))
             return
         self.work.forwarded += 1
-        ask_into(library, message, _WorkReply(self.channel, self.handles, reply.rid, self.work))
+        bell = ask_into_unrung(library, message, _WorkReply(self.channel, self.handles, reply.rid, self.work))
+        if bell is not None:
+            if self.bell is not None and self.bell is not bell:
+                self.bell.ring()  # another actor's, still due: only the last one waits for the reader's wait
+            self.bell = bell
 
     def export(self, message: ExportBlock, reply: _Reply) -> None:
         """Export the handle the parent pickled (on this thread: it only records an event and
