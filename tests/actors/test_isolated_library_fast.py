@@ -366,3 +366,25 @@ def test_forced_spinning_waits_serve_library_work_as_the_sleeping_ones(monkeypat
     for k in range(30):
         copier.ask(xa.Fill(ref, k))
         assert copier.ask(xa.CopyToHost(ref, nbytes=1)) == bytes([k])
+
+
+def test_map_refs_maps_every_handle_of_a_message_and_keeps_the_rest() -> None:
+    """Every handle of a library message (a field, a buffer argument, one inside a list) is
+    mapped, everything else kept; the message types it rebuilds take all their fields in
+    ``__init__`` (what rebuilding them by keyword needs)."""
+    import dataclasses
+
+    from xlog_actors.actors.library_messages import BufferArg
+    from xlog_actors.memory.block import Access
+
+    a, b = _protocol.RemoteHandle(0x1000, 1), _protocol.RemoteHandle(0x2000, 1)
+    named = {a: "A", b: "B"}
+    launch = xa.Launch(FILL_F32, 4, 64, [BufferArg(a, Access.WRITE), 2.0, 256])
+    mapped = _library.map_refs(launch, named.__getitem__)
+    assert mapped.args == [BufferArg("A", Access.WRITE), 2.0, 256] and mapped.kernel is FILL_F32
+    copy = _library.map_refs(xa.CopyDeviceToDevice(a, b), named.__getitem__)
+    assert (copy.src, copy.dst) == ("A", "B")
+    back = _library.map_refs(xa.CopyToHost(b, 8), named.__getitem__)
+    assert (back.ref, back.nbytes, back.out) == ("B", 8, None)
+    for kind in _library._MESSAGES:
+        assert all(f.init for f in dataclasses.fields(kind)), kind

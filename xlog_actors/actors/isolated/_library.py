@@ -127,10 +127,18 @@ def map_refs(value: Any, leaf: Any) -> Any:
         return BufferArg(map_refs(value.ref, leaf), value.access)
     if type(value) in (list, tuple):
         return type(value)(map_refs(item, leaf) for item in value)
-    if type(value) in _MESSAGES:
-        changes = {f.name: map_refs(getattr(value, f.name), leaf) for f in dataclasses.fields(value)}
-        return dataclasses.replace(value, **changes)
+    names = _FIELDS.get(type(value))
+    if names is not None:
+        changes = {name: map_refs(getattr(value, name), leaf) for name in names}
+        return type(value)(**changes)  # what dataclasses.replace does, without its field walk
     return value
+
+
+#: Each library message type's fields, by name (every one is an ``__init__`` field), read once:
+#: ``dataclasses.fields`` walks the class's field table on every call.
+_FIELDS: Final[dict[type, tuple[str, ...]]] = {
+    kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in _MESSAGES
+}
 
 
 def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
