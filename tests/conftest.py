@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import os
 import threading
 import time
@@ -51,6 +52,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(gpu_skip)
         if race_skip is not None and "concurrent_streams" in item.keywords:
             item.add_marker(race_skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything alive once the tests are collected (the imported modules, ray's among them,
+    hypothesis, numpy: some 150,000 objects) is moved out of the collector's reach
+    (``gc.freeze``): none of it is garbage, and each full collection would walk it all again
+    (0.1 to 0.2 s each, on a 2-core machine). A test's own ``gc.collect`` still finds every
+    cycle made after this point, which is every object a test makes: what a test proves by
+    collecting (a dropped handle freed, nothing held in a cycle) is unchanged."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
