@@ -46,7 +46,10 @@ def test_the_core_modules_are_compiled_extensions() -> None:
 
 def test_a_build_without_a_compiler_fails_with_a_clear_message(tmp_path: Path) -> None:
     _copy_sources(tmp_path, with_built=False)
-    env = dict(os.environ, CC="/nonexistent/cc", LDSHARED="/nonexistent/cc -shared")
+    # No C compiler and no C++ one (alloc_bridge's): with the C++ compiler left in place it compiled
+    # that module (some 5 s) before the build failed on the others.
+    env = dict(os.environ, CC="/nonexistent/cc", LDSHARED="/nonexistent/cc -shared",
+               CXX="/nonexistent/c++", LDCXXSHARED="/nonexistent/c++ -shared")
     proc = subprocess.run(
         [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
