@@ -255,10 +255,16 @@ def test_stop_ends_the_child_and_its_reserve_without_a_zombie(device_children: C
     assert stale_reason(ref) == "device shutting down"
 
 
+#: Kills in a row in the test below. Each comes while the spare spawned at the start or by the
+#: restart before is still booting (its interpreter is up some 0.4 s after the kill on 2 cores), so
+#: every kill is the same case, and five repeat it as ten did (the CI's chaos run kills the
+#: serving process under a heavier load, with the same invariant).
+KILLS = 5
+
+
 @pytest.mark.timeout(120)
-def test_sigkill_mid_allocation_ten_times_answers_every_caller() -> None:
-    """Ten kills with allocations in flight, in each transport (the CI's chaos run kills the
-    serving process under a heavier load too, with the same invariant)."""
+def test_sigkill_mid_allocation_five_times_answers_every_caller() -> None:
+    """``KILLS`` kills with allocations in flight, in each transport."""
     device, events = start(max_restarts=100)
     answers: list[object] = []
     done = threading.Event()
@@ -275,7 +281,7 @@ def test_sigkill_mid_allocation_ten_times_answers_every_caller() -> None:
         thread.start()
     started = time.monotonic()
     try:
-        for generation in range(1, 11):
+        for generation in range(1, KILLS + 1):
             os.kill(pid(device), signal.SIGKILL)
             assert events.get(timeout=20) == xa.GenerationChanged(0, generation, "running")
     finally:
@@ -292,7 +298,7 @@ def test_sigkill_mid_allocation_ten_times_answers_every_caller() -> None:
     assert answers and not refused, refused
     answers.clear()  # the last child's handles are dropped: their frees go to it
     stats = device.ask(xa.GetStats())
-    assert (stats.generation, stats.restarts, stats.status) == (10, 10, "running")
+    assert (stats.generation, stats.restarts, stats.status) == (KILLS, KILLS, "running")
     assert stats.bytes_outstanding == 0  # nothing of the last child is held in the parent
 
 
