@@ -3,7 +3,10 @@
 depths. If the threads' CPU adds up to about the wall time, the run is bound by the interpreter
 (one GIL), and the per-batch CPU of each stage says which one to make cheaper.
 
-    python scripts/demo_anatomy.py [cuda|host] [MiB per batch] [batches]
+    python scripts/demo_anatomy.py [cuda|host] [batch size] [batches]
+
+The batch size is bytes with an optional K or M suffix (``64K``, ``1M``, ``16M``; a multiple of
+4), the demo's batch sizes of the bench.
 
 Linux only. Prints one block per depth: GB/s, wall µs per batch, then CPU µs per batch per thread,
 over the timed part of the run only.
@@ -36,7 +39,19 @@ def _cpu_by_tid() -> dict[int, float]:
     return out
 
 
-def _measure(driver: object, depth: int, mib: int, batches: int) -> None:
+def _size(text: str) -> int:
+    """``text`` (``64K``, ``1M``, ``16M``, ``4096``) as bytes: a positive multiple of 4."""
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+    try:
+        nbytes = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64K, 1M, 16M)") from None
+    if nbytes <= 0 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"a batch is a positive multiple of 4 bytes, got {text!r}")
+    return nbytes
+
+
+def _measure(driver: object, depth: int, nbytes: int, batches: int) -> None:
     last: dict[int, float] = {}
     before: dict[int, float] = {}
     names: dict[int, str] = {}
@@ -63,7 +78,7 @@ def _measure(driver: object, depth: int, mib: int, batches: int) -> None:
     sampler.start()
     pipeline._drive = drive  # type: ignore[assignment]
     try:
-        result = run_pipeline(driver, PipelineConfig(batches=batches, batch_bytes=mib << 20, depth=depth))  # type: ignore[arg-type]
+        result = run_pipeline(driver, PipelineConfig(batches=batches, batch_bytes=nbytes, depth=depth))  # type: ignore[arg-type]
     finally:
         pipeline._drive = real_drive
         stop.set()
@@ -83,14 +98,15 @@ def _measure(driver: object, depth: int, mib: int, batches: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", nargs="?", default="cuda", choices=("cuda", "host"), help="driver (default cuda)")
-    parser.add_argument("mib", nargs="?", type=int, default=16, help="MiB per batch (default 16)")
+    parser.add_argument("size", nargs="?", type=_size, default=16 << 20,
+                        help="bytes per batch, with a K or M suffix (default 16M)")
     parser.add_argument("batches", nargs="?", type=int, default=256, help="batches per run (default 256)")
     args = parser.parse_args()
-    kind, mib, batches = args.kind, args.mib, args.batches
+    kind, nbytes, batches = args.kind, args.size, args.batches
     driver = open_driver(kind)
-    run_pipeline(driver, PipelineConfig(batches=4, batch_bytes=mib << 20))  # warm-up
+    run_pipeline(driver, PipelineConfig(batches=4, batch_bytes=nbytes))  # warm-up
     for depth in (4, 8):
-        _measure(driver, depth, mib, batches)
+        _measure(driver, depth, nbytes, batches)
 
 
 if __name__ == "__main__":
