@@ -71,14 +71,12 @@ class SpinningInbox(queue.SimpleQueue):  # type: ignore[type-arg]
         self._unserved = 0
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        """Count ``item`` as unserved, queue it (never blocks) and ring the bell."""
-        with self._count_lock:
-            self._unserved += 1
-        super().put(item, block, timeout)
-        self._bell.ring()
+        """Count ``item`` as unserved, queue it (never blocks: ``block`` and ``timeout`` are the
+        queue's signature only) and ring the bell."""
+        self.put_unrung(item).ring()
 
     def put_unrung(self, item: Any) -> Doorbell:
-        """Count ``item`` as unserved and queue it, as :meth:`put`, without ringing: the caller
+        """Count ``item`` as unserved and queue it, without ringing (:meth:`put` rings): the caller
         rings the returned bell once it lets go of the GIL (``fdwait.wait_readable``'s or
         ``CallLane.wait``'s ``bell``). Rung while the ringer keeps the GIL, the actor leaves its
         spin only to wait for the GIL (a futex sleep and wake: on a VM, tens to hundreds of µs);

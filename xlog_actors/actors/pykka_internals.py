@@ -76,8 +76,8 @@ from .latch_future import LatchFuture
 from .served_ref import NOT_SERVED
 
 __all__ = [
-    "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "ask_into", "ask_into_unrung",
-    "ask_posting", "ask_served", "is_actor_ref_of",
+    "BATCH_LIMIT", "DEFER_WAKES", "PYKKA_MAJOR", "Answer", "Reply", "ResilientActor", "answer", "ask_into",
+    "ask_into_unrung", "ask_posting", "ask_served", "is_actor_ref_of",
 ]
 
 #: The pykka major version whose loop :meth:`ResilientActor._actor_loop_running` copies.
@@ -362,6 +362,19 @@ class _PostingReply:
     def set_exception(self, exc_info: Any = None) -> None:
         error = (exc_info if exc_info is not None else sys.exc_info())[1]
         self._replies.put(Answer(self._key, None, error))
+
+
+def answer(reply: Reply, value: Any, exc_info: Any | None) -> None:
+    """Answer ``reply`` with ``value`` (``exc_info`` None) or with the error of ``exc_info``, a
+    ``(type, error, traceback)`` triple: what a reader that carries an answer of either kind
+    hands on.
+
+    Thread rule: the answering thread (``Reply``'s rule: once).
+    """
+    if exc_info is None:
+        reply.set(value)
+    else:
+        reply.set_exception(exc_info)
 
 
 def ask_into(ref: pykka.ActorRef[Any], message: Any, reply: Reply) -> None:

@@ -85,7 +85,7 @@ from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, SpinningFuture, spin_budget
 from ..library_messages import BufferArg, CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch, Launches
 from ..messages import GetStats
-from ..pykka_internals import ResilientActor, ask_into
+from ..pykka_internals import ResilientActor, answer, ask_into
 from ..shared_ref import SharedGpuRef, export_ref, import_ref
 from ._protocol import LibraryStop, LibraryWork, RemoteHandle
 from ._remote import RemoteContext
@@ -234,10 +234,7 @@ class LibraryAnswer:
         future = self._future
         if type(future) is SpinningFuture and (exc_info is None or not isinstance(exc_info[1], pykka.ActorDeadError)):
             return future.fill(value, exc_info)
-        if exc_info is None:
-            self.set(value)
-        else:
-            self.set_exception(exc_info)
+        answer(self, value, exc_info)
         return None
 
 

@@ -47,6 +47,7 @@ from ...errors import CorruptionDetected, DeviceUnavailable, DriverError, GpuRef
 from .. import messages as m
 from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, SpinningFuture, spin_budget
+from ..pykka_internals import answer
 from ..supervisor import EXIT_POISONED
 from ._library import LibraryAnswer
 from ._link import ChildLink
@@ -186,13 +187,10 @@ def _resolve(link: ChildLink, rid: int, ok: bool, value: Any) -> Doorbell | None
     if RING_AFTER_RELEASE:
         if type(future) is SpinningFuture:
             return future.fill(value, exc_info)
-        answer: Any = future  # the pending table's replies are pykka_internals.Reply objects
-        if type(answer) is LibraryAnswer:  # a library actor's asker's, behind its error mapping
-            return answer.fill(value, exc_info)
-    if exc_info is None:
-        future.set(value)
-    else:
-        future.set_exception(exc_info)
+        reply: Any = future  # the pending table's replies are pykka_internals.Reply objects
+        if type(reply) is LibraryAnswer:  # a library actor's asker's, behind its error mapping
+            return reply.fill(value, exc_info)
+    answer(future, value, exc_info)
     return None
 
 
