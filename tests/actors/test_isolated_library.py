@@ -52,34 +52,29 @@ def test_copies_and_kernels_run_in_the_device_process(device: pykka.ActorRef[Any
     assert xa.CopyActor.start(device).ask(xa.CopyToHost(y, nbytes=1)) == b"\x01"
 
 
-def test_bad_input_is_refused_and_changes_nothing(device: pykka.ActorRef[Any]) -> None:
+def test_bad_input_is_refused_and_changes_nothing(
+    device: pykka.ActorRef[Any], foreign: tuple[xa.GpuRef, xa.PinnedBuffer]
+) -> None:
     copier, kernels = xa.CopyActor.start(device), xa.KernelActor.start(device)
     ref = device.ask(xa.Allocate(64))
     copier.ask(xa.Fill(ref, 7))
-    other = xa.HostDriver()
-    local = xa.DeviceActor.start(0, other)
-    try:
-        foreign = local.ask(xa.Allocate(64))
-        pinned = local.ask(xa.AllocatePinned(64))
-        refused = [
-            (copier, xa.CopyToDevice(ref, pinned), "PinnedBuffer cannot cross"),
-            (copier, xa.CopyToHost(ref, out=pinned), "pinned memory cannot cross"),
-            (copier, xa.CopyDeviceToDevice(foreign, ref), "not a handle of isolated device 0"),
-            (kernels, xa.Launch(FILL_F32, 1, 16, [xa.Out(foreign), 1.0, 16]), "not a handle of isolated device 0"),
-            (copier, xa.Fill(ref, 300), "Fill.byte"),  # judged by the actor in the child
-            (copier, xa.CopyToDevice(ref, bytes(65)), "do not fit"),
-            (copier, xa.Launch(FILL_F32, 1, 16, [xa.Out(ref), 1.0, 16]), "does not understand Launch"),
-            (kernels, xa.Launch(FILL_F32, 1, 16, [ref, 1.0, 16]), "wrap a GpuRef"),
-            (kernels, xa.Launch(xa.Kernel("k", "", ("ptr",), lambda *a: None), 1, 1, [xa.Out(ref)]), "must pickle"),
-            (copier, xa.CopyToDevice(ref, np.zeros((4, 4), np.float32)[:, :2]), "C-contiguous"),
-        ]
-        for actor, message, match in refused:
-            with pytest.raises(xa.InvalidRequest, match=match):
-                actor.ask(message)
-        assert foreign.access().nbytes == 64
-    finally:
-        local.stop()
-        other.close()
+    other_ref, pinned = foreign
+    refused = [
+        (copier, xa.CopyToDevice(ref, pinned), "PinnedBuffer cannot cross"),
+        (copier, xa.CopyToHost(ref, out=pinned), "pinned memory cannot cross"),
+        (copier, xa.CopyDeviceToDevice(other_ref, ref), "not a handle of isolated device 0"),
+        (kernels, xa.Launch(FILL_F32, 1, 16, [xa.Out(other_ref), 1.0, 16]), "not a handle of isolated device 0"),
+        (copier, xa.Fill(ref, 300), "Fill.byte"),  # judged by the actor in the child
+        (copier, xa.CopyToDevice(ref, bytes(65)), "do not fit"),
+        (copier, xa.Launch(FILL_F32, 1, 16, [xa.Out(ref), 1.0, 16]), "does not understand Launch"),
+        (kernels, xa.Launch(FILL_F32, 1, 16, [ref, 1.0, 16]), "wrap a GpuRef"),
+        (kernels, xa.Launch(xa.Kernel("k", "", ("ptr",), lambda *a: None), 1, 1, [xa.Out(ref)]), "must pickle"),
+        (copier, xa.CopyToDevice(ref, np.zeros((4, 4), np.float32)[:, :2]), "C-contiguous"),
+    ]
+    for actor, message, match in refused:
+        with pytest.raises(xa.InvalidRequest, match=match):
+            actor.ask(message)
+    assert other_ref.access().nbytes == 64
     copier.tell(xa.Fill(ref, 300))  # told: logged, and the actor lives on
     assert copier.ask(xa.CopyToHost(ref)) == b"\x07" * 64  # no bytes moved
     stats = device.ask(xa.GetStats())

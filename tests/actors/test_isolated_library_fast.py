@@ -96,29 +96,24 @@ def test_a_copy_from_another_isolated_device_exports_and_forwards_in_the_askers_
     assert handled == {"library": [], "proxy": []}, "the exports (ExportHandle) went straight to the child too"
 
 
-def test_the_fast_paths_answer_refusals_and_errors_as_the_actors_path(handled: dict[str, list[str]]) -> None:
+def test_the_fast_paths_answer_refusals_and_errors_as_the_actors_path(
+    handled: dict[str, list[str]], foreign: tuple[xa.GpuRef, xa.PinnedBuffer]
+) -> None:
     device = xa.DeviceActor.start(0, "host", isolate=True)
     copier = xa.CopyActor.start(device)
     ref = device.ask(xa.Allocate(64))
     copier.ask(xa.Fill(ref, 7))
-    other = xa.HostDriver()
-    local = xa.DeviceActor.start(0, other)
-    try:
-        foreign = local.ask(xa.Allocate(64))
-        pinned = local.ask(xa.AllocatePinned(64))
-        for message, error, match in [
-            (xa.CopyToDevice(ref, pinned), xa.InvalidRequest, "PinnedBuffer cannot cross"),
-            (xa.CopyToHost(ref, out=pinned), xa.InvalidRequest, "pinned memory cannot cross"),
-            (xa.CopyDeviceToDevice(foreign, ref), xa.InvalidRequest, "not a handle of isolated device 0"),
-            (xa.Fill(ref, 300), xa.InvalidRequest, "Fill.byte"),  # judged by the actor in the child
-            (xa.CopyToDevice(ref, bytes(65)), xa.InvalidRequest, "do not fit"),
-        ]:
-            _quiet(copier, device)
-            with pytest.raises(error, match=match):
-                copier.ask(message)
-    finally:
-        local.stop()
-        other.close()
+    other_ref, pinned = foreign
+    for message, error, match in [
+        (xa.CopyToDevice(ref, pinned), xa.InvalidRequest, "PinnedBuffer cannot cross"),
+        (xa.CopyToHost(ref, out=pinned), xa.InvalidRequest, "pinned memory cannot cross"),
+        (xa.CopyDeviceToDevice(other_ref, ref), xa.InvalidRequest, "not a handle of isolated device 0"),
+        (xa.Fill(ref, 300), xa.InvalidRequest, "Fill.byte"),  # judged by the actor in the child
+        (xa.CopyToDevice(ref, bytes(65)), xa.InvalidRequest, "do not fit"),
+    ]:
+        _quiet(copier, device)
+        with pytest.raises(error, match=match):
+            copier.ask(message)
     stale = device.ask(xa.Allocate(64))
     stale.release()
     with pytest.raises(xa.GpuRefStale) as info:
@@ -190,7 +185,7 @@ def test_two_threads_ask_at_once(run_threads: Callable[..., list[BaseException]]
 
 
 def test_a_child_killed_with_asks_in_flight_from_two_threads_answers_each_with_its_error(
-    run_threads: Callable[..., list[BaseException]],
+    answers_from_threads: Callable[..., list[object]],
 ) -> None:
     device = xa.DeviceActor.start(0, "host", supervisor=xa.Supervisor(max_restarts=3), isolate=True)
     copier = xa.CopyActor.start(device)
@@ -198,20 +193,8 @@ def test_a_child_killed_with_asks_in_flight_from_two_threads_answers_each_with_i
     copier.ask(xa.Fill(ref, 1))
     device.ask(xa.GetStats())
     device.tell(ChildFault("kill", hold=4))
-    outcomes: list[object] = []
-    lock = threading.Lock()
-
-    def ask_two() -> None:
-        futures = [copier.ask(xa.CopyToHost(ref, nbytes=1), block=False) for _ in range(2)]
-        for future in futures:
-            try:
-                value: object = future.get(timeout=30)
-            except BaseException as exc:  # noqa: BLE001 - checked below
-                value = exc
-            with lock:
-                outcomes.append(value)
-
-    assert run_threads(ask_two, 2, 40) == []
+    outcomes = answers_from_threads(lambda: [copier.ask(xa.CopyToHost(ref, nbytes=1), block=False) for _ in range(2)],
+                                    2, 40)
     assert len(outcomes) == 4 and all(isinstance(o, xa.DeviceUnavailable) for o in outcomes), outcomes
     with pytest.raises(xa.GpuRefStale):
         copier.ask(xa.Fill(ref, 1))
