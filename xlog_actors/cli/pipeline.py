@@ -128,7 +128,7 @@ class PipelineResult:
 
 
 # The host-memory seams: host buffers come from ``_host_buffer`` (viewed through ``_host_array``)
-# and copies back go through ``_copy_back``/``_wait_landed``/``batches.landed_output``. They are
+# and copies back go through ``_copy_back_message``/``_wait_landed``/``batches.landed_output``. They are
 # the only code that knows whether host memory is pinned; everything else holds the buffer objects
 # they hand out.
 
@@ -146,17 +146,10 @@ def _host_array(buffer: PinnedBuffer) -> np.ndarray:
 
 
 def _copy_back_message(ref: GpuRef, nbytes: int, out: PinnedBuffer) -> CopyToHost:
-    """The message that copies ``nbytes`` of ``ref`` into ``out`` (a buffer from ``_host_buffer``),
-    for :func:`_copy_back`; immutable, so one serves every batch of the same buffers."""
+    """The message that copies ``nbytes`` of ``ref`` into ``out`` (a buffer from ``_host_buffer``);
+    its answer is a ``CopyDone`` once the copy is enqueued. Immutable, so one serves every batch
+    of the same buffers."""
     return CopyToHost(ref, nbytes, out=out)
-
-
-def _copy_back(copy_out: pykka.ActorRef[Any], message: CopyToHost, replies: queue.SimpleQueue[Answer],
-               key: object) -> Answer | None:
-    """Ask ``copy_out`` for ``message`` (from :func:`_copy_back_message`); its answer, a
-    ``CopyDone`` once the copy is enqueued, is returned when the ask was served in this thread,
-    else posted on ``replies`` under ``key`` (then None)."""
-    return ask_served(copy_out, message, replies, key)
 
 
 def _wait_landed(reply: CopyDone) -> None:
@@ -347,7 +340,7 @@ class _Run:
                 message = _copy_back_message(slot.out, self.out_bytes, batch.host.out if kept is None else kept)
                 if kept is None:
                     slot.copies_back[batch.host] = message
-            self._took(_copy_back(self.copy_out, message, self.replies, batch))
+            self._took(ask_served(self.copy_out, message, self.replies, batch))
 
     def _took(self, answer: Answer | None) -> None:
         """After an ask: its answer, when it was served in this thread, is taken now (which sends
