@@ -526,6 +526,62 @@ def test_the_context_calls_the_resource_in_c_until_its_calls_are_replaced(
     assert stats.bytes_outstanding == 0 and stats.live_blocks == 0
 
 
+@pytest.mark.parametrize("resource", ["async", "async+cache"])
+def test_the_context_frees_a_block_once_and_refuses_what_is_not_live(
+    host_driver: xa.HostDriver, resource: str
+) -> None:
+    # With the cache called in C the cache's own table says what is live (the context keeps
+    # none); either way a second free, or a free of a block of a former generation, frees nothing.
+    device = xa.DeviceActor.start(0, driver=host_driver, resource=resource)
+    client = device.ask(xa.GetClient())
+    ctx = client._cell.lifecycle.context
+    ref = client.allocate(256)
+    block = ref.access()
+    assert ctx.live_count() == 1 and ctx.live_blocks() == [block]
+    assert ctx.free(block) is True
+    assert ctx.free(block) is False, "freed already: nothing freed again"
+    assert ctx.live_count() == 0 and ctx.live_blocks() == []
+    again = client.allocate(256)
+    if resource == "async+cache":
+        assert again.access().ptr == block.ptr, "the cache hands the same address out again"
+    assert ctx.free(block) is False, "the old generation's block is not the live one at its address"
+    assert ctx.live_count() == 1
+    client.free(again)
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 0 and stats.live_blocks == 0
+
+
+def test_rebinding_the_cached_context_keeps_every_live_block_freeable_once(host_driver: xa.HostDriver) -> None:
+    # Blocks handed out while the cache said what is live move to the context's table when the
+    # cache's methods are replaced, and blocks handed out while replaced are found again after.
+    device = xa.DeviceActor.start(0, driver=host_driver, resource="async+cache")
+    client = device.ask(xa.GetClient())
+    ctx = client._cell.lifecycle.context
+    runtime = ctx.runtime
+    before = [client.allocate(512) for _ in range(3)]
+    real_deallocate, freed = runtime.deallocate, []
+
+    def counting_deallocate(block: xa.DeviceBlock) -> None:
+        freed.append(block.ptr)
+        real_deallocate(block)
+
+    runtime.deallocate = counting_deallocate
+    ctx.rebind_runtime()
+    assert not ctx.runtime_in_c and ctx.live_count() == 3
+    during = [client.allocate(512) for _ in range(2)]
+    client.free(before[0])
+    assert ctx.free(before[0]._block) is False, "freed: not live any more"
+    assert freed == [before[0]._block.ptr]
+    runtime.deallocate = real_deallocate
+    ctx.rebind_runtime()
+    assert ctx.runtime_in_c and ctx.live_count() == 4
+    for ref in before[1:] + during:
+        client.free(ref)
+    assert ctx.live_count() == 0
+    stats = device.ask(xa.GetStats())
+    assert stats.bytes_outstanding == 0 and stats.live_blocks == 0
+
+
 def test_client_live_blocks_never_alias(device: pykka.ActorRef[Any]) -> None:
     client = device.ask(xa.GetClient())
     results: list[list[xa.GpuRef]] = [[] for _ in range(8)]

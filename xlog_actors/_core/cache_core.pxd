@@ -68,6 +68,9 @@ cdef class CacheCore(ResourceCore):
     cdef _StreamBins _bins_for(self, object sid)
     cdef object _alloc_c(self, object nbytes, object stream, object tag)
     cdef object _dealloc_c(self, object block)
+    cdef int _release(self, object block, bint strict) except -1
+    cdef Py_ssize_t _live_count(self) noexcept
+    cdef list _live_list(self)
     cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag,
                       _StreamBins sb, object generation)
     cdef _Slot _take_across(self, object stream, Py_ssize_t idx)

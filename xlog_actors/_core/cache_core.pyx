@@ -501,6 +501,13 @@ cdef class CacheCore(ResourceCore):
         self._dealloc_c(block)
 
     cdef object _dealloc_c(self, object block):
+        self._release(block, True)
+
+    cdef int _release(self, object block, bint strict) except -1:
+        # The free of ``block``: 1 once done. A block that is not live here (another device's,
+        # never the cache's, kept already, another generation) raises with ``strict``, else
+        # gives 0 and changes nothing: the device context's free of a block that may have gone
+        # already, which the cache's table answers for it (see ``live_count``).
         cdef _Slot s
         cdef _Entry entry
         cdef _StreamBins sb
@@ -516,17 +523,25 @@ cdef class CacheCore(ResourceCore):
             generation = generation_of(block)
             ordinal = block.device_ordinal
         if ordinal is not self._ordinal and ordinal != self._ordinal:
+            if not strict:
+                return 0
             check_device("BlockCacheResource.deallocate", self._ordinal, block)
         if not key_of(ptr, &key):
+            if not strict:
+                return 0
             raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
         lock_acquire(self._lk)
         try:
             found = self._held.find(key)
             if found == NULL or (<_Slot>found).kept:  # never the cache's, or kept already
+                if not strict:
+                    return 0
                 raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
             s = <_Slot>found
             entry = s.entry
             if entry.generation is not generation and entry.generation != generation:
+                if not strict:
+                    return 0
                 raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, int(entry.generation))
             if self._enabled and s.idx >= 0 and (
                     self._limit < 0 or self._cached_bytes + <long long>s.cls <= self._limit):
@@ -577,6 +592,39 @@ cdef class CacheCore(ResourceCore):
                 raise
         if self._history is not None:
             _note(self, block, HISTORY_FREE)
+        return 1
+
+    # -- what is handed out -----------------------------------------------------------------
+    cdef Py_ssize_t _live_count(self) noexcept:
+        # Under no lock: two C fields read with the GIL held, no Python code between them.
+        return self._held._used - <Py_ssize_t>self._cached_blocks
+
+    cdef list _live_list(self):
+        # A snapshot read with the GIL held and no lock: the table's reads are single C
+        # operations, and the lock is not reentrant (a collection while building the list may
+        # run a finalizer that frees through this cache).
+        cdef _Slot s
+        cdef list out = []
+        for held in self._held.values():
+            s = <_Slot>held
+            if not s.kept:
+                out.append(s.block)
+        return out
+
+    def live_count(self):
+        """The number of blocks handed out and not yet freed (kept blocks are not counted).
+
+        Thread rule: any thread.
+        """
+        return self._live_count()
+
+    def live_list(self):
+        """The blocks handed out and not yet freed, as a new list (in no particular order): for
+        each, the block object the cache handed out last.
+
+        Thread rule: any thread.
+        """
+        return self._live_list()
 
     # -- trimming ---------------------------------------------------------------------------
     cdef list _detach_all(self):

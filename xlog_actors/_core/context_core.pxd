@@ -14,7 +14,7 @@ cdef class ContextCore:
     cdef public object state_ref
     cdef public object token
     cdef TokenCell _cell
-    cdef public PtrTable blocks
+    cdef PtrTable _blocks  # the live blocks, where the cache does not say them (see the .pyx)
     cdef public bint open
     cdef type _handle_type
     cdef public object reclaims

@@ -3,7 +3,6 @@ from collections import deque
 from typing import Any
 
 from .blocks import AllocTag, DeviceBlock, StreamId
-from .ptr_table import PtrTable
 
 __all__ = ["RECLAIM_BATCH", "RECLAIM_WAKE_BYTES", "ContextCore"]
 
@@ -15,7 +14,6 @@ class ContextCore:
     generation: int
     state_ref: weakref.ref[Any]
     token: object
-    blocks: PtrTable
     open: bool
     reclaims: deque[DeviceBlock]
     wake_pending: bool
@@ -30,3 +28,6 @@ class ContextCore:
     def free(self, block: DeviceBlock) -> bool: ...
     def reclaim(self, block: DeviceBlock, wake: bool = False) -> None: ...
     def drain_reclaims(self) -> None: ...
+    def live_count(self) -> int: ...
+    def live_blocks(self) -> list[DeviceBlock]: ...
+    def forget_blocks(self) -> None: ...

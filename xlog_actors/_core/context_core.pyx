@@ -2,13 +2,21 @@
 """The compiled half of ``DeviceContext``: the allocate and free bookkeeping that the device
 actor and every ``DeviceClient`` share, per generation of a device's context.
 
-``blocks`` maps the address of every block handed out as a handle of this generation (and not
-yet freed) to that block: a :class:`~xlog_actors._core.ptr_table.PtrTable` (a C hash table on
-the address; a dict cost about 850 instructions per allocate + free here, the table about 100).
-Its updates are single table operations made with the GIL held and no Python code in between,
-so they need no lock: in particular a free removes the entry only if it is still the block just
-freed (once ``deallocate`` returned, another thread may already hold the same address,
-stream-ordered reuse, and a plain pop would drop *its* entry).
+**What is live.** A free is honoured only for a block handed out as a handle of this generation
+and not yet freed, so that a free racing another one, or a dropped handle's reclaim after its
+block went with a rebuild, frees nothing twice. Where the runtime is a block cache called in C
+(``"async+cache"``), the cache's own table of the blocks it holds says it: it answers a free of a
+block that is not live with "nothing freed" instead of an error (``CacheCore._release``), so an
+allocate + free makes no table operation here (two were about 250 of the client's 1,800
+instructions a cached pair). Otherwise ``_blocks`` maps the address of every live block to it: a
+:class:`~xlog_actors._core.ptr_table.PtrTable` (a C hash table on the address; a dict cost about
+850 instructions per allocate + free here, the table about 100). Its updates are single table
+operations made with the GIL held and no Python code in between, so they need no lock: in
+particular a free removes the entry only if it is still the block just freed (once
+``deallocate`` returned, another thread may already hold the same address, stream-ordered reuse,
+and a plain pop would drop *its* entry). :meth:`ContextCore.rebind_runtime` moves the cache's
+live blocks into the table when the cache stops being called in C; blocks left in the table when
+it starts being called again are looked up there first.
 
 Dropped handles: ``reclaim`` queues the block of a handle whose last reference went (from any
 thread, a garbage collector's included) and wakes the device actor only for a large block or a
@@ -91,7 +99,8 @@ cdef class ContextCore:
 
     Fields: ``runtime`` (the generation's runtime), ``generation``, ``state_ref`` (a weak
     reference to the device state), ``token`` (the state's token when the context was built),
-    ``blocks`` (see the module docstring), ``open``; and the handle class it builds.
+    ``open``; the live blocks (see the module docstring, and :meth:`live_blocks`); and the handle
+    class it builds.
 
     Thread rule: any thread.
     """
@@ -111,7 +120,7 @@ cdef class ContextCore:
         self.state_ref = state_ref
         self.token = token
         self._cell = cell_of(state_ref())
-        self.blocks = PtrTable()
+        self._blocks = PtrTable()
         self.open = True
         self._handle_type = handle_type
         self.reclaims = deque()
@@ -135,6 +144,7 @@ cdef class ContextCore:
         self._bind_runtime()
 
     cdef _bind_runtime(self):
+        cdef CacheCore was = self._cache
         allocate, deallocate = self.runtime.allocate, self.runtime.deallocate
         self._allocate = allocate
         self._deallocate = deallocate
@@ -152,6 +162,10 @@ cdef class ContextCore:
             self._cache = <CacheCore>owner
         else:
             self._cache = None
+        if was is not None and self._cache is None:
+            # The cache no longer answers for what is live: the table does, from here on.
+            for block in was._live_list():
+                self._track(block)
 
     @property
     def runtime_in_c(self):
@@ -192,7 +206,8 @@ cdef class ContextCore:
                 block = self._allocate(nbytes, stream, tag)
         except OutOfMemory as exc:
             raise self._out_of_memory(exc) from None
-        self._track(block)
+        if self._cache is None:
+            self._track(block)
         return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token, self._cell)
 
     cdef int _track(self, object block) except -1:
@@ -204,7 +219,7 @@ cdef class ContextCore:
                 f"ptr is no int address in [0, 2**64) ({_ptr(block)!r}); it was given back"
             )
         try:
-            self.blocks.insert(key, block)
+            self._blocks.insert(key, block)
         except BaseException:
             # The table could not grow (MemoryError): give the block back, so nothing leaks.
             self._deallocate(block)
@@ -250,7 +265,8 @@ cdef class ContextCore:
         try:
             while i < n:
                 block = blocks[i]
-                self._track(block)  # gives ``block`` back itself when it fails
+                if self._cache is None:
+                    self._track(block)  # gives ``block`` back itself when it fails
                 i += 1
                 handles.append(new_handle_with(cls, block, self, generation, state_ref, token, cell))
         except BaseException:
@@ -283,10 +299,20 @@ cdef class ContextCore:
 
     cdef object _free(self, object block):
         cdef uint64_t key
-        cdef PyObject* found
-        if not key_of(_ptr(block), &key) or not self.open:
+        cdef PyObject* found = NULL
+        if not self.open:
             return False
-        found = self.blocks.find(key)
+        if self._cache is not None:
+            if self._blocks._used == 0:
+                return self._cache._release(block, False) == 1
+            if key_of(_ptr(block), &key):
+                found = self._blocks.find(key)
+            if found == NULL:
+                return self._cache._release(block, False) == 1
+        elif not key_of(_ptr(block), &key):
+            return False
+        else:
+            found = self._blocks.find(key)
         if found == NULL:
             return False
         live = <object>found
@@ -301,12 +327,39 @@ cdef class ContextCore:
                 self._deallocate(block)
         except CorruptionDetected:
             # Raised after the block was freed: it is no longer ours either way.
-            self.blocks.remove_if(key, live)
+            self._blocks.remove_if(key, live)
             raise
         # Only after the resource took it back: a failed deallocate leaves the block ours. Only
         # our own entry (see the module docstring).
-        self.blocks.remove_if(key, live)
+        self._blocks.remove_if(key, live)
         return True
+
+    def live_count(self):
+        """The number of blocks handed out as handles of this generation and not yet freed (0
+        once the context is closed).
+
+        Thread rule: any thread.
+        """
+        if not self.open:
+            return 0
+        if self._cache is not None:
+            return self._cache._live_count()  # the table's leftovers are the cache's too
+        return self._blocks._used
+
+    def live_blocks(self):
+        """The blocks handed out as handles of this generation and not yet freed, as a new list
+        (in no particular order).
+
+        Thread rule: any thread.
+        """
+        if self._cache is not None:
+            return self._cache._live_list()
+        return self._blocks.values()
+
+    def forget_blocks(self):
+        """Forget every live block without freeing it (the context is closing: they were freed,
+        or went with the context). Thread rule: any thread."""
+        self._blocks.clear()
 
     def reclaim(self, block, wake=False):
         """Hand the free of ``block`` to the owning actor (safe from any thread, GC included):

@@ -630,7 +630,7 @@ class DeviceActor(ResilientActor):
                 ctx.drain_reclaims()
                 ctx.runtime.reap_pending()
                 outstanding = ctx.runtime.bytes_outstanding()
-                live = len(ctx.blocks)
+                live = ctx.live_count()
                 stack = ctx.runtime.describe()
                 mem_free, mem_total = self._driver.mem_info(self._ordinal)
                 cached = self._cell.cache_shares.usage()

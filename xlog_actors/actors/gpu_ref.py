@@ -266,16 +266,16 @@ class DeviceContext(ContextCore):
 
     ``allocate``, ``free`` and ``is_current`` are compiled
     (:class:`~xlog_actors._core.context_core.ContextCore`, which also holds ``runtime``,
-    ``generation``, ``state_ref``, ``token``, ``blocks`` and ``open``); this class adds the
+    ``generation``, ``state_ref``, ``token``, the live blocks and ``open``); this class adds the
     rest.
 
-    ``blocks`` holds every block handed out as a ``GpuRef`` of this generation and not yet freed;
-    a rebuild drops the whole context (the driver freed its memory), so nothing of it is freed
+    The live blocks (``live_blocks()``, ``live_count()``) are every block handed out as a
+    ``GpuRef`` of this generation and not yet freed; a rebuild drops the whole context (the driver freed its memory), so nothing of it is freed
     twice or into the next context. ``reclaims`` holds the blocks whose last handle went away,
     until the actor frees them (``drain_reclaims``).
 
     Thread rules: ``allocate``/``free`` may run on any thread (the runtime is thread-safe;
-    ``blocks`` changes by single dict operations made with the GIL held);
+    the live blocks change by single table operations made with the GIL held);
     ``reclaim`` only appends to ``reclaims`` (atomic) and wakes the owning actor without waiting
     on its inbox's lock (``send_wake``), so a garbage collector may call it anywhere, inside that
     lock's sections included; ``drain_reclaims`` runs on the actor's thread only.
@@ -375,7 +375,7 @@ class DeviceContext(ContextCore):
             if not self.open:
                 return errors
             if free_blocks:
-                for block in list(self.blocks.values()):
+                for block in self.live_blocks():
                     try:
                         self.runtime.deallocate(block)
                     except Exception as exc:  # noqa: BLE001 - collected and reported by the caller
@@ -391,7 +391,7 @@ class DeviceContext(ContextCore):
             else:
                 self.runtime.drop_caches()  # kept blocks went with the context too
             self.open = False
-            self.blocks.clear()
+            self.forget_blocks()
             self.reclaims.clear()  # freed above, or gone with the context
             try:
                 self.runtime.close()
