@@ -271,8 +271,8 @@ class DeviceContext(ContextCore):
 
     The live blocks (``live_blocks()``, ``live_count()``) are every block handed out as a
     ``GpuRef`` of this generation and not yet freed; a rebuild drops the whole context (the driver
-    freed its memory), so nothing of it is freed twice or into the next context. ``reclaims`` holds the blocks whose last handle went away,
-    until the actor frees them (``drain_reclaims``).
+    freed its memory), so nothing of it is freed twice or into the next context. ``reclaims``
+    holds the blocks whose last handle went away, until the actor frees them (``drain_reclaims``).
 
     Thread rules: ``allocate``/``free`` may run on any thread (the runtime is thread-safe;
     the live blocks change by single table operations made with the GIL held);
