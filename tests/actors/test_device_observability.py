@@ -41,11 +41,18 @@ def test_stats_and_report_list_live_blocks_by_tag_and_stream(driver: xa.HostDriv
     assert stats.report["statistics"]["current_count"] == 0 and stats.report["by_tag"] == {}
 
 
-def test_out_of_memory_says_what_was_asked_what_is_free_and_the_largest_tags(driver: xa.HostDriver) -> None:
-    device = xa.DeviceActor.start(0, driver)
+@pytest.mark.parametrize("resource", ["async", "async+cache"])
+@pytest.mark.parametrize("through", ["actor", "client"])
+def test_out_of_memory_says_what_was_asked_what_is_free_and_the_largest_tags(
+    driver: xa.HostDriver, resource: str, through: str
+) -> None:
+    device = xa.DeviceActor.start(0, driver, resource=resource)
     held = device.ask(xa.Allocate(40 << 20, tag=xa.AllocTag("big-cache")))
     with pytest.raises(xa.OutOfMemory) as info:
-        device.ask(xa.Allocate(48 << 20))
+        if through == "actor":
+            device.ask(xa.Allocate(48 << 20))
+        else:
+            device.ask(xa.GetClient()).allocate(48 << 20)
     message = str(info.value)
     assert info.value.requested == 48 << 20
     assert "asked for 48.0 MiB" in message and "device free" in message and "big-cache 40.0 MiB" in message

@@ -20,10 +20,10 @@ from types import MemberDescriptorType
 
 from cpython.object cimport PyObject
 
-from .context_core cimport ContextCore
+from .context_core cimport ContextCore, context_current
 from .handles cimport HandleCore
 
-from ..errors import ContextLost, ContextPoisoned, CorruptionDetected
+from ..errors import ContextLost, ContextPoisoned, CorruptionDetected, OutOfMemory
 from .blocks import AllocTag, StreamId
 
 __all__ = ["ClientCore"]
@@ -51,6 +51,7 @@ cdef class ClientCore:
     cdef object _lifecycle
     cdef Py_ssize_t _context_offset  # of the lifecycle's ``_context`` slot; 0: read ``context``
     cdef type _handle_type
+    cdef type _context_type  # the last context's type found to be a ContextCore: a pointer compare
 
     def __init__(self, cell, handle_type):
         """Args:
@@ -96,21 +97,33 @@ cdef class ClientCore:
         """
         cdef ContextCore core
         ctx = self._running_context()
-        if isinstance(ctx, ContextCore):
+        if self._is_core(ctx):
             core = <ContextCore>ctx
-            if core._current():
+            if context_current(core):
                 try:
                     ref = core._alloc(nbytes, stream, tag)
                 except _CONTEXT_FAILURES as exc:
                     self._cell.report_failure(exc, core.generation)
                     raise
-                except BaseException:
-                    if core._current():
+                except BaseException as exc:
+                    if context_current(core):
+                        if isinstance(exc, OutOfMemory):
+                            raise core._out_of_memory(exc) from None  # the stack's figures added
                         raise
                 else:
-                    if core._current():
+                    if context_current(core):
                         return ref
         return self._allocate_slow(nbytes, stream, tag)
+
+    cdef inline bint _is_core(self, object ctx):
+        # ``isinstance(ctx, ContextCore)``, remembered by type: a device's contexts are all of one
+        # class, so after the first a pointer compare says it (the check walked the MRO).
+        if type(ctx) is self._context_type:
+            return True
+        if isinstance(ctx, ContextCore):
+            self._context_type = type(ctx)
+            return True
+        return False
 
     @cython.binding(False)
     def free(self, ref):
@@ -130,10 +143,10 @@ cdef class ClientCore:
             return self._free_slow(ref)
         handle = <HandleCore>ref
         ctx = self._running_context()
-        if ctx is None or handle._context is not ctx or not isinstance(ctx, ContextCore):
+        if ctx is None or handle._context is not ctx or not self._is_core(ctx):
             return self._free_slow(ref)
         core = <ContextCore>ctx
-        if not core._current():
+        if not context_current(core):
             return self._free_slow(ref)
         if handle._released:
             return None  # freed already: idempotent
@@ -144,7 +157,7 @@ cdef class ClientCore:
             raise  # the guard freed the block before it reported: the handle stays released
         except BaseException as exc:
             is_context_failure = isinstance(exc, _CONTEXT_FAILURES)
-            if not core._current() and not is_context_failure:
+            if not context_current(core) and not is_context_failure:
                 return None  # a rebuild took the context, and the memory, away under this call
             handle._released = False
             if is_context_failure:

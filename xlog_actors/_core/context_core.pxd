@@ -1,4 +1,5 @@
 # The compiled half of a device context; see context_core.pyx.
+from cpython.object cimport PyObject
 from .async_core cimport AsyncCore
 from .cache_core cimport CacheCore
 from .handles cimport TokenCell
@@ -19,8 +20,38 @@ cdef class ContextCore:
     cdef type _handle_type
     cdef public object reclaims
     cdef public bint wake_pending
-    cdef bint _current(self)
+    cdef bint _current(self) except -1
     cdef _bind_runtime(self)
     cdef object _alloc(self, object nbytes, object stream, object tag)
     cdef object _free(self, object block)
     cdef int _track(self, object block) except -1
+
+
+cdef extern from *:
+    """
+    /* 1 when `ref`, a plain weak reference, still has its object, 0 when not; -1 when `ref` is
+       no plain weak reference (the caller calls it). Up to CPython 3.12 the reference's field
+       is read in place (the GET_OBJECT macro, no call); later through PyWeakref_GetObject. */
+    static inline int xa_ref_alive(PyObject *ref) {
+        if (!PyWeakref_CheckRef(ref)) return -1;
+    #if PY_VERSION_HEX < 0x030D0000
+        return PyWeakref_GET_OBJECT(ref) != Py_None;
+    #else
+        return PyWeakref_GetObject(ref) != Py_None;
+    #endif
+    }
+    """
+    int xa_ref_alive(PyObject* ref) noexcept
+
+
+cdef inline int context_current(ContextCore c) except -1:
+    # ``c.is_current()``, inlined into its callers (the client's fast paths check it two or three
+    # times a call): open, the state's token unchanged, the state alive (its weak reference read
+    # in C, with no call protocol).
+    cdef int alive
+    if not c.open or c._cell.token is not c.token:
+        return 0
+    alive = xa_ref_alive(<PyObject*>c.state_ref)
+    if alive >= 0:
+        return alive
+    return c.state_ref() is not None

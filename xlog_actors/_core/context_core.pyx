@@ -54,21 +54,6 @@ RECLAIM_WAKE_BYTES = 1 << 20
 #: This many dropped handles waiting wake the device actor.
 RECLAIM_BATCH = 32
 
-cdef extern from *:
-    """
-    /* 1 when `ref`, a plain weak reference, still has its object, 0 when not; -1 when `ref` is
-       no plain weak reference (the caller calls it). Up to CPython 3.12 the reference's field
-       is read in place (the GET_OBJECT macro, no call); later through PyWeakref_GetObject. */
-    static inline int xa_ref_alive(PyObject *ref) {
-        if (!PyWeakref_CheckRef(ref)) return -1;
-    #if PY_VERSION_HEX < 0x030D0000
-        return PyWeakref_GET_OBJECT(ref) != Py_None;
-    #else
-        return PyWeakref_GetObject(ref) != Py_None;
-    #endif
-    }
-    """
-    int xa_ref_alive(PyObject* ref) noexcept
 
 
 cdef Py_ssize_t _WAKE_BYTES = RECLAIM_WAKE_BYTES
@@ -126,16 +111,8 @@ cdef class ContextCore:
         self.reclaims = deque()
         self.wake_pending = False
 
-    cdef bint _current(self):
-        cdef int alive
-        if not self.open:
-            return False
-        if self._cell.token is not self.token:
-            return False
-        alive = xa_ref_alive(<PyObject*>self.state_ref)  # read in C, with no call protocol
-        if alive >= 0:
-            return alive
-        return self.state_ref() is not None
+    cdef bint _current(self) except -1:
+        return context_current(self)
 
     def rebind_runtime(self):
         """Read the runtime's ``allocate`` and ``deallocate`` again, after something replaced
@@ -194,18 +171,20 @@ cdef class ContextCore:
             OutOfMemory: with the stack's figures added by ``_out_of_memory``.
         Thread rule: any thread.
         """
-        return self._alloc(nbytes, stream, tag)
-
-    cdef object _alloc(self, object nbytes, object stream, object tag):
         try:
-            if self._async is not None:
-                block = self._async._alloc_c(nbytes, stream, tag)
-            elif self._cache is not None:
-                block = self._cache._alloc_c(nbytes, stream, tag)
-            else:
-                block = self._allocate(nbytes, stream, tag)
+            return self._alloc(nbytes, stream, tag)
         except OutOfMemory as exc:
             raise self._out_of_memory(exc) from None
+
+    cdef object _alloc(self, object nbytes, object stream, object tag):
+        # An ``OutOfMemory`` leaves raw: the callers add the stack's figures (``_out_of_memory``),
+        # so that the hot path enters no exception handler of its own.
+        if self._async is not None:
+            block = self._async._alloc_c(nbytes, stream, tag)
+        elif self._cache is not None:
+            block = self._cache._alloc_c(nbytes, stream, tag)
+        else:
+            block = self._allocate(nbytes, stream, tag)
         if self._cache is None:
             self._track(block)
         return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token, self._cell)
