@@ -11,6 +11,19 @@ unlinks it when the tracker's process tree ends. A process that opens the segmen
 it. Unlinking removes only the name: every process that mapped the segment keeps its mapping (and
 the bytes) until it unmaps, so a late reader never faults.
 
+The resource tracker: one tracker process serves a whole process tree (a spawned child writes to
+its parent's), keeps a set of names, and prints a traceback (``KeyError``) for an ``unregister``
+of a name it does not hold, and a "leaked shared_memory objects" warning for every name still
+held when the tree ends. Only the owner's :meth:`SharedSegment.close` unregisters plainly (its
+own :meth:`SharedSegment.create` registered the name). A process that unlinks a name it does not
+own (a dead child's, :func:`unlink_segments_of`; an orphan, :func:`sweep_orphans`) cannot know
+whether its tracker holds the name: the owner may have died before registering it or after
+unregistering it, and an orphan of another process tree was never registered here. It therefore
+*forgets* the name (:func:`_forget`: a ``register`` then an ``unregister``, which leaves the name
+out of the tracker's set whether or not it was in it), and does so before it unlinks. Likewise the
+owner unregisters before it unlinks: killed between the two steps, either leaves a file nobody
+tracks, which the next sweep takes, never a tracked name without a file.
+
 Names and orphans: :func:`segment_name` puts the creator's pid *and* a random token drawn once per
 process in every name, so a name never repeats on the node, not even when a pid is reused after a
 reboot-free container restart shares ``/dev/shm`` with the old one. The owner holds a shared
@@ -249,12 +262,20 @@ class SharedSegment:
         with contextlib.suppress(BufferError):
             # A view still exports the mapping: it is unmapped when the last view goes.
             self.mm.close()
-        os.close(self._fd)
-        self._fd = -1
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            resource_tracker.unregister("/" + self.name, "shared_memory")
+        fd, self._fd = self._fd, -1
+        try:
+            if self.owner:
+                # Both steps while the ownership lock is still held (closing the file lets go of
+                # it): a sweep that found the lock free could otherwise forget and unlink the name
+                # between them, and this unregister would then be one too many. Unregistered
+                # first: killed between the two, this process leaves a file that its parent or a
+                # sweep unlinks, where the other order left the tracker a name with no file (a
+                # "leaked" warning and a failed unlink when the tree ends).
+                resource_tracker.unregister("/" + self.name, "shared_memory")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, self.name))
+        finally:
+            os.close(fd)
 
     def __repr__(self) -> str:
         return f"SharedSegment({self.name!r}, {self.size} bytes{', owner' if self.owner else ''})"
@@ -281,12 +302,70 @@ def mapped_if_open(name: str) -> SharedSegment | None:
     return _mapped.get(name)
 
 
+def _forget(name: str) -> None:
+    """Leave segment ``name`` out of this process tree's resource tracker, whether or not the
+    tracker holds it (see the module docstring).
+
+    A plain ``unregister`` of a name the tracker does not hold makes the tracker process print a
+    ``KeyError`` traceback (the error is raised there, not here); a ``register`` first makes the
+    ``unregister`` always find the name. Both go down the one pipe every process of the tree
+    writes to, in order, after anything the name's dead owner wrote.
+
+    Args:
+        name: the segment's name, without the leading slash.
+    Thread rule: any thread.
+    """
+    resource_tracker.register("/" + name, "shared_memory")
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def _unlink_unowned(name: str, min_age_s: float, now: float) -> bool:
+    """Unlink segment ``name`` if no process holds its ownership lock and it is at least
+    ``min_age_s`` old (at ``now``, by its change time); forget it in the tracker first.
+
+    Returns:
+        Whether this call unlinked it (False: owned, too young, gone meanwhile, or another
+        user's).
+    Thread rule: any thread.
+    """
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:  # gone meanwhile, or another user's
+        return False
+    try:
+        st = os.fstat(fd)
+        if now - st.st_ctime < min_age_s:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its owner holds the lock: alive
+        try:
+            if os.stat(path).st_ino != st.st_ino:
+                return False  # not the file judged any more: a new one of the same name
+        except OSError:
+            return False
+        # Forgotten before the unlink: killed between the two, this process leaves an untracked
+        # file (the next sweep takes it), never a tracked name without a file.
+        _forget(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
 def unlink_segments_of(pid: int) -> list[str]:
     """Unlink the segments a dead process of this runtime owned (named ``xlog-<what>-<pid>-...``).
 
     The resource tracker would unlink them only when the tracking process tree ends; a parent
     that replaces a killed child calls this so that each death does not leave its device memory
-    in ``/dev/shm`` until then. Processes that mapped a segment keep their mapping.
+    in ``/dev/shm`` until then. Processes that mapped a segment keep their mapping. Each name is
+    forgotten in this process tree's tracker (whether the child had registered it or not), and a
+    segment whose ownership lock is held is kept: its pid was reused by a live process.
 
     Args:
         pid: the dead process.
@@ -296,15 +375,12 @@ def unlink_segments_of(pid: int) -> list[str]:
     """
     if not os.path.isdir(SHM_DIR):
         return []
+    now = time.time()
     gone = []
     for name in os.listdir(SHM_DIR):
         parts = name.split("-")
-        if len(parts) >= 3 and parts[0] == "xlog" and parts[2] == str(pid):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
-                gone.append(name)
-                with contextlib.suppress(Exception):  # a tracker of another process tree does not know it
-                    resource_tracker.unregister("/" + name, "shared_memory")
+        if len(parts) >= 3 and parts[0] == "xlog" and parts[2] == str(pid) and _unlink_unowned(name, 0.0, now):
+            gone.append(name)
     return gone
 
 
@@ -314,7 +390,9 @@ def sweep_orphans(min_age_s: float = ORPHAN_AGE_S) -> list[str]:
     A segment is an orphan when no process holds its ownership lock (the owner died, and so did
     the resource tracker that would have unlinked it) and it is older than ``min_age_s`` (so a
     segment being created is never taken). Segments of other users, and names that vanish
-    meanwhile, are passed over. Processes that mapped an orphan keep their mapping.
+    meanwhile, are passed over. Processes that mapped an orphan keep their mapping. Each orphan
+    is forgotten in this process tree's tracker (an orphan of this tree may be in it; one of
+    another tree never is).
 
     Args:
         min_age_s: the youngest age, by the file's change time, taken for an orphan; >= 0.
@@ -328,30 +406,5 @@ def sweep_orphans(min_age_s: float = ORPHAN_AGE_S) -> list[str]:
         raise InvalidRequest(f"min_age_s must be >= 0 seconds, got {min_age_s!r}")
     if not os.path.isdir(SHM_DIR):
         return []
-    gone = []
     now = time.time()
-    for name in os.listdir(SHM_DIR):
-        if not name.startswith("xlog-"):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError:  # gone meanwhile, or another user's
-            continue
-        try:
-            st = os.fstat(fd)
-            if now - st.st_ctime < min_age_s:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # its owner holds the lock: alive
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_ino == st.st_ino:  # still the file judged, not a new one
-                    os.unlink(path)
-                    gone.append(name)
-                    with contextlib.suppress(Exception):  # a tracker of another process tree does not know it
-                        resource_tracker.unregister("/" + name, "shared_memory")
-        finally:
-            os.close(fd)
-    return gone
+    return [name for name in os.listdir(SHM_DIR) if name.startswith("xlog-") and _unlink_unowned(name, min_age_s, now)]
