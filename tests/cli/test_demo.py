@@ -7,6 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 
 import xlog_actors as xa
@@ -23,6 +24,16 @@ def test_pipeline_is_correct_with_no_explicit_synchronization(driver: xa.Driver)
     assert result.ok, result
     assert result.verified == 12 and result.mismatched == [] and result.stale_retries == 0
     assert result.compared == 2, "the first and the last batch are also compared byte for byte"
+
+
+@pytest.mark.parametrize("index", [0, 1, 4095, 2**33 + 5])
+def test_a_batch_holds_small_integers_by_its_formula_whatever_its_index(index: int) -> None:
+    # Element i of batch ``index`` is (7 i + 13 index) mod 4096, exact in float32, however large
+    # the index (the uint32 arithmetic wraps past 2**32).
+    n = 70_000
+    want = ((np.arange(n, dtype=np.int64) * 7 + index * 13) % 4096).astype(np.float32)
+    got = batches.make_batch(index, n)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
 def test_the_inputs_are_built_once_not_per_batch(driver: xa.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
