@@ -27,7 +27,8 @@ imported handle is a reader's (a write through it would be recorded as no handle
   bounded LRU of this process (the lifetime rule is that module's). The copy's own handle is
   still the one validated and waited for: its export's event marks the source's last write (a
   fresh export, or one an isolated device's copy actor kept because the source's device got no
-  library work since: :mod:`.isolated._library`).
+  library work since: :mod:`.isolated._library`; this process then holds that handle between
+  copies and the copy arrives as its token, :mod:`.isolated._sources`).
 * **The path on the host driver**: the source's bytes are the owner's shared-memory segment,
   mapped here, and copied into the destination on the copy actor's stream.
 

@@ -80,7 +80,7 @@ class _Exportable(Protocol):
 
     def access(self) -> Any: ...
 
-__all__ = ["WAIT_TIMEOUT_S", "GpuRefExport", "SharedGpuRef", "export_ref", "import_ref"]
+__all__ = ["WAIT_TIMEOUT_S", "GpuRefExport", "SharedGpuRef", "adopt", "export_ref", "import_ref"]
 
 #: How long a read waits for the exported last write by default, in seconds.
 WAIT_TIMEOUT_S: Final = 30.0
@@ -202,6 +202,33 @@ def import_ref(export: GpuRefExport) -> SharedGpuRef:
     return SharedGpuRef(export)
 
 
+def adopt(export: GpuRefExport) -> SharedGpuRef:
+    """A handle of ``export`` holding a count of its own, taken here: what forwarding a handle
+    takes (``SharedGpuRef.__reduce__``), for a descriptor that crossed without a count (a kept
+    source of an isolated device's copy actor, ``isolated._sources``), sent while its sender held
+    a count of the same slot.
+
+    Args:
+        export: the descriptor (its ``slot`` and ``serial`` name the count to take one of).
+    Returns:
+        The handle. One that could take no count (the owner freed the slot or moved to a new
+        generation, or its table is gone with its process) holds none and is stale: ``access()``
+        raises ``GpuRefStale`` as for any handle (``"context rebuilt"`` for a generation gone,
+        ``"released"`` otherwise), so the caller meets it where it validates.
+    Thread rule: any thread.
+    """
+    try:
+        cells = _table_cells(export.table)
+    except DeviceUnavailable:
+        return SharedGpuRef(export)  # opens stale: the owner ended (see import_ref)
+    base = HEADER_CELLS + 2 * export.slot
+    with mapped(export.table).locked(*COUNTS_RANGE):
+        counted = cells[base + 1] == export.serial and cells[base] > 0
+        if counted:
+            cells[base] += 1
+    return SharedGpuRef(export, counted=counted)
+
+
 def _give_back(table: str, slot: int, serial: int, opened: list[Any], events: list[Any]) -> None:
     """Give back one count of ``slot`` (a handle released or collected); tell the owner at zero.
     The handle's CUDA mapping (``opened``) and its opened event (``events``) are dropped first:
@@ -238,9 +265,15 @@ class SharedGpuRef:
         "_word",
     )
 
-    def __init__(self, export: GpuRefExport) -> None:
-        """Open ``export`` (use :func:`import_ref`); a descriptor whose owner's table is gone opens
-        as a stale handle (see :func:`import_ref`)."""
+    def __init__(self, export: GpuRefExport, counted: bool = True) -> None:
+        """Open ``export`` (use :func:`import_ref` or :func:`adopt`); a descriptor whose owner's
+        table is gone opens as a stale handle (see :func:`import_ref`).
+
+        Args:
+            export: the descriptor.
+            counted: whether a count of its slot is held for this handle to adopt (False: a
+                handle that holds none, released from birth; :func:`adopt`'s refusal).
+        """
         self._export = export
         self._gone: str | None = None
         self._word = state_word(export.generation, STATUS_RUNNING)
@@ -265,8 +298,9 @@ class SharedGpuRef:
         self._finalizer = weakref.finalize(
             self, _give_back, export.table, export.slot, export.serial, self._opened, self._events
         )
-        if cells[HEADER_CELLS + 2 * export.slot + 1] != export.serial:
-            # The owner freed the slot before this import (a late pickle): never adopt a stranger.
+        if not counted or cells[HEADER_CELLS + 2 * export.slot + 1] != export.serial:
+            # The owner freed the slot before this import (a late pickle), or no count is held
+            # for this handle: never adopt a stranger's, never give back one not taken.
             self._finalizer.detach()
             self._released = True
 

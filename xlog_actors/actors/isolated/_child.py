@@ -16,7 +16,9 @@ Library actors: the work of a parent-side ``CopyActor``/``KernelActor`` (a ``Lib
 served by a real one here, started on the child's device on first use and kept by the parent
 actor's URN until a ``LibraryStop``; the parent's handles in it are replaced by the ones in
 :class:`_Handles` (``GpuRefStale("released")`` when one is gone), so writes are recorded on the
-child's handles, where the tracking of every library actor here, and an export, see them.
+child's handles, where the tracking of every library actor here, and an export, see them. A copy's
+source that crossed as the token of a kept export is replaced by the handle this process made of
+that export, kept per parent actor until the parent forgets it or the actor stops (``_sources``).
 
 Ordering: the frame reader serves an ``Allocate`` or a ``Free`` itself, through the device's
 ``DeviceClient``, only while the device actor is quiet (nothing queued, nothing being served:
@@ -72,12 +74,12 @@ from ..device_client import DeviceClient
 from ..gpu_ref import GpuRef
 from ..hot_waits import FUTURE_SPIN_S, INBOX_SPIN_S, spin_budget
 from ..kernel_actor import KernelActor
-from ..library_messages import CopyToHost, Launch
+from ..library_messages import CopyDeviceToDevice, CopyToHost, Launch
 from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
 from ..pykka_internals import ask_into, ask_into_unrung
 from ..shared_ref import export_ref
 from ..supervisor import Supervisor, exit_process
-from ._library import map_refs
+from ._library import KEPT_EXPORTS, map_refs
 from ._protocol import (
     FAULT_KINDS,
     STATE_INDEX,
@@ -90,6 +92,7 @@ from ._protocol import (
     RemoteBlock,
     encode_error,
 )
+from ._sources import KeptImports, KeptSource
 
 __all__ = ["serve"]
 
@@ -287,6 +290,8 @@ class _Server:
         self.lifecycle = self.client._cell.lifecycle  # the device's, read-only here
         #: The library actors serving the parent's, by the parent actor's URN.
         self.libraries: dict[str, pykka.ActorRef[Any]] = {}
+        #: The handles of each parent library actor's kept copy sources, by its URN (``_sources``).
+        self.sources: dict[str, KeptImports] = {}
         self.work = _WorkCount()
         #: The doorbell of the library actor last handed work, not yet rung: the frame reader
         #: rings it once it lets go of the GIL, in its next wait (``put_unrung`` says why).
@@ -428,6 +433,7 @@ class _Server:
             library = self.libraries.pop(message.library, None)
             if library is not None:
                 library.stop(block=False)
+            self.sources.pop(message.library, None)  # its kept sources' counts go back
             reply.set(None)
             return
         if isinstance(message, FreeBlock):
@@ -451,11 +457,18 @@ class _Server:
             return ref
 
         try:
+            if work.forget and (kept := self.sources.get(work.library)) is not None:
+                kept.forget(work.forget)
             library = self.libraries.get(work.library)
             if library is None or not library.is_alive():
                 library = work.actor_class.start(self.device, track=work.track)
                 self.libraries[work.library] = library
-            message = map_refs(work.message, handle)
+            message = work.message
+            source: object = getattr(message, "src", None)  # the message's type names a GpuRef
+            if type(message) is CopyDeviceToDevice and type(source) is KeptSource:
+                message = CopyDeviceToDevice(self.kept_source(work.library, source), map_refs(message.dst, handle))
+            else:
+                message = map_refs(message, handle)
         except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
             reply.set_exception((type(exc), exc, None))
             return
@@ -465,6 +478,15 @@ class _Server:
             if self.bell is not None and self.bell is not bell:
                 self.bell.ring()  # another actor's, still due: only the last one waits for the reader's wait
             self.bell = bell
+
+    def kept_source(self, library: str, source: KeptSource) -> Any:
+        """The handle a copy asked of ``library`` (a parent actor's URN) reads a kept source
+        through: the one this process made of that kept export, or one made now (see
+        :mod:`._sources`). Thread rule: the frame reader's."""
+        kept = self.sources.get(library)
+        if kept is None:
+            kept = self.sources[library] = KeptImports(KEPT_EXPORTS)
+        return kept.resolve(source, self.lifecycle.state.generation)
 
     def export(self, message: ExportBlock, reply: _Reply) -> None:
         """Export the handle the parent pickled (on this thread: it only records an event and

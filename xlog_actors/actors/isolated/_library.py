@@ -50,6 +50,12 @@ Invariants:
   under a lock (two askers may forward at once), never held across the export or a send; two
   askers that miss at once both export, and the later one is kept. The cost: a source dropped
   (not released) by its owner's user stays allocated while it is kept.
+* **Kept exports cross as tokens** (:mod:`._sources`): the first copy of a kept export carries
+  its ``KeptSource`` with the ``SharedGpuRef``, every later one the token alone, so it takes no
+  count here and the child makes no handle (it serves the one that crossed the first time). Each kept export counts the
+  messages naming its token that are not yet answered (:class:`LibraryAnswer`'s ``settled``);
+  one dropped here is forgotten by the child (``LibraryWork.forget``, on this actor's next
+  message) only once none is, so no message naming a token reaches the child after its forget.
 * **Waits.** An asker of this actor spins a while for the reply before it sleeps
   (``hot_waits.SpinningFuture``), as the asker of an in-process library actor does.
 * **Restarts.** This actor's ``ActorRef`` stays valid across child restarts: the new child starts
@@ -69,11 +75,14 @@ the other's invariants.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import pickle
 import sys
 import threading
 from collections import OrderedDict
-from typing import Any, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
 import pykka
 
@@ -87,11 +96,16 @@ from ..library_messages import BufferArg, CopyDeviceToDevice, CopyToDevice, Copy
 from ..messages import GetStats
 from ..pykka_internals import ResilientActor, answer, ask_into
 from ..shared_ref import SharedGpuRef, export_ref, import_ref
-from ._protocol import LibraryStop, LibraryWork, RemoteHandle
+from ._protocol import MESSAGE_FIELDS, LibraryStop, LibraryWork, PickledWork, RemoteHandle
 from ._remote import RemoteContext
+from ._sources import KeptSource
+
+if TYPE_CHECKING:
+    from ._link import ChildLink
 
 __all__ = [
-    "CALLER_DATA_BYTES", "KEPT_EXPORTS", "IsolatedLibrary", "LibraryAnswer", "map_refs", "start_library", "to_child",
+    "CALLER_DATA_BYTES", "KEPT_EXPORTS", "IsolatedLibrary", "LibraryAnswer", "map_refs", "payload_of", "start_library",
+    "to_child",
 ]
 
 #: Exports of other isolated devices' sources a copy actor keeps for its next copies.
@@ -127,18 +141,11 @@ def map_refs(value: Any, leaf: Any) -> Any:
         return BufferArg(map_refs(value.ref, leaf), value.access)
     if type(value) in (list, tuple):
         return type(value)(map_refs(item, leaf) for item in value)
-    names = _FIELDS.get(type(value))
+    names = MESSAGE_FIELDS.get(type(value))
     if names is not None:
         changes = {name: map_refs(getattr(value, name), leaf) for name in names}
         return type(value)(**changes)  # what dataclasses.replace does, without its field walk
     return value
-
-
-#: Each library message type's fields, by name (every one is an ``__init__`` field), read once:
-#: ``dataclasses.fields`` walks the class's field table on every call.
-_FIELDS: Final[dict[type, tuple[str, ...]]] = {
-    kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in _MESSAGES
-}
 
 
 def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
@@ -198,19 +205,96 @@ def to_child(message: Any, owner: str, ctx: RemoteContext, ordinal: int) -> Any:
     return map_refs(message, handle)
 
 
+def payload_of(work: LibraryWork, owner: str, child: ChildLink, ordinal: int) -> LibraryWork | PickledWork:
+    """``work`` as ``child`` gets it: its message through :func:`to_child`. A copy of a kept
+    source (its token alone) into a handle of the child's current context, with nothing to
+    forget, is pickled once and its bytes sent again while it is the same copy
+    (``child.last_work``): the same library actor, kept export (an ``ident`` names one export)
+    and destination address in the same child generation, which is everything its payload holds.
+    The destination is still validated every time, as ``to_child`` validates it; one that fails
+    takes ``to_child``'s path, which raises its error.
+
+    Args:
+        work: the ``LibraryWork`` asked of the proxy.
+        owner: the proxy's actor URN.
+        child: the serving child's link.
+        ordinal: the device ordinal, for the errors.
+    Returns:
+        The payload to send: a ``LibraryWork``, or the ``PickledWork`` of one.
+    Raises:
+        InvalidRequest, GpuRefStale: as :func:`to_child`.
+    Thread rule: the proxy's thread, or an asker's on the fast path (several at once: the cached
+    pair is read and replaced whole).
+    """
+    message, ctx = work.message, child.ctx
+    if not work.forget and type(message) is CopyDeviceToDevice:
+        src: object = message.src  # the message's type names a GpuRef
+        dst = message.dst
+        if type(src) is KeptSource and not src.carry and type(dst) is GpuRef:
+            dst_ctx: object = dst.context  # a RemoteContext, for a handle of an isolated device
+            cached = _cached_copy(work, src, dst, dst_ctx, ctx, child)
+            if cached is not None:
+                return cached
+    return LibraryWork(work.library, work.actor_class, work.track, to_child(message, owner, ctx, ordinal), work.forget)
+
+
+def _cached_copy(work: LibraryWork, src: KeptSource, dst: GpuRef, dst_ctx: object, ctx: RemoteContext,
+                 child: ChildLink) -> PickledWork | None:
+    """:func:`payload_of`'s pickled copy of a kept source into ``dst``, or None when ``dst`` is
+    not a valid handle of ``ctx`` (the child's current context) or the work does not pickle
+    (``to_child`` and the send then say why)."""
+    if dst_ctx is not ctx:
+        return None
+    try:
+        dst.access()
+    except GpuRefStale:
+        return None
+    ptr = dst.block.ptr
+    key = (work.library, work.actor_class, work.track, src.ident, ptr, ctx.child_generation)
+    last = child.last_work
+    if last is not None and last[0] == key:
+        cached: PickledWork = last[1]
+        return cached
+    copy = CopyDeviceToDevice(src, RemoteHandle(ptr, ctx.child_generation))  # type: ignore[arg-type]
+    try:
+        payload = PickledWork(pickle.dumps(LibraryWork(work.library, work.actor_class, work.track, copy),
+                                           pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001 - an actor class that cannot cross: the send refuses it as always
+        return None
+    child.last_work = (key, payload)
+    return payload
+
+
 class LibraryAnswer:
     """The reply slot of one forwarded message (a ``pykka_internals.Reply``): the asker's future,
     with a proxy that stopped meanwhile answered as ``DeviceUnavailable``; a told message's
-    failure is logged. Thread rule: set once, from whichever thread answers."""
+    failure is logged. ``settled``, when given, is called once the message is answered, before
+    the asker hears (its frame, if one was sent, was served or its child is gone), whichever
+    way it is: :class:`IsolatedLibrary` counts there the frames naming a kept source that are
+    in flight, and takes back the kept sources a refused frame was to tell the child to forget.
+    Thread rule: set once, from whichever thread answers."""
 
-    __slots__ = ("_future", "_what")
+    __slots__ = ("_future", "_settled", "_what")
 
-    def __init__(self, future: pykka.Future[Any] | None, what: str) -> None:
+    def __init__(self, future: pykka.Future[Any] | None, what: str,
+                 settled: Callable[[bool], None] | None = None) -> None:
+        """Args:
+            future: the asker's future (None: a told message).
+            what: the library actor, for errors and the log.
+            settled: called with whether the answer is an error, once, before the asker hears.
+        """
         self._future = future
         self._what = what
+        self._settled = settled
+
+    def _settle(self, failed: bool) -> None:
+        settled, self._settled = self._settled, None
+        if settled is not None:
+            settled(failed)
 
     def set(self, value: Any | None = None) -> None:
         """The reply, to the asker (nothing for a told message). Thread rule: the answering thread."""
+        self._settle(False)
         if self._future is not None:
             self._future.set(value)
 
@@ -218,6 +302,7 @@ class LibraryAnswer:
         """The error (the one being handled when ``exc_info`` is None), to the asker; a told
         message's is logged. Thread rule: the answering thread."""
         exc_info = exc_info if exc_info is not None else sys.exc_info()
+        self._settle(True)
         if isinstance(exc_info[1], pykka.ActorDeadError):
             error = DeviceUnavailable(f"{self._what}: its isolated device was stopped")
             exc_info = (type(error), error, None)
@@ -233,21 +318,32 @@ class LibraryAnswer:
         in full already. Thread rule: the reader thread."""
         future = self._future
         if type(future) is SpinningFuture and (exc_info is None or not isinstance(exc_info[1], pykka.ActorDeadError)):
+            self._settle(exc_info is not None)
             return future.fill(value, exc_info)
         answer(self, value, exc_info)
         return None
 
 
-class _Kept:
-    """An export this actor keeps: the source handle, its import here, and its device's library
-    work count when it was asked."""
+#: The numbers of kept exports (``KeptSource.ident``): one per kept export of this process, never
+#: given twice, so that a child never serves one export for another.
+_idents = itertools.count(1)
 
-    __slots__ = ("mark", "ref", "shared")
+
+class _Kept:
+    """An export this actor keeps: the source handle, its import here, its device's library work
+    count when it was asked, the token it crosses to the child as, the frames naming that token
+    not yet answered (``inflight``), and whether it was dropped here (the child is told to forget
+    it once ``inflight`` is zero)."""
+
+    __slots__ = ("dropped", "inflight", "mark", "ref", "shared", "source")
 
     def __init__(self, ref: GpuRef, shared: SharedGpuRef, mark: tuple[int, int]) -> None:
         self.ref = ref
         self.shared = shared
         self.mark = mark
+        self.source = KeptSource(next(_idents), pickle.dumps(shared.export, pickle.HIGHEST_PROTOCOL), shared)
+        self.inflight = 0
+        self.dropped = False
 
     def usable(self) -> bool:
         """Neither handle released nor stale."""
@@ -291,6 +387,9 @@ class IsolatedLibrary(ResilientActor):
         #: path (see :meth:`_serve_in_caller`).
         self._serving = 0
         self._closed = False
+        #: The kept sources dropped here whose frames were all answered: the next message tells
+        #: the child to forget them (``LibraryWork.forget``, see :mod:`._sources`).
+        self._forget: list[int] = []
 
     def __repr__(self) -> str:
         return f"IsolatedLibrary({self._class.__name__}, {self._device})"
@@ -345,25 +444,65 @@ class IsolatedLibrary(ResilientActor):
         """Send ``message`` to the device's proxy as a ``LibraryWork`` answered into
         ``reply_to`` (the source of a copy from another device exported first). Thread rule:
         this actor's thread, or an asker's (``_serve_in_caller``)."""
-        answer = LibraryAnswer(reply_to, self._what)
+        kept: _Kept | None = None
         if type(message) is CopyDeviceToDevice and self._foreign(message.src):
             try:  # a handle of another device: it crosses as a SharedGpuRef (see the module docstring)
-                shared: Any = self._shared_source(message.src)  # the message's type names a GpuRef
-                message = dataclasses.replace(message, src=shared)
+                source, kept = self._shared_source(message.src)  # or as the token of a kept export
+                message = CopyDeviceToDevice(source, message.dst)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - the asker's answer
-                answer.set_exception()
+                LibraryAnswer(reply_to, self._what).set_exception()
                 return
-        ask_into(self._device, LibraryWork(self.actor_urn, self._class, self._track, message), answer)
+        with self._lock:
+            forget, self._forget = tuple(self._forget), []
+        settled = None if kept is None and not forget else self._settler(kept, forget)
+        ask_into(self._device, LibraryWork(self.actor_urn, self._class, self._track, message, forget),
+                 LibraryAnswer(reply_to, self._what, settled))
 
-    def _shared_source(self, ref: GpuRef) -> SharedGpuRef:
-        """``ref`` (a handle of another device) as the child gets it: the export kept for it when
-        it is still that of its last write (see the module docstring), else a fresh one. The
-        kept exports are read and changed under ``_lock``; the export itself, an ask of the
-        source's device, is made without it, and the entries dropped go (their counts given
-        back) once it is released."""
+    def _settler(self, kept: _Kept | None, forget: tuple[int, ...]) -> Callable[[bool], None]:
+        """What the answer of a message naming ``kept``'s token (None: none) and telling the
+        child to forget ``forget`` calls once it is answered: the token's frame is no longer in
+        flight (a dropped one's forget is due once none is), and a failed message's forgets
+        are taken back for the next one (it may not have been sent; telling the child twice is
+        harmless, its idents are never given again)."""
+
+        def settled(failed: bool) -> None:
+            with self._lock:
+                if kept is not None:
+                    kept.inflight -= 1
+                    if kept.dropped and not kept.inflight:
+                        self._forget.append(kept.source.ident)
+                if failed and forget:
+                    self._forget.extend(forget)
+
+        return settled
+
+    def _drop(self, entry: _Kept | None) -> None:
+        """Drop ``entry`` from what is kept (under ``_lock``): the child is told to forget its
+        token once no frame naming it is in flight."""
+        if entry is None or entry.dropped:
+            return
+        entry.dropped = True
+        if not entry.inflight:
+            self._forget.append(entry.source.ident)
+
+    def _shared_source(self, ref: GpuRef) -> tuple[SharedGpuRef | KeptSource, _Kept | None]:
+        """``ref`` (a handle of another device) as the child gets it: the token of the export
+        kept for it when that is still the export of its last write (see the module docstring),
+        else a fresh export, kept (and sent as its token) when nothing was in flight on the
+        source's device. The kept exports are read and changed under ``_lock``; the export
+        itself, an ask of the source's device, is made without it, and the entries dropped go
+        (their counts given back) once it is released.
+
+        Returns:
+            What the message carries (a ``SharedGpuRef``, or a ``KeptSource`` counted in flight
+            in its entry until the message is answered), and that entry (None for a
+            ``SharedGpuRef``).
+        Raises:
+            GpuRefStale, InvalidRequest, DeviceUnavailable, DriverError: as the export.
+        """
         ctx = ref.context
         if not isinstance(ctx, RemoteContext):
-            return import_ref(self._export(ref))  # exported in this process: no round trip to save
+            return import_ref(self._export(ref)), None  # exported in this process: no round trip to save
         ref.access()  # a stale or released source is refused as its export would refuse it
         key = id(ref)
         dropped: list[_Kept] = []
@@ -372,28 +511,34 @@ class IsolatedLibrary(ResilientActor):
             for old_key, old in list(kept.items()):
                 if not old.usable():
                     dropped.append(kept.pop(old_key))
+                    self._drop(old)
             mark = ctx.work.mark()  # before the export: work sent meanwhile makes it differ next time
             entry = kept.get(key)
             if entry is not None and entry.ref is ref and entry.mark == mark:
                 kept.move_to_end(key)
-                hit: SharedGpuRef | None = entry.shared
-            else:
-                hit = None
-                if entry is not None:
-                    dropped.append(kept.pop(key))
+                entry.inflight += 1
+                return entry.source, entry
+            if entry is not None:
+                dropped.append(kept.pop(key))
+                self._drop(entry)
         del dropped  # their counts go back with them, outside the lock
-        if hit is not None:
-            return hit
         shared = import_ref(self._export(ref))
-        if mark[0] == mark[1]:  # no library work in flight: the export's event covers every write
-            evicted: list[_Kept | None] = []
-            with self._lock:
-                evicted.append(kept.pop(key, None))  # another asker's, made meanwhile
-                kept[key] = _Kept(ref, shared, mark)
-                while len(kept) > KEPT_EXPORTS:
-                    evicted.append(kept.popitem(last=False)[1])
-            del evicted
-        return shared
+        if mark[0] != mark[1]:  # library work in flight: the export's event may miss its write
+            return shared, None
+        made = _Kept(ref, shared, mark)
+        evicted: list[_Kept | None] = []
+        with self._lock:
+            other = kept.pop(key, None)  # another asker's, made meanwhile
+            evicted.append(other)
+            self._drop(other)
+            kept[key] = made
+            made.inflight += 1
+            while len(kept) > KEPT_EXPORTS:
+                oldest = kept.popitem(last=False)[1]
+                evicted.append(oldest)
+                self._drop(oldest)
+        del evicted
+        return made.source.carrying(), made  # the first copy carries the export in full
 
     def _export(self, ref: GpuRef) -> Any:
         """``ref`` exported for the child, or ``InvalidRequest`` naming why it cannot cross."""
@@ -432,6 +577,7 @@ class IsolatedLibrary(ResilientActor):
                 self._served.wait()
             dropped = list(self._kept.values())
             self._kept.clear()
+            self._forget.clear()  # the child drops every kept source of this actor at its stop
         del dropped
         try:
             self._device.tell(LibraryStop(self.actor_urn))

@@ -96,6 +96,9 @@ class ChildLink:
         self.wake: Callable[[], None] = lambda: None
         #: The library work sent to this child and answered (see ``LibraryWorkCount``).
         self.work = LibraryWorkCount()
+        #: The last kept-source copy sent to this child, its key and its pickled payload
+        #: (``_library.payload_of``); replaced whole, by whichever thread sends.
+        self.last_work: tuple[tuple[Any, ...], Any] | None = None
         self.ctx = self.context(0, self.state.token)
         self.reader: threading.Thread | None = None
 

@@ -49,6 +49,7 @@ Thread rule: :class:`Channel.send` may be called from any thread (a lock keeps f
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pickle
 import threading
@@ -61,6 +62,7 @@ from ..._core.doorbell import Doorbell
 from ..._core.fdwait import wait_readable
 from ...errors import DriverError, InvalidRequest
 from ...memory.block import AllocTag, BlockState, DeviceBlock, Generation, StreamId, make_block
+from ..library_messages import CopyDeviceToDevice, CopyToDevice, CopyToHost, Fill, Launch, Launches
 
 __all__ = [
     "STATE_INDEX",
@@ -70,7 +72,9 @@ __all__ = [
     "ExportHandle",
     "FreeBlock",
     "LibraryStop",
+    "MESSAGE_FIELDS",
     "LibraryWork",
+    "PickledWork",
     "RemoteBlock",
     "RemoteHandle",
     "block_of",
@@ -179,6 +183,21 @@ class RemoteHandle:
     ptr: int
     generation: int
 
+    def __reduce__(self) -> tuple[Any, tuple[int, int]]:
+        # Its two ints, rebuilt by the constructor: a frozen slots dataclass's own pickling
+        # walks its fields on both sides (a few µs each way, on every copy's frame).
+        return (RemoteHandle, (self.ptr, self.generation))
+
+
+#: Each library message type's fields, by name, read once (``dataclasses.fields`` walks the class's
+#: field table on every call): a ``LibraryWork`` pickles its message as its type and these values,
+#: rebuilt by calling the type with them, and ``_library.map_refs`` rebuilds one by keyword (every
+#: field is an ``__init__`` field, in order).
+MESSAGE_FIELDS: dict[type, tuple[str, ...]] = {
+    kind: tuple(f.name for f in dataclasses.fields(kind))
+    for kind in (CopyToDevice, CopyToHost, CopyDeviceToDevice, Fill, Launch, Launches)
+}
+
 
 @dataclass(frozen=True, slots=True)
 class LibraryWork:
@@ -186,12 +205,50 @@ class LibraryWork:
     the child serves ``message`` on its own library actor ``library`` (the parent actor's URN),
     an ``actor_class`` started on the child's device with ``track``, which it starts on first use
     (so a new child re-creates it lazily). In the payload the child gets, every ``GpuRef`` of
-    ``message`` is a :class:`RemoteHandle`. Thread rule: immutable; any thread."""
+    ``message`` is a :class:`RemoteHandle`, and a copy's source whose export the parent keeps a
+    ``_sources.KeptSource``. ``forget``: the kept sources (their ``ident``) the child drops
+    before it serves ``message`` (see :mod:`._sources`). Thread rule: immutable; any thread."""
 
     library: str
     actor_class: type[Any]
     track: bool
     message: Any
+    forget: tuple[int, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Its fields, and a library message's as its type and values: the dataclasses' own
+        # pickling walks each one's fields on both sides, on every forwarded message.
+        message = self.message
+        names = MESSAGE_FIELDS.get(type(message))
+        if names is None:
+            return (LibraryWork, (self.library, self.actor_class, self.track, message, self.forget))
+        values = tuple([getattr(message, name) for name in names])
+        return (_library_work, (self.library, self.actor_class, self.track, self.forget, type(message), values))
+
+
+def _library_work(library: str, actor_class: type[Any], track: bool, forget: tuple[int, ...], kind: type,
+                  values: tuple[Any, ...]) -> LibraryWork:
+    """A :class:`LibraryWork` from its pickled parts (its ``__reduce__``)."""
+    return LibraryWork(library, actor_class, track, kind(*values), forget)
+
+
+class PickledWork:
+    """A :class:`LibraryWork` payload pickled once (``data``) and sent again as those bytes: it
+    unpickles, in the child, as the ``LibraryWork`` itself (``_library.payload_of`` says when).
+
+    Thread rule: immutable; any thread.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        """Args:
+            data: the pickled ``LibraryWork``.
+        """
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (pickle.loads, (self.data,))
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,6 @@ configure, so that what a caller may pass and what the proxy takes are read toge
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import sys
 import threading
@@ -67,7 +66,7 @@ from ..pykka_internals import ResilientActor
 from ..subscribers import tell_subscribers
 from ..supervisor import Supervisor, checked_supervisor, stop_device
 from ._lane import ask_in_lane
-from ._library import to_child
+from ._library import payload_of
 from ._link import ChildLink, Flush
 from ._process import READY_TIMEOUT_S
 from ._protocol import ChildFault, ExportBlock, ExportHandle, FreeBlock, LibraryStop, LibraryWork
@@ -231,9 +230,7 @@ class IsolatedDevice(ResilientActor):
         ``_forward`` counts it."""
         work: LibraryWork = envelope.message
         try:
-            payload = dataclasses.replace(
-                work, message=to_child(work.message, self.actor_urn, child.ctx, self._ordinal)
-            )
+            payload = payload_of(work, self.actor_urn, child, self._ordinal)
         except Exception:  # noqa: BLE001 - refused: the proxy's own path raises the same error to the asker
             return envelope
         child.work.count_sent()
@@ -329,9 +326,7 @@ class IsolatedDevice(ResilientActor):
             elif isinstance(message, ExportHandle):
                 payload = self._export_payload(message, child)
             elif isinstance(message, LibraryWork):
-                payload = dataclasses.replace(
-                    message, message=to_child(message.message, self.actor_urn, child.ctx, self._ordinal)
-                )
+                payload = payload_of(message, self.actor_urn, child, self._ordinal)
                 child.work.count_sent()  # before it can run: see _library's kept exports
             try:
                 sent = child.send_ask(payload, future, message)
