@@ -495,15 +495,20 @@ def test_client_frees_of_one_handle_from_many_threads_free_it_once(device: pykka
     assert keep.access().nbytes == 256
 
 
+def _device_client_context(host_driver: xa.HostDriver, resource: str) -> tuple[pykka.ActorRef[Any], Any, Any]:
+    """A device on ``resource``, its client and its current context."""
+    device = xa.DeviceActor.start(0, driver=host_driver, resource=resource)
+    client = device.ask(xa.GetClient())
+    return device, client, client._cell.lifecycle.context
+
+
 @pytest.mark.parametrize("resource", ["async", "async+cache"])
 def test_the_context_calls_the_resource_in_c_until_its_calls_are_replaced(
     host_driver: xa.HostDriver, resource: str
 ) -> None:
     # The stream-ordered resource's methods are Cython functions, the block cache's plain method
     # descriptors: the context recognizes both as unreplaced.
-    device = xa.DeviceActor.start(0, driver=host_driver, resource=resource)
-    client = device.ask(xa.GetClient())
-    ctx = client._cell.lifecycle.context
+    device, client, ctx = _device_client_context(host_driver, resource)
     assert ctx.runtime_in_c, "the stack's top is the stream-ordered resource or its cache: called in C"
     runtime = ctx.runtime
     real_allocate, seen = runtime.allocate, []
@@ -532,9 +537,7 @@ def test_the_context_frees_a_block_once_and_refuses_what_is_not_live(
 ) -> None:
     # With the cache called in C the cache's own table says what is live (the context keeps
     # none); either way a second free, or a free of a block of a former generation, frees nothing.
-    device = xa.DeviceActor.start(0, driver=host_driver, resource=resource)
-    client = device.ask(xa.GetClient())
-    ctx = client._cell.lifecycle.context
+    device, client, ctx = _device_client_context(host_driver, resource)
     ref = client.allocate(256)
     block = ref.access()
     assert ctx.live_count() == 1 and ctx.live_blocks() == [block]
@@ -554,9 +557,7 @@ def test_the_context_frees_a_block_once_and_refuses_what_is_not_live(
 def test_rebinding_the_cached_context_keeps_every_live_block_freeable_once(host_driver: xa.HostDriver) -> None:
     # Blocks handed out while the cache said what is live move to the context's table when the
     # cache's methods are replaced, and blocks handed out while replaced are found again after.
-    device = xa.DeviceActor.start(0, driver=host_driver, resource="async+cache")
-    client = device.ask(xa.GetClient())
-    ctx = client._cell.lifecycle.context
+    device, client, ctx = _device_client_context(host_driver, "async+cache")
     runtime = ctx.runtime
     before = [client.allocate(512) for _ in range(3)]
     real_deallocate, freed = runtime.deallocate, []

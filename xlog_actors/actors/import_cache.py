@@ -52,7 +52,7 @@ from typing import Final
 from ..errors import GpuRefStale
 from .shared_ref import SharedGpuRef
 
-__all__ = ["CAPACITY", "REUSE_MAX", "CacheStats", "clear", "configure", "reader_of", "stats"]
+__all__ = ["CAPACITY", "REUSE_MAX", "CacheStats", "clear", "configure", "reader_of", "stats", "usable"]
 
 #: Entries (exported allocations kept open) per importing process.
 CAPACITY: Final = 4
@@ -102,7 +102,9 @@ def _key(ref: SharedGpuRef) -> _Key:
     return (e.table, e.slot, e.serial, e.cell, e.generation)
 
 
-def _usable(ref: SharedGpuRef) -> bool:
+def usable(ref: SharedGpuRef) -> bool:
+    """Whether ``ref`` still validates (its owner's generation is the one it was made in, and it
+    was not released). Thread rule: any thread."""
     try:
         ref.access()
     except GpuRefStale:
@@ -124,7 +126,7 @@ def reader_of(src: SharedGpuRef) -> SharedGpuRef:
     try:
         with _lock:
             for stale_key, held in list(_entries.items()):
-                if not _usable(held.ref):
+                if not usable(held.ref):
                     dropped.append(_entries.pop(stale_key))
             key = _key(src)
             entry = _entries.get(key)

@@ -49,7 +49,7 @@ import pickle
 from collections import OrderedDict
 from typing import Any
 
-from ...errors import GpuRefStale
+from ..import_cache import usable
 from ..shared_ref import SharedGpuRef, adopt
 
 __all__ = ["KeptImports", "KeptSource"]
@@ -93,15 +93,6 @@ class KeptSource:
 
     def __repr__(self) -> str:
         return f"KeptSource({self.ident}, {self.shared!r})"
-
-
-def _usable(ref: SharedGpuRef) -> bool:
-    """Whether ``ref`` still validates (its owner's generation is the one it was made in)."""
-    try:
-        ref.access()
-    except GpuRefStale:
-        return False
-    return True
 
 
 def _same(kept: bytes, crossed: bytes) -> bool:
@@ -155,7 +146,7 @@ class KeptImports:
         if generation != self._generation:
             self._generation = generation
             entries.clear()
-        for stale in [ident for ident, (ref, _) in entries.items() if not _usable(ref)]:
+        for stale in [ident for ident, (ref, _) in entries.items() if not usable(ref)]:
             del entries[stale]  # its owner moved on: its mapping closes now, as the import cache's do
         ident, descriptor = source.ident, source.descriptor
         entry = entries.get(ident)
