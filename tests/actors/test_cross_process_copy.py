@@ -6,6 +6,8 @@ devices are two emulated ordinals; on CUDA, the first two GPUs (skipped with the
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,3 +158,28 @@ def test_an_asker_of_an_isolated_devices_copy_actor_spins_for_its_reply_as_for_a
     future = copy1.ask(xa.Fill(ref, 1), block=False)
     assert isinstance(future, SpinningFuture)
     future.get(timeout=30.0)
+
+
+def test_stopped_isolated_devices_leave_no_export_table_for_the_collector() -> None:
+    # An exported handle makes its device's export table (a shared segment and a sweeper thread),
+    # which lives as long as the device's state. Once the devices stop, nothing may hold that
+    # state in a reference cycle: the table goes by reference counting alone, the collector off.
+    from xlog_actors.actors import export_table
+
+    before = {table.name for table in list(export_table._tables.values())}
+    gc.disable()
+    try:
+        devices = [xa.DeviceActor.start(k, "host", isolate=True, hot_spare=False, ipc_pool=True) for k in (0, 1)]
+        copy1 = xa.CopyActor.start(devices[1])
+        src, dst = devices[0].ask(xa.Allocate(64)), devices[1].ask(xa.Allocate(64))
+        copy1.ask(xa.CopyDeviceToDevice(src, dst))
+        made = {table.name for table in list(export_table._tables.values())} - before
+        assert made, "the copy exported its source: its device has a table"
+        del src, dst, copy1, devices
+        pykka.ActorRegistry.stop_all()
+        deadline = time.monotonic() + 5.0
+        while made & {table.name for table in list(export_table._tables.values())}:
+            assert time.monotonic() < deadline, "an export table outlived its stopped device until a collection"
+            time.sleep(0.02)
+    finally:
+        gc.enable()

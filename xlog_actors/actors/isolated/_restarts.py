@@ -61,6 +61,11 @@ CONFIRM_TIMEOUT_S = 10.0
 logger = logging.getLogger(__name__)
 
 
+
+def _told_nobody(message: m.GenerationChanged) -> None:
+    """What a stopped keeper tells its subscribers: nothing (see ``ChildKeeper.stop``)."""
+
+
 class ChildKeeper:
     """The serving child of one isolated device, its reserve and its restarts; see the module
     docstring.
@@ -274,6 +279,11 @@ class ChildKeeper:
         if child.reader is not None:
             child.reader.join(STOP_TIMEOUT_S)
         self._discard_spare()
+        # The proxy's ``_notify`` is a bound method of the proxy, which holds this keeper: a
+        # cycle that would keep the child's link, and through it the device state and its
+        # export table (a shared segment and a sweeper thread), until a garbage collection.
+        # Nothing is told after a stop.
+        self._notify = _told_nobody
 
     def stopped_stats(self) -> m.DeviceStats:
         """The statistics of a device stopped for good."""
