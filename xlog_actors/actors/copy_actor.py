@@ -7,13 +7,14 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from ..driver.protocol import Driver, Stream
-from ..errors import InvalidRequest
+from ..errors import GpuRefStale, InvalidRequest, XlogError
 from ..memory.block import Access, DeviceBlock
 from ..memory.pinned import PinnedBuffer
 from .gpu_ref import GpuRef
-from .library_actor import LibraryActor
+from .library_actor import LibraryActor, raise_if_rebuilt
 from .library_messages import CopyDeviceToDevice, CopyDone, CopyToDevice, CopyToHost, Fill
-from .shared_copy import check_shared_source, enqueue_from_shared
+from .pykka_internals import ask_into_unrung
+from .shared_copy import EnqueueShared, LandShared, check_shared_source, enqueue_from_shared
 from .shared_ref import SharedGpuRef
 
 __all__ = ["CopyActor"]
@@ -147,10 +148,11 @@ class CopyActor(LibraryActor):
 
         self._run([local], enqueue, peers=[peer])
 
-    def _from_other_process(self, msg: CopyDeviceToDevice, src: SharedGpuRef) -> None:
+    def _from_other_process(self, msg: CopyDeviceToDevice, src: SharedGpuRef, *, wait: bool = True) -> None:
         """``CopyDeviceToDevice`` from a handle of a device in another process (see
         :mod:`.shared_copy`): after the source's exported last write, tracked on the destination,
-        replying once the copy landed."""
+        replying once the copy landed (``wait`` False: once it is enqueued, for
+        :meth:`_enqueue_shared`, whose landing waits)."""
         self._check_refs(msg, "dst")
         ctx = msg.dst.context
         check_shared_source(src, msg.dst.nbytes, ctx.driver.kind)
@@ -159,8 +161,36 @@ class CopyActor(LibraryActor):
         def enqueue(driver: Driver, stream: Stream, blocks: list[DeviceBlock]) -> None:
             enqueue_from_shared(driver, stream, src, blocks[0])
 
-        self._run([(msg.dst, Access.WRITE)], enqueue, wait=True)
-        src.access()  # its owner restarted during the copy: the bytes copied are not the handle's
+        self._run([(msg.dst, Access.WRITE)], enqueue, wait=wait)
+        if wait:
+            src.access()  # its owner restarted during the copy: the bytes copied are not the handle's
+
+    def _enqueue_shared(self, msg: EnqueueShared) -> Any:
+        """The asker's half of a copy from another process (see :mod:`.shared_copy`): enqueue it,
+        then queue its landing, whose reply is ``msg.reply``, to this actor. Returns the inbox's
+        bell, for the asker to ring once it lets go of the GIL (``ask_into_unrung``)."""
+        copy = msg.copy
+        source: object = copy.src
+        if not isinstance(source, SharedGpuRef):
+            raise InvalidRequest(f"EnqueueShared.copy.src: a SharedGpuRef, got {type(source).__name__}")
+        self._from_other_process(copy, source, wait=False)
+        stream = self._stream
+        assert stream is not None  # attached by the enqueue just made
+        landing = LandShared(source, stream, copy.dst.context)
+        return ask_into_unrung(self.actor_ref, landing, msg.reply)
+
+    def _land_shared(self, msg: LandShared) -> None:
+        """The actor's half: wait for the copy enqueued by :meth:`_enqueue_shared` to land (a
+        rebuild meanwhile reads as a stale handle, as in ``_run``), then check its source."""
+        try:
+            msg.stream.synchronize()
+        except XlogError as exc:
+            if not isinstance(exc, GpuRefStale):
+                raise_if_rebuilt([msg.context], exc)
+            raise
+        if self._core is not None:
+            self._core.prune()  # every compiled copy before the wait ran: its buffer may go
+        msg.src.access()  # its owner restarted during the copy: the bytes copied are not the handle's
 
     def _fill(self, msg: Fill) -> None:
         byte = msg.byte
@@ -240,4 +270,6 @@ _HANDLERS: dict[type, str] = {
     CopyToHost: "_to_host",
     CopyDeviceToDevice: "_device_to_device",
     Fill: "_fill",
+    EnqueueShared: "_enqueue_shared",
+    LandShared: "_land_shared",
 }

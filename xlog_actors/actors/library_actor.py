@@ -38,7 +38,7 @@ from .pykka_internals import ResilientActor, is_actor_ref_of
 from .served_ref import NOT_SERVED, ServedRef
 from .supervisor import SupervisedFailure
 
-__all__ = ["LibraryActor"]
+__all__ = ["LibraryActor", "raise_if_rebuilt"]
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ class LibraryActor(ResilientActor):
         rebuilt meanwhile; nothing otherwise."""
         core = self._core
         if core is not None and not isinstance(exc, GpuRefStale):
-            _raise_if_rebuilt([core.context], exc)
+            raise_if_rebuilt([core.context], exc)
 
     def _compiled_failed(self, exc: BaseException) -> None:
         """What the handler's path does with ``exc``, the error of a compiled call that
@@ -457,7 +457,7 @@ class LibraryActor(ResilientActor):
             if peer_refs and isinstance(exc, (ContextLost, ContextPoisoned)):
                 claim_peer_failure(exc, peer_refs)
             if not isinstance(exc, GpuRefStale):
-                _raise_if_rebuilt([ctx, *(ref.context for ref in peer_refs)], exc)
+                raise_if_rebuilt([ctx, *(ref.context for ref in peer_refs)], exc)
             raise
         for ref, access in uses:
             if access.writes:
@@ -487,14 +487,24 @@ class LibraryActor(ResilientActor):
             runtime.finish_block_use(block, sid, access)
         except XlogError as exc:
             if not isinstance(exc, GpuRefStale):  # a rebuild in the middle: a stale handle (see _run)
-                _raise_if_rebuilt([ctx], exc)
+                raise_if_rebuilt([ctx], exc)
             raise
         if access.writes:
             ref.record_write(sid)
 
 
-def _raise_if_rebuilt(contexts: list[DeviceContext], exc: XlogError) -> None:
-    """``GpuRefStale`` from ``exc`` when one of ``contexts`` is no longer its device's current one."""
+def raise_if_rebuilt(contexts: list[DeviceContext], exc: XlogError) -> None:
+    """Raise ``GpuRefStale`` ("context rebuilt", from ``exc``) when one of ``contexts`` is no
+    longer its device's current one: an error met by work that a rebuild took the context of
+    reads as a stale handle, whatever the dead context answered. Returns when all are current.
+
+    Args:
+        contexts: the contexts the work ran in.
+        exc: the error the work met.
+    Raises:
+        GpuRefStale: one of ``contexts`` was rebuilt.
+    Thread rule: any thread.
+    """
     for ctx in contexts:
         if not ctx.is_current():
             raise GpuRefStale("context rebuilt", f"device {ctx.ordinal} was rebuilt during the work") from exc

@@ -119,6 +119,24 @@ class ServedRef(pykka.ActorRef[Any]):
             return NOT_SERVED
         return actor.serve_in_caller(message)
 
+    def serve_here(self, message: Any) -> Any:
+        """Serve ``message`` in this thread while the actor is idle, whatever its type and
+        whether its handler waits: for an asker that is the actor's only one and waits in any
+        case (an isolated device's frame reader, ``shared_copy.EnqueueShared``).
+
+        Args:
+            message: the message.
+        Returns:
+            the reply, or :data:`NOT_SERVED` (the ask must go through the inbox).
+        Raises:
+            the handler's error, as the actor would answer it.
+        Thread rule: any thread.
+        """
+        actor: CallerServer | None = self._actor_weakref()
+        if actor is None:
+            return NOT_SERVED
+        return actor.serve_in_caller(message)
+
     def serve_posts_with(self, server: Callable[[Any], Any]) -> None:
         """Serve posted asks through ``server`` from now on: a compiled equivalent of
         :meth:`serve_posted` that takes this method (as bound before the call) for whatever it

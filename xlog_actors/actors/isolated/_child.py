@@ -77,7 +77,9 @@ from ..kernel_actor import KernelActor
 from ..library_messages import CopyDeviceToDevice, CopyToHost, Launch
 from ..messages import Allocate, Free, GenerationChanged, GetClient, GetStats, Subscribe
 from ..pykka_internals import ask_into, ask_into_unrung
-from ..shared_ref import export_ref
+from ..served_ref import NOT_SERVED
+from ..shared_copy import EnqueueShared
+from ..shared_ref import SharedGpuRef, export_ref
 from ..supervisor import Supervisor, exit_process
 from ._library import KEPT_EXPORTS, map_refs
 from ._protocol import (
@@ -473,7 +475,27 @@ class _Server:
             reply.set_exception((type(exc), exc, None))
             return
         self.work.forwarded += 1
-        bell = ask_into_unrung(library, message, _WorkReply(self.channel, self.handles, reply.rid, self.work))
+        answer = _WorkReply(self.channel, self.handles, reply.rid, self.work)
+        bell = None
+        if type(message) is CopyDeviceToDevice and isinstance(message.src, SharedGpuRef):
+            # Enqueued here while the copy actor is idle; its landing and the reply go to the
+            # actor, whose wake-up then runs while the copy does (see shared_copy).
+            serve_here = getattr(library, "serve_here", None)
+            if serve_here is not None:
+                try:
+                    bell = serve_here(EnqueueShared(message, answer))
+                except Exception as exc:  # noqa: BLE001 - the parent's asker gets it
+                    answer.set_exception((type(exc), exc, None))
+                    return
+                if bell is not NOT_SERVED:
+                    self._ring_later(bell)
+                    return
+        bell = ask_into_unrung(library, message, answer)
+        self._ring_later(bell)
+
+    def _ring_later(self, bell: Any) -> None:
+        """Keep ``bell`` (a ``Doorbell`` or None) for the reader's next wait to ring, once it let
+        go of the GIL; a bell still due from another actor is rung now."""
         if bell is not None:
             if self.bell is not None and self.bell is not bell:
                 self.bell.ring()  # another actor's, still due: only the last one waits for the reader's wait
