@@ -419,3 +419,19 @@ def test_a_repeated_kept_copy_is_sent_as_the_bytes_pickled_the_first_time() -> N
     fresh = device.ask(xa.Allocate(NBYTES))
     assert fresh.block.ptr == a.block.ptr, "the same address in the child's new generation"
     assert decoded(payload(token, fresh)).message.dst.generation == 1, "the payload names the new generation"
+
+
+def test_the_same_pickled_work_twice_in_a_row_is_read_as_one_object() -> None:
+    # What a copy sent again unchanged costs the child's frame reader: no second unpickling.
+    copy = xa.CopyDeviceToDevice(KeptSource(21, b"d"), _protocol.RemoteHandle(4096, 0))  # type: ignore[arg-type]
+    work = _protocol.LibraryWork("urn:a", xa.CopyActor, True, copy)
+    data = pickle.dumps(work, pickle.HIGHEST_PROTOCOL)
+    first = pickle.loads(pickle.dumps(_protocol.PickledWork(data)))
+    again = pickle.loads(pickle.dumps(_protocol.PickledWork(bytes(data))))  # equal bytes, another object
+    assert isinstance(first, _protocol.LibraryWork) and again is first
+    assert first.message.src.ident == 21 and first.message.dst == _protocol.RemoteHandle(4096, 0)
+    other = _protocol.LibraryWork("urn:a", xa.CopyActor, True,
+                                  xa.CopyDeviceToDevice(KeptSource(22, b"d"), _protocol.RemoteHandle(4096, 0)))  # type: ignore[arg-type]
+    changed = pickle.loads(pickle.dumps(_protocol.PickledWork(pickle.dumps(other, pickle.HIGHEST_PROTOCOL))))
+    assert changed is not first and changed.message.src.ident == 22, "other bytes: read again"
+    assert pickle.loads(pickle.dumps(_protocol.PickledWork(data))) is not first, "not the previous bytes any more"

@@ -75,6 +75,7 @@ __all__ = [
     "MESSAGE_FIELDS",
     "LibraryWork",
     "PickledWork",
+    "work_of",
     "RemoteBlock",
     "RemoteHandle",
     "block_of",
@@ -234,7 +235,10 @@ def _library_work(library: str, actor_class: type[Any], track: bool, forget: tup
 
 class PickledWork:
     """A :class:`LibraryWork` payload pickled once (``data``) and sent again as those bytes: it
-    unpickles, in the child, as the ``LibraryWork`` itself (``_library.payload_of`` says when).
+    unpickles, in the child, as the ``LibraryWork`` itself (``_library.payload_of`` says when),
+    and the same bytes twice in a row as the same object (:func:`work_of`). Only a payload whose
+    unpickling does nothing else is pickled this way: a copy of a kept source's token alone,
+    which carries no handle (no count is taken when it is read).
 
     Thread rule: immutable; any thread.
     """
@@ -248,7 +252,33 @@ class PickledWork:
         self.data = data
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return (pickle.loads, (self.data,))
+        return (work_of, (self.data,))
+
+
+#: The bytes :func:`work_of` unpickled last, and what they gave.
+_last_work: tuple[bytes, Any] = (b"", None)
+
+
+def work_of(data: bytes) -> Any:
+    """The ``LibraryWork`` pickled in ``data``: unpickled, or, for the same bytes as the previous
+    call's, the object that call made. A copy sent again unchanged is sent as the same bytes, and
+    unpickling them makes nothing new: a ``LibraryWork``, its message and their handles' wire
+    forms are immutable and made of nothing but the bytes, so equal bytes make equal objects.
+
+    Args:
+        data: the pickled ``LibraryWork``.
+    Returns:
+        the ``LibraryWork``.
+    Thread rule: any thread (the child's frame reader in practice); the one-entry memo is swapped
+    whole, with the GIL held.
+    """
+    global _last_work
+    last = _last_work
+    if data == last[0]:
+        return last[1]
+    work = pickle.loads(data)
+    _last_work = (data, work)
+    return work
 
 
 @dataclass(frozen=True, slots=True)
