@@ -45,6 +45,10 @@ which ``pickle`` cannot rebuild.
 
 Thread rule: :class:`Channel.send` may be called from any thread (a lock keeps frames whole);
 :meth:`Channel.recv` from one thread per end.
+
+The module runs past 400 lines because it is the whole wire: every frame's payload type and its
+pickled form (the library work's pickled once, and read once, included) and the channel, so that
+both ends read them from one place.
 """
 
 from __future__ import annotations
