@@ -20,7 +20,6 @@ cdef class ContextCore:
     cdef type _handle_type
     cdef public object reclaims
     cdef public bint wake_pending
-    cdef bint _current(self) except -1
     cdef _bind_runtime(self)
     cdef object _alloc(self, object nbytes, object stream, object tag)
     cdef object _free(self, object block)

@@ -111,9 +111,6 @@ cdef class ContextCore:
         self.reclaims = deque()
         self.wake_pending = False
 
-    cdef bint _current(self) except -1:
-        return context_current(self)
-
     def rebind_runtime(self):
         """Read the runtime's ``allocate`` and ``deallocate`` again, after something replaced
         them on the runtime (they are read once, when the context is built). Thread rule: any
@@ -155,7 +152,7 @@ cdef class ContextCore:
     def is_current(self):
         """True while this is the device's usable context: open, and the state unchanged since
         it was built (no rebuild, shutdown or poisoning). Thread rule: any thread."""
-        return self._current()
+        return context_current(self) == 1
 
     def allocate(self, nbytes, stream, tag):
         """Allocate one block of this generation and wrap it in a handle.
@@ -281,19 +278,12 @@ cdef class ContextCore:
         cdef PyObject* found = NULL
         if not self.open:
             return False
-        if self._cache is not None:
-            if self._blocks._used == 0:
-                return self._cache._release(block, False) == 1
-            if key_of(_ptr(block), &key):
-                found = self._blocks.find(key)
-            if found == NULL:
-                return self._cache._release(block, False) == 1
-        elif not key_of(_ptr(block), &key):
-            return False
-        else:
+        # The table first (an empty one, the cache's case, is not hashed into); a block it does
+        # not hold is the cache's to answer for, where there is one.
+        if self._blocks._used and key_of(_ptr(block), &key):
             found = self._blocks.find(key)
         if found == NULL:
-            return False
+            return self._cache is not None and self._cache._release(block, False) == 1
         live = <object>found
         if live is not block and live.generation != block.generation:
             return False

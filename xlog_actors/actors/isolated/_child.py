@@ -476,7 +476,6 @@ class _Server:
             return
         self.work.forwarded += 1
         answer = _WorkReply(self.channel, self.handles, reply.rid, self.work)
-        bell = None
         if type(message) is CopyDeviceToDevice and isinstance(message.src, SharedGpuRef):
             # Enqueued here while the copy actor is idle; its landing and the reply go to the
             # actor, whose wake-up then runs while the copy does (see shared_copy).

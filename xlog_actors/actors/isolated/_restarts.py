@@ -61,7 +61,6 @@ CONFIRM_TIMEOUT_S = 10.0
 logger = logging.getLogger(__name__)
 
 
-
 def _told_nobody(message: m.GenerationChanged) -> None:
     """What a stopped keeper tells its subscribers: nothing (see ``ChildKeeper.stop``)."""
 
