@@ -371,3 +371,33 @@ def test_map_refs_maps_every_handle_of_a_message_and_keeps_the_rest() -> None:
     assert (back.ref, back.nbytes, back.out) == ("B", 8, None)
     for kind in _library._MESSAGES:
         assert all(f.init for f in dataclasses.fields(kind)), kind
+
+
+def test_an_ask_sent_while_the_parents_reader_sleeps_wakes_it_before_the_reply(
+    monkeypatch: pytest.MonkeyPatch, slow_kernels: Any
+) -> None:
+    """``ChildLink.sleep_until_readable``: a slow kernel's launch, sent while the reader sleeps,
+    wakes it long before the kernel's reply could (the reader then spins for the reply), and the
+    reply still reaches its asker. Fails with the wake-up off: the reader then sleeps on until the
+    reply comes, ``SLOW_S`` later."""
+    from xlog_actors.actors.isolated import _lane, _reader
+
+    for module in (_proxy, _reader, _lane, _library):  # the parent's waits spin whatever the cores
+        monkeypatch.setattr(module, "spin_budget", lambda seconds: seconds)
+    device = xa.DeviceActor.start(0, "host", isolate=True, hot_spare=False)
+    kernels, copier = xa.KernelActor.start(device), xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 0))
+    child = device._actor_weakref()._keeper.child  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10.0
+    while not child.reader_asleep:  # its spins after the last reply run out
+        assert time.monotonic() < deadline, "the reader never slept"
+        time.sleep(0.001)
+    wakes = child.reader_wakes
+    sent = time.monotonic()
+    slow = kernels.ask(xa.Launch(slow_kernels.SLOW_FILL_U8, 1, 1, [xa.Out(ref), 9, 64]), block=False)
+    while child.reader_wakes == wakes:
+        assert time.monotonic() - sent < slow_kernels.SLOW_S * 0.8, "the reader slept through the launch"
+        time.sleep(0.001)
+    assert slow.get(timeout=30) is None
+    assert copier.ask(xa.CopyToHost(ref, nbytes=2)) == b"\x09\x09"

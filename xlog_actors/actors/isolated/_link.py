@@ -19,6 +19,12 @@ Invariants:
   current context's advances the state to it (``context_for``), and its handles validate against
   it on every ``access()``. A child's death bumps or poisons it (:mod:`._reader`).
 
+* **An ask wakes a sleeping reader.** Where the reader spins (``_reader``), it sleeps only once
+  it looked a while for nothing; an ask sent then writes a byte to the reader's wake-up pipe, so
+  the reader spins through the ask and reads its reply the moment it comes, instead of being woken
+  by the reply itself (30 to 230 µs on the GPU machines, on the ask's path). ``asks`` counts the
+  asks sent, so that the reader, as it goes to sleep, sees one sent since it last looked.
+
 Thread rules: the proxy's thread (or an asker's, on the fast path) sends asks and frees; the
 reader thread resolves them. ``pending``, ``alive`` and the current context ``ctx`` change under
 ``lock``; ``frees`` is a ``deque`` any thread may append to (a garbage collector's included).
@@ -27,6 +33,8 @@ reader thread resolves them. ``pending``, ``alive`` and the current context ``ct
 from __future__ import annotations
 
 import itertools
+import os
+import select
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -101,6 +109,15 @@ class ChildLink:
         self.last_work: tuple[tuple[Any, ...], Any] | None = None
         self.ctx = self.context(0, self.state.token)
         self.reader: threading.Thread | None = None
+        #: Asks sent (under ``lock``), and whether the reader sleeps waiting on its wake-up pipe
+        #: (see the module docstring); both read and written with the GIL held.
+        self.asks = 0
+        self.reader_asleep = False
+        #: Diagnostics: the reader's sleeps that an ask ended (tests).
+        self.reader_wakes = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     def context(self, child_generation: int, token: object) -> RemoteContext:
         """A new context of the child's ``child_generation``, validated against ``token``."""
@@ -119,6 +136,7 @@ class ChildLink:
                 return False
             rid = next(self.ids)
             self.pending[rid] = (future, message)
+            self.asks += 1
         frees = self.take_frees()
         try:
             self.proc.channel.send(("ask", rid, payload, frees))
@@ -133,7 +151,55 @@ class ChildLink:
             ) from None
         except (OSError, ValueError):
             pass  # the child died: the reader answers this ask with the death's error
+        if self.reader_asleep:
+            self._wake_reader()
         return True
+
+    def _wake_reader(self) -> None:
+        # Under the lock: the reader closes the pipe under it once it read the last frame.
+        with self.lock:
+            self.reader_asleep = False
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"\x01")
+                except OSError:  # full (BlockingIOError): the reader has bytes to wake on already
+                    pass
+
+    # -- the reader's sleep ---------------------------------------------------------------------
+    def sleep_until_readable(self, fd: int, seen: int) -> bool:
+        """Block until ``fd`` (the child's end of the pipe) can be read, or an ask sent since the
+        reader's last look began (``seen``: ``asks`` then) wakes the reader.
+
+        Returns:
+            True when ``fd`` can be read (a frame, or the end of the pipe); False when an ask
+            woke the reader (it spins for the reply then) or was sent before it could sleep.
+        Thread rule: the reader thread.
+        """
+        self.reader_asleep = True
+        if self.asks != seen:  # sent before the flag was up: that ask did not wake anyone
+            self.reader_asleep = False
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        ready = {ready_fd for ready_fd, _ in poller.poll()}
+        self.reader_asleep = False
+        if self._wake_r in ready:
+            self.reader_wakes += 1
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        return fd in ready
+
+    def close_wake(self) -> None:
+        """Close the reader's wake-up pipe (the reader read the last frame). Idempotent.
+        Thread rule: the reader thread."""
+        with self.lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def flush_frees(self) -> None:
         """Send the frees of dropped handles of the current generation in a frame of their own."""

@@ -11,7 +11,10 @@ Invariants:
 * **The fast path's waits**: on machines of four cores or more
   (``hot_waits.spin_budget``) the reader spins on the pipe while a reply is due, and a shorter
   while after each frame, before it sleeps (and the longer while once more when an ask was sent
-  during the shorter one, so it stays awake through the next copy of a back-to-back asker); an
+  during the shorter one, so it stays awake through the next copy of a back-to-back asker). It
+  sleeps on the pipe and on the link's wake-up pipe: an ask sent while it sleeps wakes it, so it
+  spins through the ask and reads the reply at once instead of being woken by the reply
+  (``ChildLink.sleep_until_readable``; an ask sent while it looked counts as one, ``asks``); an
   answered asker's ``SpinningFuture`` (a library actor's asker's too, behind its
   ``_library.LibraryAnswer``) is rung only once the reader let go of the GIL
   (``RING_AFTER_RELEASE``), so the asker takes it at once.
@@ -121,11 +124,17 @@ def _read(link: ChildLink, on_exit: Callable[[ChildLink], None], tell: Callable[
             # ask sent during that shorter look (the answered asker's next one, a copy taking
             # milliseconds) makes its reply due: look the longer while for it then.
             if spin:
-                if not channel.spin(spin if link.pending else idle_spin, bell) and link.pending:
-                    channel.spin(spin)
+                seen = link.asks
+                ready = channel.spin(spin if link.pending else idle_spin, bell)
+                bell = None
+                if not ready and link.pending:
+                    seen = link.asks
+                    ready = channel.spin(spin)
+                if not ready and not link.sleep_until_readable(channel.fileno(), seen):
+                    continue  # an ask woke it, or came before it slept: spin for its reply
             elif bell is not None:
                 bell.ring()
-            bell = None
+                bell = None
             frame = channel.recv()
         except (EOFError, OSError):
             break
@@ -135,6 +144,7 @@ def _read(link: ChildLink, on_exit: Callable[[ChildLink], None], tell: Callable[
             logger.error("isolated device %d: a frame from the child failed: %r", link.ordinal, exc, exc_info=exc)
     if bell is not None:
         bell.ring()
+    link.close_wake()
     _died(link, tell)
     if not link.stopping:
         on_exit(link)
