@@ -19,6 +19,7 @@ cimport cython
 from types import MemberDescriptorType
 
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF
 
 from .context_core cimport ContextCore, context_current
 from .handles cimport HandleCore
@@ -39,6 +40,23 @@ cdef extern from "Python.h":
         Py_ssize_t offset
     ctypedef struct PyMemberDescrObject:
         PyMemberDef* d_member
+
+
+cdef extern from *:
+    """
+    /* The context's compiled allocate and free called through its vtable with their result left
+       to the caller: a new reference, or NULL with the error set. Cython's own call of a method
+       that may raise sits in a try on the hot path, and the try's entry saves the thread's
+       handled-exception state (about 30 instructions); this way the common path enters none and
+       a failure goes to a cold function that re-raises the error inside its own try. */
+    #define xa_context_alloc(c, n, s, t) ((c)->__pyx_vtab->_alloc((c), (n), (s), (t)))
+    #define xa_context_free(c, b) ((c)->__pyx_vtab->_free((c), (b)))
+    /* -1 with the error set left as it is: raises the pending error where it is called. */
+    static inline int xa_raise_pending(void) { return -1; }
+    """
+    PyObject* xa_context_alloc(ContextCore c, object nbytes, object stream, object tag) noexcept
+    PyObject* xa_context_free(ContextCore c, object block) noexcept
+    int xa_raise_pending() except -1
 
 
 cdef class ClientCore:
@@ -96,26 +114,35 @@ cdef class ClientCore:
         Thread rule: any thread but the device actor's own.
         """
         cdef ContextCore core
+        cdef PyObject* made
         ctx = self._running_context()
         if self._is_core(ctx):
             core = <ContextCore>ctx
             if context_current(core):
-                try:
-                    ref = core._alloc(nbytes, stream, tag)
-                except _CONTEXT_FAILURES as exc:
-                    self._cell.report_failure(exc, core.generation)
-                    raise
-                except BaseException as exc:
-                    if context_current(core):
-                        if isinstance(exc, OutOfMemory):
-                            raise core._out_of_memory(exc) from None  # the stack's figures added
-                        raise
-                else:
-                    if context_current(core):
-                        return ref
+                made = xa_context_alloc(core, nbytes, stream, tag)
+                if made == NULL:
+                    return self._alloc_failed(core, nbytes, stream, tag)
+                ref = <object>made
+                Py_DECREF(ref)  # the new reference ``made`` came with: ``ref`` now holds it
+                if context_current(core):
+                    return ref
         return self._allocate_slow(nbytes, stream, tag)
 
-    cdef inline bint _is_core(self, object ctx):
+    cdef object _alloc_failed(self, ContextCore core, object nbytes, object stream, object tag):
+        # The allocation's error rules (see the module docstring), with the context's error set.
+        try:
+            xa_raise_pending()
+        except _CONTEXT_FAILURES as exc:
+            self._cell.report_failure(exc, core.generation)
+            raise
+        except BaseException as exc:
+            if context_current(core):
+                if isinstance(exc, OutOfMemory):
+                    raise core._out_of_memory(exc) from None  # the stack's figures added
+                raise
+        return self._allocate_slow(nbytes, stream, tag)
+
+    cdef inline bint _is_core(self, object ctx) except -1:
         # ``isinstance(ctx, ContextCore)``, remembered by type: a device's contexts are all of one
         # class, so after the first a pointer compare says it (the check walked the MRO).
         if type(ctx) is self._context_type:
@@ -139,6 +166,7 @@ cdef class ClientCore:
         """
         cdef ContextCore core
         cdef HandleCore handle
+        cdef PyObject* done
         if type(ref) is not self._handle_type:
             return self._free_slow(ref)
         handle = <HandleCore>ref
@@ -151,8 +179,16 @@ cdef class ClientCore:
         if handle._released:
             return None  # freed already: idempotent
         handle._released = True  # claimed: of racing frees of one handle exactly one gets here
+        done = xa_context_free(core, handle._block)
+        if done == NULL:
+            return self._free_failed(core, handle)
+        Py_DECREF(<object>done)
+        return None
+
+    cdef object _free_failed(self, ContextCore core, HandleCore handle):
+        # The free's error rules (see the module docstring), with the context's error set.
         try:
-            core._free(handle._block)
+            xa_raise_pending()
         except CorruptionDetected:
             raise  # the guard freed the block before it reported: the handle stays released
         except BaseException as exc:
