@@ -263,6 +263,27 @@ def test_sizes_of_any_int_type_and_the_largest_pass_the_hit_path(cache: BlockCac
         cache.allocate(1 << 80)
 
 
+def test_sizes_on_either_side_of_one_int_digit_share_their_class() -> None:
+    # A size that fits one of the int's digits is read in place, a larger one converted: both
+    # give the size's class, and a block of one is a hit for the other.
+    driver = xa.HostDriver(memory_per_device=4 << 30)
+    pool = xa.StreamPool(driver, 0)
+    cache = build_resource("async+cache", driver, 0, pool)
+    assert isinstance(cache, BlockCacheResource)
+    for small, large in (((1 << 30) - 1, 1 << 30), ((1 << 30) - 512, (1 << 30) - 1)):
+        assert size_class(small) == size_class(large)
+        block = cache.allocate(small)
+        assert block.nbytes == small
+        cache.deallocate(block)
+        again = cache.allocate(large)
+        assert again.ptr == block.ptr and again.nbytes == large
+        cache.deallocate(again)
+        assert cache.allocate(small).ptr == block.ptr
+    assert cache.figures().hits == 4
+    pool.close()
+    driver.close()
+
+
 def test_many_threads_on_one_client_lose_no_block(host_driver: xa.HostDriver, run_threads: Any) -> None:
     """8 threads allocating and freeing the same size through one client: every pair after the
     first few is a hit, and when they are done every block is kept and none is the user's."""
