@@ -294,7 +294,8 @@ cdef void _handle_dealloc(PyObject* o) noexcept:
     xa_set_refcnt(o, 1)
     if saved:
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb)  # a drop may happen while an error is set
-    _hand_over(o)
+    if not (<HandleCore>o)._released:  # a freed handle (the usual drop) makes no call
+        _hand_over(o)
     if xa_refcnt(o) == 1 and poolable:
         _clear(o)
     if saved:
