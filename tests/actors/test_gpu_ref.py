@@ -392,6 +392,34 @@ def test_a_dropped_handle_stays_dead_when_its_memory_makes_the_next(device: pykk
     assert device.ask(xa.GetStats()).live_blocks == 0
 
 
+def test_a_dropped_handles_memory_keeps_no_context_alive_and_takes_the_next_ones_fields(
+    device: pykka.ActorRef[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Kept for the next handle, a dropped handle's memory holds on to its generation, token and
+    # state's cell, not to its context: a rebuilt device's old context goes, and a handle made
+    # from that memory in the new context is of the new generation and valid.
+    client = device.ask(xa.GetClient())
+    ref = client.allocate(4096)
+    old_context, old_generation = weakref.ref(ref.context), ref.generation
+    client.free(ref)
+    del ref
+    assert device.ask(xa.Rebuild()) == old_generation + 1
+    gc.collect()
+    assert old_context() is None, "a pooled handle kept a closed context alive"
+    fresh = [client.allocate(4096) for _ in range(4)]
+
+    def slow_path(self: xa.GpuRef, state: Any) -> None:
+        raise AssertionError("a fresh handle's token is not its context's: access took the slow path")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(xa.GpuRef, "_stale", slow_path)
+        for r in fresh:
+            assert r.generation == old_generation + 1 and r.access() is r.block and r.context is not None
+    for r in fresh:
+        client.free(r)
+    assert device.ask(xa.GetStats()).live_blocks == 0
+
+
 def test_a_handle_of_a_subclass_with_a_dict_frees_its_block_when_dropped(device: pykka.ActorRef[Any]) -> None:
     # A subclass that adds to the handle's layout keeps CPython's generic drop, which ends in the
     # core's: its free is handed over all the same.

@@ -157,8 +157,9 @@ cdef extern from *:
     #else
     #define XA_POOL_SIZE 64
     #endif
-    /* Dropped handles' memory, each an untracked object of refcount 0 whose fields hold None,
-       and the one type whose handles it serves (the first adopted: GpuRef). */
+    /* Dropped handles' memory, each an untracked object of refcount 0 whose fields hold None
+       but the few small ones ``_clear`` keeps, and the one type whose handles it serves (the
+       first adopted: GpuRef). */
     static PyObject *xa_pool[XA_POOL_SIZE > 0 ? XA_POOL_SIZE : 1];
     static int xa_pooled = 0;
     static PyTypeObject *xa_pool_type = NULL;
@@ -182,8 +183,8 @@ cdef extern from *:
     }
     static inline int xa_poolable(PyTypeObject *t) { return t == xa_pool_type; }
 
-    /* A pooled object made an instance of `t` (refcount 1, tracked by the collector, fields
-       None), or NULL when the pool is empty or `t` is not the pool's type. */
+    /* A pooled object made an instance of `t` (refcount 1, tracked by the collector, fields as
+       ``_clear`` left them), or NULL when the pool is empty or `t` is not the pool's type. */
     static inline PyObject *xa_pool_take(PyTypeObject *t) {
         PyObject *o;
         if (xa_pooled == 0 || !xa_poolable(t)) return NULL;
@@ -193,7 +194,7 @@ cdef extern from *:
         return o;
     }
 
-    /* Keep `o` (refcount 0, untracked, fields None) for the next handle; 0 when the pool is full
+    /* Keep `o` (refcount 0, untracked, fields cleared by ``_clear``) for the next handle; 0 when the pool is full
        or its type is not poolable. */
     static inline int xa_pool_put(PyObject *o) {
         if (xa_pooled >= XA_POOL_SIZE || !xa_poolable(Py_TYPE(o))) return 0;
@@ -254,13 +255,12 @@ cdef void _hand_over(PyObject* o) noexcept:
 
 
 cdef void _clear(PyObject* o) noexcept:
-    # The fields of a handle going to the pool: None, so it holds nothing alive.
+    # The fields of a handle going to the pool that could keep a device's memory or its context
+    # alive: None. The generation, the weak reference to the state, the token and the state's
+    # cell stay: small objects that keep nothing else alive (the state is held weakly), and the
+    # next handle, most often of the same context, then rewrites none of them.
     cdef HandleCore ref = <HandleCore>o
     ref._block = None
-    ref._generation = None
-    ref._state = None
-    ref._token = None
-    ref._cell = None
     ref._context = None
     ref._last_write = None
     ref._released = False
@@ -359,10 +359,15 @@ cdef HandleCore new_handle_with(type cls, object block, object context, object g
     ref = <HandleCore>found
     Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
     ref._block = block
-    ref._generation = generation
-    ref._state = state_ref
-    ref._token = token
-    ref._cell = cell
+    # A pooled handle kept these (see ``_clear``): written only where they differ.
+    if ref._generation is not generation:
+        ref._generation = generation
+    if ref._state is not state_ref:
+        ref._state = state_ref
+    if ref._token is not token:
+        ref._token = token
+    if ref._cell is not cell:
+        ref._cell = cell
     ref._context = context
     ref._last_write = None
     ref._released = False
