@@ -182,3 +182,29 @@ def test_copies_and_kernels_run_in_the_gpu_device_process(slow_kernels: Any) -> 
     kernels.ask(xa.Launch(slow_kernels.SLOW_FILL_U8, 1, 1, [xa.Out(x), 9, 1 << 20]))
     assert copier.ask(xa.CopyToHost(x)) == b"\x09" * (1 << 20)
     assert device.ask(xa.GetStats()).driver == "cuda"
+
+
+def test_a_request_the_device_process_cannot_read_is_refused_and_the_device_serves_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel whose host function lives in a module the device process cannot import pickles in
+    the parent but not in the child: the launch is answered with an ``InvalidRequest`` naming the
+    module, and the same child serves on (no restart, nothing leaked). Fails when the whole frame
+    is one pickle: its failed read in the child ends the child, and the launch meets its death."""
+    device = xa.DeviceActor.start(0, "host", isolate=True, hot_spare=False)
+    kernels, copier = xa.KernelActor.start(device), xa.CopyActor.start(device)
+    ref = device.ask(xa.Allocate(64))
+    copier.ask(xa.Fill(ref, 7))
+    (tmp_path / "parent_only_kernels.py").write_text(
+        "def host(mem, grid, block, out):\n    mem.array(out, 1, 'uint8')[0] = 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # the child was spawned without it
+    import parent_only_kernels  # type: ignore[import-not-found]
+
+    kernel = xa.Kernel(name="xlog_parent_only", params=("ptr",), host=parent_only_kernels.host, source="")
+    with pytest.raises(xa.InvalidRequest, match="parent_only_kernels"):
+        kernels.ask(xa.Launch(kernel, 1, 1, [xa.Out(ref)]))
+    assert copier.ask(xa.CopyToHost(ref, nbytes=2)) == b"\x07\x07"  # nothing ran
+    stats = device.ask(xa.GetStats())
+    assert (stats.generation, stats.restarts, stats.live_blocks) == (0, 0, 1)
+    device.stop()

@@ -93,6 +93,7 @@ from ._protocol import (
     LibraryWork,
     RemoteBlock,
     encode_error,
+    loads_payload,
 )
 from ._sources import KeptImports, KeptSource
 
@@ -327,7 +328,7 @@ class _Server:
             if kind == "ask":
                 if frame[3] is not None:
                     self.free(*frame[3])  # dropped before the ask was made: freed before it is served
-                self.ask(frame[1], frame[2])
+                self.ask_payload(frame[1], frame[2])
             elif kind == "free":
                 self.free(frame[1], frame[2])
             elif kind == "stop":
@@ -411,6 +412,16 @@ class _Server:
         else:
             reply.set(value)
         return True
+
+    def ask_payload(self, rid: int, payload: bytes) -> None:
+        """Serve the ask whose message ``payload`` pickles (an ``ask`` frame's); a payload that
+        does not read here is answered with its ``InvalidRequest``, and the loop goes on."""
+        try:
+            message = loads_payload(payload, self.ordinal)
+        except InvalidRequest as exc:
+            _Reply(self.channel, self.handles, rid).set_exception((type(exc), exc, None))
+            return
+        self.ask(rid, message)
 
     def ask(self, rid: int, message: Any) -> None:
         if self.fault is not None:

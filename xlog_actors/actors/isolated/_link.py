@@ -48,6 +48,7 @@ from ...driver.shared_memory import SharedSegment
 from ...errors import InvalidRequest
 from ..device_state import DeviceState
 from ._process import ChildProcess
+from ._protocol import dumps
 from ._remote import LibraryWorkCount, RemoteContext, RemoteDriverFace
 
 __all__ = ["ChildLink", "Flush"]
@@ -139,7 +140,8 @@ class ChildLink:
             self.asks += 1
         frees = self.take_frees()
         try:
-            self.proc.channel.send(("ask", rid, payload, frees))
+            # The message pickled on its own: a child that cannot read it answers its rid.
+            self.proc.channel.send(("ask", rid, dumps(payload), frees))
         except InvalidRequest as exc:  # (before ValueError, its base) it cannot be pickled: nothing sent
             with self.lock:
                 self.pending.pop(rid, None)

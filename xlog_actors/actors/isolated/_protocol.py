@@ -15,9 +15,10 @@ lane)``                                              device actor; ``lane``: the
 ``("ready", t_driver, t_ready)``       child→parent  the device serves (driver opened at
                                                      ``t_driver``, actor ready at ``t_ready``)
 ``("failed", error)``                  child→parent  the configuration failed; the child exits
-``("ask", rid, message, frees)``       parent→child  free ``frees`` (None, or a ``"free"`` frame's
-                                                     ``(generation, ptrs)``), then serve
-                                                     ``message``; answer with ``rid``
+``("ask", rid, payload, frees)``       parent→child  free ``frees`` (None, or a ``"free"`` frame's
+                                                     ``(generation, ptrs)``), then serve the
+                                                     message pickled in ``payload`` (bytes,
+                                                     :func:`dumps`); answer with ``rid``
 ``("reply", rid, ok, value)``          child→parent  the answer to ``rid``: a value, or an
                                                      encoded error when ``ok`` is False
 ``("free", generation, ptrs)``         parent→child  the parent dropped these handles of the
@@ -35,6 +36,11 @@ records in a segment both processes map, served by the child's frame loop and an
 with no pickle and no system call; an allocation the child does not answer there (an error, a
 busy device actor, an asker that stopped waiting) is answered with a ``reply`` frame under its
 request id.
+
+An ask's message is pickled on its own, inside the frame: a message the child cannot read (a
+kernel's host function from a module the device process cannot import, say) is then answered
+under its ``rid`` with an ``InvalidRequest`` (:func:`loads_payload`), its frees still done, where
+the whole frame's failed read would end the child.
 
 Request ids make the parent's asks pipelined: many are in flight at once, and replies are matched
 to their askers by id, in whatever order the child answers them.
@@ -85,7 +91,9 @@ __all__ = [
     "block_of",
     "child_entry",
     "decode_error",
+    "dumps",
     "encode_error",
+    "loads_payload",
 ]
 
 #: What a :class:`ChildFault` can do to the child.
@@ -331,6 +339,43 @@ def decode_error(encoded: tuple[Any, ...]) -> BaseException:
     return error
 
 
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled for the pipe.
+
+    Raises:
+        InvalidRequest: ``obj`` cannot be pickled.
+    Thread rule: any thread.
+    """
+    try:
+        # The standard pickler first: the ForkingPickler that Connection.send uses builds a
+        # pickler and a buffer per frame (about 3 µs) for reducers that only a few objects need,
+        # which are tried second.
+        return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - perhaps an object only multiprocessing's reducers know
+        try:
+            return bytes(ForkingPickler.dumps(obj))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: reported as bad input
+            kind = obj[0] if type(obj) is tuple and obj else type(obj).__name__
+            raise InvalidRequest(f"a {kind!r} frame cannot be pickled: {exc!r}") from None
+
+
+def loads_payload(payload: bytes, ordinal: int) -> Any:
+    """The message an ask's ``payload`` carries (:func:`dumps`'s bytes), read in the child.
+
+    Raises:
+        InvalidRequest: the bytes do not read here (a class or function of a module this process
+            cannot import, or one whose import or rebuilding raises), with the reason.
+    Thread rule: the child's frame reader.
+    """
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:  # noqa: BLE001 - whatever the unpickling ran raised: the asker's error
+        raise InvalidRequest(
+            f"isolated device {ordinal}: the device process could not read the request sent to it "
+            f"({exc!r}); what crosses must be importable there, by the same module names"
+        ) from None
+
+
 class Channel:
     """One end of the pipe, with a lock so that frames sent from several threads stay whole.
 
@@ -359,17 +404,9 @@ class Channel:
             OSError, ValueError: the pipe is closed or broken (the other side is gone).
         Thread rule: any thread.
         """
-        try:
-            # What Connection.send does, split so that a pickling failure is told apart from a
-            # broken pipe (and pickling holds no lock). The standard pickler first: the
-            # ForkingPickler that Connection.send uses builds a pickler and a buffer per frame
-            # (about 3 µs) for reducers that only a few objects need, which are tried second.
-            data = pickle.dumps(frame, pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 - perhaps an object only multiprocessing's reducers know
-            try:
-                data = bytes(ForkingPickler.dumps(frame))
-            except Exception as exc:  # noqa: BLE001 - any pickling failure: reported as bad input
-                raise InvalidRequest(f"a {frame[0]!r} frame cannot be pickled: {exc!r}") from None
+        # What Connection.send does, split so that a pickling failure is told apart from a
+        # broken pipe (and pickling holds no lock).
+        data = dumps(frame)
         with self._lock:
             self._conn.send_bytes(data)
             self.sent += 1
