@@ -184,7 +184,9 @@ cdef class ContextCore:
             block = self._allocate(nbytes, stream, tag)
         if self._cache is None:
             self._track(block)
-        return new_handle_with(self._handle_type, block, self, self.generation, self.state_ref, self.token, self._cell)
+        # The fields borrowed: fixed for the context's life, which the call is part of.
+        return new_handle_with(<PyObject*>self._handle_type, block, self, <PyObject*>self.generation,
+                               <PyObject*>self.state_ref, <PyObject*>self.token, <PyObject*>self._cell)
 
     cdef int _track(self, object block) except -1:
         cdef uint64_t key
@@ -244,7 +246,8 @@ cdef class ContextCore:
                 if self._cache is None:
                     self._track(block)  # gives ``block`` back itself when it fails
                 i += 1
-                handles.append(new_handle_with(cls, block, self, generation, state_ref, token, cell))
+                handles.append(new_handle_with(<PyObject*>cls, block, self, <PyObject*>generation,
+                                               <PyObject*>state_ref, <PyObject*>token, <PyObject*>cell))
         except BaseException:
             # The handles made so far free their blocks as they go (on the raise). Give back
             # the rest: a tracked block whose handle could not be made, and those not reached.

@@ -1,4 +1,6 @@
 # The compiled state of a GpuRef; see handles.pyx.
+from cpython.object cimport PyObject
+
 
 cdef class TokenCell:
     cdef public object token
@@ -16,7 +18,8 @@ cdef class HandleCore:
     cdef object __weakref__
 
 cdef HandleCore new_handle(type cls, object block, object context)
-cdef HandleCore new_handle_with(type cls, object block, object context, object generation, object state_ref,
-                                object token, TokenCell cell)
+# ``cls``, ``generation``, ``state_ref``, ``token`` and ``cell`` (a TokenCell) borrowed: see the .pyx.
+cdef HandleCore new_handle_with(PyObject* cls, object block, object context, PyObject* generation,
+                                PyObject* state_ref, PyObject* token, PyObject* cell)
 
 cdef TokenCell cell_of(object state)

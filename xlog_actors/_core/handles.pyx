@@ -336,7 +336,9 @@ cdef int _adopt(type cls) except -1:
 
 cdef HandleCore new_handle(type cls, object block, object context):
     state_ref = context.state_ref
-    return new_handle_with(cls, block, context, context.generation, state_ref, context.token, cell_of(state_ref()))
+    generation, token, cell = context.generation, context.token, cell_of(state_ref())
+    return new_handle_with(<PyObject*>cls, block, context, <PyObject*>generation, <PyObject*>state_ref,
+                           <PyObject*>token, <PyObject*>cell)
 
 
 cdef TokenCell cell_of(object state):
@@ -344,34 +346,49 @@ cdef TokenCell cell_of(object state):
     return _DEAD_CELL if state is None else <TokenCell?>state.cell
 
 
-cdef HandleCore new_handle_with(type cls, object block, object context, object generation, object state_ref,
-                                object token, TokenCell cell):
+cdef HandleCore new_handle_with(PyObject* cls, object block, object context, PyObject* generation,
+                                PyObject* state_ref, PyObject* token, PyObject* cell):
+    # The fields are borrowed: the caller's own references (a context's fields, fixed for its
+    # life, or its locals), so its call takes and gives none (ten reference counts a handle).
+    # From a pool nothing runs Python code before they are stored; a new object is allocated,
+    # which may run a collection and so Python code, so they are held across it.
     cdef HandleCore ref
     cdef PyObject* found
     if <PyTypeObject*>cls != xa_pool_type:  # the pool's type: a subclass, adopted already
-        if not PyType_IsSubtype(cls, HandleCore):
-            raise TypeError(f"make_handle: {cls.__name__} is not a subclass of HandleCore")
+        if not PyType_IsSubtype(<type>cls, HandleCore):
+            raise TypeError(f"make_handle: {(<object>cls).__name__} is not a subclass of HandleCore")
         if (<PyTypeObject*>cls).tp_dealloc != _handle_dealloc:
-            _adopt(cls)  # once per type; a type it does not take is checked again, each time
+            _adopt(<type>cls)  # once per type; a type it does not take is checked again, each time
     found = xa_pool_take(<PyTypeObject*>cls)
     if found == NULL:
-        found = xa_new_as(HandleCore, cls, _NO_ARGS)
+        held = (<object>cls, <object>generation, <object>state_ref, <object>token, <object>cell)
+        found = xa_new_as(HandleCore, <object>cls, _NO_ARGS)
+        ref = <HandleCore>found
+        Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
+        _fill(ref, block, context, generation, state_ref, token, cell)
+        del held
+        return ref
     ref = <HandleCore>found
     Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
-    ref._block = block
-    # A pooled handle kept these (see ``_clear``): written only where they differ.
-    if ref._generation is not generation:
-        ref._generation = generation
-    if ref._state is not state_ref:
-        ref._state = state_ref
-    if ref._token is not token:
-        ref._token = token
-    if ref._cell is not cell:
-        ref._cell = cell
-    ref._context = context
-    ref._last_write = None
-    ref._released = False
+    _fill(ref, block, context, generation, state_ref, token, cell)
     return ref
+
+
+cdef inline void _fill(HandleCore ref, object block, object context, PyObject* generation,
+                       PyObject* state_ref, PyObject* token, PyObject* cell) noexcept:
+    # A new handle's fields. Made fresh or taken from the pool, it holds None in the block, the
+    # context and the last write and is not released (see ``_clear``); a pooled one kept the
+    # rest, written only where they differ.
+    ref._block = block
+    if <PyObject*>ref._generation != generation:
+        ref._generation = <object>generation
+    if <PyObject*>ref._state != state_ref:
+        ref._state = <object>state_ref
+    if <PyObject*>ref._token != token:
+        ref._token = <object>token
+    if <PyObject*>ref._cell != cell:
+        ref._cell = <TokenCell>cell
+    ref._context = context
 
 
 def make_handle(cls, block, context):
