@@ -5,6 +5,7 @@ released flag says afterwards."""
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from xlog_actors._core.client_core import ClientCore
 from xlog_actors._core.context_core import ContextCore
 from xlog_actors._core.handles import TokenCell
 from xlog_actors.memory.block import make_block
+from xlog_actors.memory.stack import build_resource
 
 
 class _State:
@@ -158,3 +160,44 @@ def test_another_free_error_is_raised_and_the_handle_stays_usable(rig: Any) -> N
     with pytest.raises(xa.ResourceError, match="refused"):
         client.free(ref)
     assert not ref._released and cell.reports == []
+
+
+# -- a block cache's context: the client's free asks the cache itself (context_release) ----------
+@pytest.fixture
+def cache_rig(host_driver: xa.HostDriver) -> Any:
+    pool = xa.StreamPool(host_driver, 0)
+    cache = build_resource("async+cache", host_driver, 0, pool)
+    state = _State()
+    context = _Context(cache, 3, weakref.ref(state), state.cell.token, xa.GpuRef)
+    assert context.runtime_in_c
+    lifecycle = _Lifecycle()
+    lifecycle._context = context
+    cell = _Cell(lifecycle)
+    yield _Client(cell, xa.GpuRef), cell, cache, context, pool, state
+    context.open = False
+    pool.close()
+
+
+def test_a_cache_free_error_is_raised_and_the_handle_stays_usable(cache_rig: Any) -> None:
+    client, cell, cache, _context, pool, _state = cache_rig
+    ref = client.allocate(4096)
+    pool.close()  # the block's stream is gone: the cache refuses its free
+    with pytest.raises(xa.StreamMisuse):
+        client.free(ref)
+    assert not ref._released and cell.reports == [] and cache.live_count() == 1
+
+
+def test_a_cache_free_of_a_block_the_table_holds_goes_through_the_table(cache_rig: Any) -> None:
+    client, _cell, cache, context, _pool, _state = cache_rig
+    ref = client.allocate(4096)
+    context.runtime = SimpleNamespace(allocate=lambda *args: cache.allocate(*args),
+                                      deallocate=lambda block: cache.deallocate(block))
+    context.rebind_runtime()  # no longer the cache's own methods: the table holds the live block
+    context.runtime = cache
+    context.rebind_runtime()  # the cache's own again: the block stays in the table
+    assert context.runtime_in_c and context.live_count() == 1
+    assert client.free(ref) is None
+    assert ref._released and cache.live_count() == 0 and context.live_count() == 0
+    again = client.allocate(4096)  # the same address, handed out again: freed once more
+    client.free(again)
+    assert again._released and cache.live_count() == 0

@@ -21,7 +21,7 @@ from types import MemberDescriptorType
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF
 
-from .context_core cimport ContextCore, context_current
+from .context_core cimport ContextCore, context_current, context_release
 from .handles cimport HandleCore
 
 from ..errors import ContextLost, ContextPoisoned, CorruptionDetected, OutOfMemory
@@ -167,6 +167,7 @@ cdef class ClientCore:
         cdef ContextCore core
         cdef HandleCore handle
         cdef PyObject* done
+        cdef int freed
         if type(ref) is not self._handle_type:
             return self._free_slow(ref)
         handle = <HandleCore>ref
@@ -179,10 +180,15 @@ cdef class ClientCore:
         if handle._released:
             return None  # freed already: idempotent
         handle._released = True  # claimed: of racing frees of one handle exactly one gets here
-        done = xa_context_free(core, handle._block)
-        if done == NULL:
+        # The block borrowed: the handle holds it (only its drop or its making write the field).
+        freed = context_release(core, <PyObject*>handle._block)
+        if freed == -2:
+            done = xa_context_free(core, handle._block)
+            if done == NULL:
+                return self._free_failed(core, handle)
+            Py_DECREF(<object>done)
+        elif freed < 0:
             return self._free_failed(core, handle)
-        Py_DECREF(<object>done)
         return None
 
     cdef object _free_failed(self, ContextCore core, HandleCore handle):

@@ -43,6 +43,28 @@ cdef extern from *:
     int xa_ref_alive(PyObject* ref) noexcept
 
 
+cdef extern from *:
+    """
+    /* The context's block cache's compiled release of `b` (not strict), through its vtable, with
+       its result left to the caller: 1 freed, 0 not live there, -1 with the error set. */
+    #define xa_context_cache_release(c, b) ((c)->_cache->__pyx_vtab->_release((c)->_cache, (b), 0))
+    """
+    int xa_context_cache_release(ContextCore c, PyObject* block) noexcept
+
+
+cdef inline int context_release(ContextCore c, PyObject* block) noexcept:
+    # ``c._free(block)`` for a context whose block cache answers for what is live (its table
+    # empty: see the .pyx's docstring), inlined into the client's free, with no call of ``_free``
+    # and no bool made: 1 freed, 0 not this context's, -1 with the error set; -2 where the cache
+    # does not answer alone (no cache, or blocks in the table): the caller calls ``_free``.
+    # ``block`` is borrowed from the caller, who holds it for the call.
+    if not c.open:
+        return 0
+    if c._cache is None or c._blocks._used:
+        return -2
+    return xa_context_cache_release(c, block)
+
+
 cdef inline int context_current(ContextCore c) except -1:
     # ``c.is_current()``, inlined into its callers (the client's fast paths check it two or three
     # times a call): open, the state's token unchanged, the state alive (its weak reference read
