@@ -61,6 +61,7 @@ that queues waits for uses on other streams calls the driver under it, as the up
 cimport cython
 from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_SetDefault
 from cpython.list cimport PyList_GET_ITEM
+from cpython.tuple cimport PyTuple_GET_ITEM
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
@@ -535,19 +536,25 @@ cdef class CacheCore(ResourceCore):
         cdef PyObject* found
         cdef uint64_t key
         cdef bint kept = False
+        cdef PyObject* ptr
+        cdef PyObject* generation
+        cdef PyObject* ordinal
         if type(block) is DeviceBlock:
-            ptr = (<DeviceBlock>block).ptr
-            generation = (<DeviceBlock>block).generation
-            ordinal = (<DeviceBlock>block).device_ordinal
+            # Borrowed from the block, which the caller holds: the cache rewrites a block's
+            # fields only while it holds the block's one reference (``_alloc_c``).
+            ptr = <PyObject*>(<DeviceBlock>block).ptr
+            generation = <PyObject*>(<DeviceBlock>block).generation
+            ordinal = <PyObject*>(<DeviceBlock>block).device_ordinal
         else:
-            ptr = block.ptr
-            generation = generation_of(block)
-            ordinal = block.device_ordinal
-        if ordinal is not self._ordinal and ordinal != self._ordinal:
+            fields = (block.ptr, generation_of(block), block.device_ordinal)  # made: held here
+            ptr = PyTuple_GET_ITEM(fields, 0)
+            generation = PyTuple_GET_ITEM(fields, 1)
+            ordinal = PyTuple_GET_ITEM(fields, 2)
+        if ordinal != <PyObject*>self._ordinal and <object>ordinal != self._ordinal:
             if not strict:
                 return 0
             check_device("BlockCacheResource.deallocate", self._ordinal, block)
-        if not key_of(ptr, &key):
+        if not key_of(<object>ptr, &key):
             if not strict:
                 return 0
             raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
@@ -560,7 +567,7 @@ cdef class CacheCore(ResourceCore):
                 raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
             s = <_Slot>found
             entry = s.entry
-            if entry.generation is not generation and entry.generation != generation:
+            if <PyObject*>entry.generation != generation and entry.generation != <object>generation:
                 if not strict:
                     return 0
                 raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, int(entry.generation))
