@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import xlog_actors as xa
+from xlog_actors._core import client_core
 from xlog_actors._core.client_core import ClientCore
 from xlog_actors._core.context_core import ContextCore
 from xlog_actors._core.handles import TokenCell
@@ -201,3 +202,38 @@ def test_a_cache_free_of_a_block_the_table_holds_goes_through_the_table(cache_ri
     again = client.allocate(4096)  # the same address, handed out again: freed once more
     client.free(again)
     assert again._released and cache.live_count() == 0
+
+
+# -- the fast entries of allocate and free (client_core's end) --------------------------------
+def test_the_fast_entries_take_positional_calls_and_leave_the_rest_to_cythons_parsing(rig: Any) -> None:
+    client, _cell, _runtime, _context, _state = rig
+    assert client_core._FAST_ENTRIES == 2, "both entries installed"
+    s1, tag = xa.StreamId(1), xa.AllocTag("weights")
+    default, untagged = xa.StreamId.DEFAULT, xa.AllocTag.UNTAGGED
+    calls = {
+        "one": (client.allocate(64), default, untagged),
+        "two": (client.allocate(64, s1), s1, untagged),
+        "three": (client.allocate(64, s1, tag), s1, tag),
+        "keyword": (client.allocate(64, tag=tag), default, tag),
+        "all keywords": (client.allocate(nbytes=64, stream=s1), s1, untagged),
+        "unbound": (ClientCore.allocate(client, 64, s1), s1, untagged),
+    }
+    for name, (ref, stream, want_tag) in calls.items():
+        assert (ref.block.nbytes, ref.block.alloc_stream, ref.block.tag) == (64, stream, want_tag), name
+    refs = [ref for ref, _, _ in calls.values()]
+    assert client.free(refs[0]) is None and client.free(ref=refs[1]) is None
+    ClientCore.free(client, refs[2])
+    assert [r._released for r in refs] == [True, True, True, False, False, False]
+    for bad in (lambda: client.allocate(), lambda: client.allocate(64, s1, tag, 1), lambda: client.allocate(64, size=1),
+                lambda: client.free(), lambda: client.free(refs[3], refs[4]), lambda: client.free(handle=refs[3]),
+                lambda: ClientCore.allocate(object(), 64), lambda: ClientCore.free(object(), refs[3])):
+        with pytest.raises(TypeError):
+            bad()
+    assert [r._released for r in refs] == [True, True, True, False, False, False]
+
+
+def test_the_fast_entries_keep_the_methods_docs() -> None:
+    assert ClientCore.allocate.__doc__.startswith(  # type: ignore[union-attr]
+        "ClientCore.allocate(self, nbytes, stream=_DEFAULT_STREAM, tag=_UNTAGGED)\n\nAllocate one block")
+    assert ClientCore.free.__doc__.startswith("ClientCore.free(self, ref)\n\nFree ``ref`` now")  # type: ignore[union-attr]
+    assert ClientCore.allocate.__name__ == "allocate" and ClientCore.free.__qualname__ == "ClientCore.free"
