@@ -176,13 +176,15 @@ cdef class ContextCore:
     cdef object _alloc(self, object nbytes, object stream, object tag):
         # An ``OutOfMemory`` leaves raw: the callers add the stack's figures (``_out_of_memory``),
         # so that the hot path enters no exception handler of its own.
-        if self._async is not None:
-            block = self._async._alloc_c(nbytes, stream, tag)
-        elif self._cache is not None:
+        # The cache first (the client's usual stack): it answers for what is live itself. A
+        # runtime is the cache's or the stream-ordered resource's, never both.
+        if self._cache is not None:
             block = self._cache._alloc_c(nbytes, stream, tag)
         else:
-            block = self._allocate(nbytes, stream, tag)
-        if self._cache is None:
+            if self._async is not None:
+                block = self._async._alloc_c(nbytes, stream, tag)
+            else:
+                block = self._allocate(nbytes, stream, tag)
             self._track(block)
         # The fields borrowed: fixed for the context's life, which the call is part of.
         return new_handle_with(<PyObject*>self._handle_type, block, self, <PyObject*>self.generation,
