@@ -248,6 +248,23 @@ def test_a_hit_renews_a_let_go_generation_in_place_and_the_old_number_stays_refu
     assert cache.bytes_outstanding() == 0
 
 
+def test_a_renewal_in_place_and_generation_next_count_with_one_number(cache: BlockCacheResource) -> None:
+    """The hit's renewal is inlined into the cache (blocks.pxd's ``renew_generation``) and counts
+    through the struct ``generation_source()`` gives: the number written in place comes after
+    every generation made before it, and the next one made comes after it."""
+    first = cache.allocate(4096)
+    cache.deallocate(first)
+    gen_id = id(first.generation)
+    del first
+    before = xa.Generation.next()
+    second = cache.allocate(4096)
+    assert id(second.generation) == gen_id  # renewed in place
+    after = xa.Generation.next()
+    assert before < second.generation < after
+    assert int(second.generation) == before + 1 and int(after) == int(second.generation) + 1
+    cache.deallocate(second)
+
+
 def test_sizes_of_any_int_type_and_the_largest_pass_the_hit_path(cache: BlockCacheResource) -> None:
     class Size(int):
         pass

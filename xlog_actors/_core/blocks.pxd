@@ -23,7 +23,70 @@ cdef class BlockId(_Frozen):
 cdef DeviceBlock new_block(object ptr, object device_ordinal, object alloc_stream, object nbytes,
                            object align, object tag, object generation, object state)
 cdef object next_generation()
-cdef bint renew_generation(PyObject* generation) noexcept
+
+
+cdef extern from *:
+    """
+    /* Rewrite `obj`, a positive int instance, to `n` in place, when `n` has exactly as many
+       digits as it (1: done; 0: not, nothing changed). Only the digits are written: size and
+       sign stay. An int caches no hash, so the object is then `n` in every respect; the caller
+       makes sure nobody else can see it change (its one reference is the caller's). The digits
+       follow the header (3.12 on: the tag, whose size is above its 3 low bits). Checked against
+       the type call when blocks.pyx loads. One digit, the usual case, is written with no loop. */
+    static inline int xa_int_set(PyObject *obj, unsigned long long n) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        Py_ssize_t size = (Py_ssize_t)(((PyLongObject *)obj)->long_value.lv_tag >> 3);
+        digit *d = ((PyLongObject *)obj)->long_value.ob_digit;
+    #else
+        Py_ssize_t size = Py_SIZE(obj);
+        digit *d = ((PyLongObject *)obj)->ob_digit;
+    #endif
+        Py_ssize_t need = 0, i;
+        unsigned long long m = n;
+        if (n != 0 && n <= PyLong_MASK) {
+            if (size != 1) return 0;
+            d[0] = (digit)n;
+            return 1;
+        }
+        while (m) { need++; m >>= PyLong_SHIFT; }
+        if (need != size) return 0;
+        for (i = 0; i < size; i++) { d[i] = (digit)(n & PyLong_MASK); n >>= PyLong_SHIFT; }
+        return 1;
+    }
+    /* True when `o`'s one reference is the caller's borrowed one (only a GIL build can say). */
+    #ifdef Py_GIL_DISABLED
+    #define xa_only_ref(o) 0
+    #else
+    #define xa_only_ref(o) (Py_REFCNT(o) == 1)
+    #endif
+    #define xa_type_is(o, t) ((PyObject *)Py_TYPE(o) == (t))
+    """
+    bint xa_int_set(PyObject* obj, unsigned long long n) noexcept
+    bint xa_only_ref(PyObject* o) noexcept
+    bint xa_type_is(PyObject* o, PyObject* t) noexcept
+
+
+# The process's generation numbers, one struct that every module reaches through the pointer
+# ``generation_source()`` gives, so that ``renew_generation`` is inlined where a hit calls it (a
+# call's entry and exit were a third of its cost) and still counts with ``next_generation``.
+cdef struct GenerationSource:
+    unsigned long long last  # the last number handed out
+    PyObject* renewable  # Generation, once its rewrite in place was checked sound; else NULL
+
+
+cdef GenerationSource* generation_source() noexcept
+
+
+cdef inline bint renew_generation(GenerationSource* src, PyObject* generation) noexcept:
+    # The next generation of the process written into ``generation`` itself, when it is an
+    # exact Generation whose one reference is the caller's and the next number has as many
+    # digits as it; False (nothing changed, no number taken) otherwise. With the GIL held.
+    if not xa_only_ref(generation) or not xa_type_is(generation, src.renewable):
+        return False
+    if not xa_int_set(generation, src.last + 1):
+        return False
+    src.last += 1
+    return True
 
 
 # A block's or a block id's fields read in C (any other object's through Python): the resources

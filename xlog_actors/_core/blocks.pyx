@@ -88,9 +88,9 @@ class Access(enum.Enum):
         return self is not Access.READ
 
 
-# The process-wide source of generation numbers. Incremented with the GIL held and no Python
-# code in between, so it is atomic without a lock.
-cdef unsigned long long _last_generation = 0
+# The process-wide source of generation numbers (blocks.pxd): its count is incremented with the
+# GIL held and no Python code in between, so it is atomic without a lock.
+cdef GenerationSource _generations
 
 
 class Generation(int):
@@ -167,47 +167,12 @@ _GENERATION_BY_COPY = _COPY_OK  # read by a test: the cheap construction is the 
 
 
 cdef object next_generation():
-    global _last_generation
-    _last_generation += 1
+    _generations.last += 1
     if _COPY_OK:
-        return _new_generation(_last_generation)
-    return _Generation(_last_generation)
+        return _new_generation(_generations.last)
+    return _Generation(_generations.last)
 
 
-cdef extern from *:
-    """
-    /* Rewrite `obj`, a positive int instance, to `n` in place, when `n` has exactly as many
-       digits as it (1: done; 0: not, nothing changed). Only the digits are written: size and
-       sign stay. An int caches no hash, so the object is then `n` in every respect; the caller
-       makes sure nobody else can see it change (its one reference is the caller's). The digits
-       follow the header (3.12 on: the tag, whose size is above its 3 low bits). Checked against
-       the type call when the module loads. */
-    static int xa_int_set(PyObject *obj, unsigned long long n) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        Py_ssize_t size = (Py_ssize_t)(((PyLongObject *)obj)->long_value.lv_tag >> 3);
-        digit *d = ((PyLongObject *)obj)->long_value.ob_digit;
-    #else
-        Py_ssize_t size = Py_SIZE(obj);
-        digit *d = ((PyLongObject *)obj)->ob_digit;
-    #endif
-        Py_ssize_t need = 0, i;
-        unsigned long long m = n;
-        while (m) { need++; m >>= PyLong_SHIFT; }
-        if (need != size) return 0;
-        for (i = 0; i < size; i++) { d[i] = (digit)(n & PyLong_MASK); n >>= PyLong_SHIFT; }
-        return 1;
-    }
-    /* True when `o`'s one reference is the caller's borrowed one (only a GIL build can say). */
-    #ifdef Py_GIL_DISABLED
-    #define xa_only_ref(o) 0
-    #else
-    #define xa_only_ref(o) (Py_REFCNT(o) == 1)
-    #endif
-    #define xa_type_is(o, t) ((PyObject *)Py_TYPE(o) == (t))
-    """
-    bint xa_int_set(PyObject* obj, unsigned long long n) noexcept
-    bint xa_only_ref(PyObject* o) noexcept
-    bint xa_type_is(PyObject* o, PyObject* t) noexcept
 
 
 cdef bint _set_ok():
@@ -223,6 +188,9 @@ cdef bint _set_ok():
     made = _Generation(1)
     if xa_int_set(<PyObject*>made, 1 << 30) or made != 1:  # one digit more: refused, unchanged
         return False
+    made = _Generation(1 << 30)
+    if xa_int_set(<PyObject*>made, 5) or made != 1 << 30:  # one digit fewer: refused, unchanged
+        return False
     return True
 
 
@@ -230,17 +198,13 @@ cdef bint _SET_OK = _set_ok()
 _GENERATION_IN_PLACE = _SET_OK  # read by a test: a cache hit renews its block's generation in place
 
 
-cdef bint renew_generation(PyObject* generation) noexcept:
-    # The next generation of the process written into ``generation`` itself, when it is an
-    # exact Generation whose one reference is the caller's and the next number has as many
-    # digits as it; False (nothing changed, no number taken) otherwise.
-    global _last_generation
-    if not _SET_OK or not xa_only_ref(generation) or not xa_type_is(generation, <PyObject*>_Generation):
-        return False
-    if not xa_int_set(generation, _last_generation + 1):
-        return False
-    _last_generation += 1
-    return True
+# Renewal in place (``renew_generation``, inlined where it is called) is switched on only here,
+# once the rewrite was checked sound.
+_generations.renewable = <PyObject*>_Generation if _SET_OK else NULL
+
+
+cdef GenerationSource* generation_source() noexcept:
+    return &_generations
 
 
 class BlockState(enum.Enum):

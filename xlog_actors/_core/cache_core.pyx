@@ -67,7 +67,8 @@ from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
 from .async_core cimport AsyncCore, _Entry
-from .blocks cimport BlockId, DeviceBlock, generation_of, new_block, next_generation, renew_generation
+from .blocks cimport (BlockId, DeviceBlock, GenerationSource, generation_of, generation_source, new_block,
+                      next_generation, renew_generation)
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
 from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
@@ -92,6 +93,7 @@ cdef object _UNTAGGED = AllocTag.UNTAGGED
 # The generation of a kept block's upstream entry: generations start at 1, so no handle, the
 # freed one included, matches it.
 cdef object _KEPT = Generation(0)
+cdef GenerationSource* _GENERATIONS = generation_source()
 
 
 cdef extern from *:
@@ -360,7 +362,7 @@ cdef class CacheCore(ResourceCore):
         # object made. Else the entry stays kept (no handle matches it) until the new
         # generation, made outside the lock, is set below.
         reused = (xa_sole_ref(<PyObject*>s.block)
-                  and renew_generation(<PyObject*>s.block.generation))
+                  and renew_generation(_GENERATIONS, <PyObject*>s.block.generation))
         if reused:
             entry.generation = s.block.generation
         else:
