@@ -494,8 +494,8 @@ def test_bad_streams_and_blocks_change_nothing(host_driver: xa.HostDriver, cache
 
 def test_a_closed_or_grown_pool_is_seen_at_once_by_the_hit_and_the_free(
         host_driver: xa.HostDriver, cache: BlockCacheResource, pool: xa.StreamPool) -> None:
-    """The cache remembers the stream it last found in the pool's dict while the dict is
-    unchanged (cache_core's ``_pool_stream``): a stream acquired after, and a pool closed after,
+    """A stream's lists remember the stream found in the pool's dict while the dict is
+    unchanged (cache_core's ``_remember``): a stream acquired after, and a pool closed after,
     are seen by the very next call, with the same id passed each time."""
     cache.deallocate(cache.allocate(KiB))
     cache.deallocate(cache.allocate(KiB))  # a hit: the default stream is remembered now
@@ -512,6 +512,36 @@ def test_a_closed_or_grown_pool_is_seen_at_once_by_the_hit_and_the_free(
     with pytest.raises(xa.StreamMisuse):
         cache.deallocate(held)  # its stream is gone: refused, the block stays live
     assert cache.held_size(held.ptr) == KiB
+
+
+def test_each_streams_lists_remember_their_stream_until_the_pool_changes(
+        cache: BlockCacheResource, pool: xa.StreamPool) -> None:
+    """Hits and frees alternating between two streams each find their stream remembered in its
+    lists (``_remember``); a stream acquired meanwhile makes each look the pool up once more, a
+    free included; a pool closed after is seen by the next free and hit of either stream, whose
+    blocks stay live."""
+    s1 = pool.acquire()
+    for _ in range(3):
+        a, b = cache.allocate(KiB), cache.allocate(KiB, s1)
+        cache.deallocate(a)
+        cache.deallocate(b)
+    a, b = cache.allocate(KiB), cache.allocate(KiB, s1)
+    assert cache.cache_statistics()["hits"] == 6 and cache.cache_statistics()["cross_stream_hits"] == 0
+    pool.acquire()  # the dict changed while both blocks are out
+    cache.deallocate(b)
+    cache.deallocate(a)
+    a, b = cache.allocate(KiB), cache.allocate(KiB, s1)
+    assert (a.alloc_stream, b.alloc_stream) == (StreamId.DEFAULT, s1)
+    cache.deallocate(cache.allocate(KiB, s1))  # a block kept on s1: a hit waits there
+    pool.close()
+    with pytest.raises(xa.StreamMisuse):
+        cache.allocate(KiB, s1)  # the hit itself sees the pool closed (not the upstream's miss)
+    with pytest.raises(xa.StreamMisuse):
+        cache.deallocate(a)
+    with pytest.raises(xa.StreamMisuse):
+        cache.deallocate(b)
+    assert cache.held_size(a.ptr) == KiB and cache.held_size(b.ptr) == KiB
+    assert len(cache.kept_blocks()) == 1
 
 
 @pytest.mark.parametrize("description", ["direct+cache", "async+stats+cache", "async+cache+cache", "async+cache:0",

@@ -40,6 +40,8 @@ cdef class _StreamBins:
     cdef object fence  # an event recorded on the stream, or None
     cdef long long fence_seq  # ``seq`` when ``fence`` was recorded
     cdef bint fence_done  # ``fence`` was seen complete
+    cdef uint64_t pool_version  # the pool's dict's version when the stream was found in it; 0: none
+    cdef PyObject* home  # the stream, borrowed from the pool's dict while its version is pool_version
 
 
 cdef class CacheCore(ResourceCore):
@@ -49,9 +51,6 @@ cdef class CacheCore(ResourceCore):
     cdef PtrTable _held  # address -> _Slot, for every block the cache holds (handed out or kept)
     cdef dict _by_stream  # stream id -> _StreamBins; only grows
     cdef _StreamBins _last  # the lists last looked up (a look-up tries its id by identity first)
-    cdef object _home_sid  # the stream id last found in the pool's dict (see _pool_stream)
-    cdef PyObject* _home  # its stream, borrowed from the dict while its version is _home_version
-    cdef uint64_t _home_version  # 0: nothing remembered
     cdef bint _enabled
     cdef long long _limit  # most bytes kept idle; -1: no limit
     cdef long long _cached_bytes

@@ -38,10 +38,11 @@ work, and that work is kept to C operations on objects that live as long as the 
 the cache: each block the cache holds from its upstream has one ``_Slot`` (its upstream entry, its
 class, the size asked, kept or handed out, its place in its stream's list) for its whole stay, in
 one address table, so a hit and a free add and remove nothing there; a stream's lists are found by
-identity with the stream id last asked for, and so is its stream while the pool's dict has not
-changed (``_pool_stream``); and the ``DeviceBlock`` a slot handed out last is
-handed out again, rewritten, when the slot holds the only reference to it (nobody can see it
-change; any other holder gets a new block). Its ``Generation`` too, when the block is its only
+identity with the stream id last asked for, and they remember their stream, found in the pool's
+dict, with that dict's version: while the dict has not changed, a hit and a free on the stream
+look nothing up (``_remember``); and the ``DeviceBlock`` a slot handed out last is handed out
+again, rewritten, when the slot holds the only reference to it (nobody can see it change; any
+other holder gets a new block). Its ``Generation`` too, when the block is its only
 holder: the process's next generation number is written into that object under the lock
 (``renew_generation``), so a hit makes no Python object at all (making one and freeing the old
 one was a third of a hit). The number is new all the same, so the old one stays refused.
@@ -212,45 +213,83 @@ cdef inline void _push(_StreamBins sb, _Slot s) noexcept:
 
 cdef extern from *:
     """
-    /* The version of dict `d`, which changes whenever `d` does (PEP 509's ma_version_tag, kept
-       per dict up to CPython 3.11); 0 where it is not read this way (nothing is remembered by
+    /* The version of the pool's dict `d` (PEP 509's ma_version_tag, kept per dict up to CPython
+       3.11, from one counter for every dict, so it changes whenever `d` does and never comes
+       back); 0 where `d` is no exact dict or it is not read this way (nothing is remembered by
        it then). A dict's version is never 0. */
     #if PY_VERSION_HEX < 0x030C0000 && !defined(Py_GIL_DISABLED) && !defined(PYPY_VERSION)
-    #define xa_dict_version(d) ((uint64_t)((PyDictObject *)(d))->ma_version_tag)
+    #define xa_pool_version(d) \
+        (PyDict_CheckExact(d) ? (uint64_t)((PyDictObject *)(d))->ma_version_tag : (uint64_t)0)
     #else
-    #define xa_dict_version(d) ((uint64_t)0)
+    #define xa_pool_version(d) ((uint64_t)0)
     #endif
     """
-    uint64_t xa_dict_version(object d) noexcept
+    uint64_t xa_pool_version(PyObject* d) noexcept
 
 
-cdef inline object _pool_stream(CacheCore core, object sid):
-    # ``up._stream_of(sid)`` (None: not a stream of the pool), the pool's dict read in C. The
-    # stream last found is remembered with its id and the dict's version: while the dict has
-    # not changed since (no stream acquired, the pool not closed), the same id finds it again
-    # with no look-up (a hash and a probe were about 110 instructions, one per hit and one per
-    # free). The stream is borrowed from the dict, which holds it while its version stands.
+cdef object _pool_stream(CacheCore core, object sid):
+    # ``up._stream_of(sid)`` (None: not a stream of the pool), the pool's dict read in C.
     cdef PyObject* found
-    cdef uint64_t version
     streams = core._up._streams
     if type(streams) is not dict:
         return core._up._stream_of(sid)
-    version = xa_dict_version(streams)
-    if version != 0 and version == core._home_version and sid is core._home_sid:
-        return <object>core._home
     found = PyDict_GetItemWithError(<dict>streams, sid)
     if found == NULL:
         return None
-    if version != 0:
-        # The three fields as one: the old id is released only after all are written (its
-        # release could run another thread, which then writes its own three first).
-        old_sid = core._home_sid
-        core._home_version = 0
-        core._home = found
-        core._home_sid = sid
-        core._home_version = version
-        del old_sid
     return <object>found
+
+
+cdef inline void _remember(_StreamBins sb, object home, uint64_t version) noexcept:
+    # ``home``, the stream of ``sb`` just found in the pool's dict at ``version`` (read before the
+    # look-up), kept borrowed in ``sb``: while the dict's version is still ``version`` the dict
+    # holds it, and a hit or a free on the stream looks nothing up (a hash and a probe were about
+    # 110 instructions each). Two C writes with no Python code between: atomic with the GIL.
+    sb.home = <PyObject*>home
+    sb.pool_version = version
+
+
+cdef PyObject* _find_bins(CacheCore core, object sid, uint64_t version) except NULL:
+    # The lists of stream ``sid`` once the pool has it (else StreamMisuse), with the stream
+    # remembered in them; borrowed: ``_by_stream`` holds every stream's lists for the cache's life.
+    cdef _StreamBins sb
+    home = _pool_stream(core, sid)
+    if home is None:
+        raise unknown_stream("BlockCacheResource.allocate", core._ordinal, sid)
+    sb = core._bins_for(sid)
+    if version != 0:
+        _remember(sb, home, version)
+    return <PyObject*>sb
+
+
+cdef int _forget_uses(CacheCore core, _StreamBins sb, _Entry entry, uint64_t version) except -1:
+    # Under the lock, before ``entry``'s block is kept on its stream (``sb``'s): the stream found
+    # in the pool (else StreamMisuse), made to wait for every use elsewhere as the upstream's free
+    # would, and those uses forgotten (their events back to the pool). A failed wait leaves
+    # everything as it was (waits queued are harmless).
+    sid = entry.stream
+    if version != 0 and sb.pool_version == version:
+        home = <object>sb.home
+    else:
+        home = _pool_stream(core, sid)
+        if home is None:
+            raise unknown_stream("BlockCacheResource.deallocate", core._ordinal, sid)
+        if version != 0:
+            _remember(sb, home, version)
+    if entry.lw_event is not None and entry.lw_stream != sid:
+        core._up._ops.wait(home, entry.lw_event)
+    if entry.reads:
+        for rsid, event in entry.reads.items():
+            if rsid != sid:
+                core._up._ops.wait(home, event)
+    if entry.lw_event is not None:
+        core._up._events.release(entry.lw_event)
+        entry.lw_event = None
+        entry.lw_stream = None
+    if entry.reads:
+        for event in entry.reads.values():
+            core._up._events.release(event)
+        entry.reads = None
+    return 0
 
 
 cdef class CacheCore(ResourceCore):
@@ -324,72 +363,87 @@ cdef class CacheCore(ResourceCore):
         return self._alloc_c(nbytes, stream, tag)
 
     cdef object _alloc_c(self, object nbytes, object stream, object tag):
-        cdef _StreamBins sb
-        cdef _Bin b
-        cdef _Slot s
-        cdef _Entry entry
+        # The hit reads the lists, bins, slot, entry and block it works on borrowed (PyObject*):
+        # each is held by the cache for its life (``_by_stream``, the lists, ``_held``, the slot)
+        # and nothing on the way runs Python code, so taking and giving a reference to each (most
+        # of what a hit cost after its look-ups) bought nothing.
+        cdef PyObject* size = <PyObject*>nbytes  # the size asked, as an int
+        cdef PyObject* sb
+        cdef PyObject* b
+        cdef PyObject* s
+        cdef PyObject* entry
+        cdef PyObject* block
+        cdef _Slot held
         cdef long long n = 0
         cdef int overflow = 0
         cdef size_t cls
         cdef Py_ssize_t idx
+        cdef uint64_t version
         cdef bint reused
-        cdef DeviceBlock block
-        if type(nbytes) is not int or not xa_small_positive(<PyObject*>nbytes, &n):
+        if type(nbytes) is not int or not xa_small_positive(size, &n):
             if type(nbytes) is int:
                 n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
             if type(nbytes) is not int or (overflow == 0 and n <= 0) or overflow < 0:
-                nbytes = check_nbytes(nbytes)  # raises; a positive int of another type comes back as one
-                n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+                checked = check_nbytes(nbytes)  # raises; a positive int of another type comes back as one
+                size = <PyObject*>checked
+                n = PyLong_AsLongLongAndOverflow(checked, &overflow)
         if overflow or n > _MAX_CACHED or not self._enabled:
-            return self._miss(nbytes, -1, 0, stream, tag, None, None)
+            return self._miss(<object>size, -1, 0, stream, tag, None, None)
         cls = _class_of(<size_t>n)
         idx = _index_of(cls)
-        if _pool_stream(self, stream) is None:
-            raise unknown_stream("BlockCacheResource.allocate", self._ordinal, stream)
-        sb = self._last  # ``_bins_for``'s own first test, without the call (a method's entry and exit)
-        if sb is None or sb.sid is not stream:
-            sb = self._bins_for(stream)
+        # The stream's lists last used, when they are ``stream``'s and the pool's dict has not
+        # changed since the stream was found in it; else the pool is asked (``_find_bins``).
+        version = xa_pool_version(<PyObject*>self._up._streams)
+        sb = <PyObject*>self._last
+        if (version == 0 or sb == <PyObject*>None or (<_StreamBins>sb).sid is not stream
+                or (<_StreamBins>sb).pool_version != version):
+            sb = _find_bins(self, stream, version)
         lock_acquire(self._lk)
-        b = <_Bin>PyList_GET_ITEM(sb.bins, idx)
-        s = b.newest
-        if s is None:
+        b = PyList_GET_ITEM((<_StreamBins>sb).bins, idx)
+        s = <PyObject*>(<_Bin>b).newest
+        if s == <PyObject*>None:
             lock_release(self._lk)
-            return self._miss(nbytes, idx, cls, stream, tag, sb, next_generation())
-        _unlink(b, s)
-        entry = s.entry
+            return self._miss(<object>size, idx, cls, stream, tag, <_StreamBins>sb, next_generation())
+        _unlink(<_Bin>b, <_Slot>s)  # ``_held`` still holds the slot
+        entry = <PyObject*>(<_Slot>s).entry
         # The block this slot handed out last, and its generation, renewed in place when the
         # slot's references are their only ones (nobody can see them change): a new number, no
         # object made. Else the entry stays kept (no handle matches it) until the new
         # generation, made outside the lock, is set below.
-        reused = (xa_sole_ref(<PyObject*>s.block)
-                  and renew_generation(_GENERATIONS, <PyObject*>s.block.generation))
+        block = <PyObject*>(<_Slot>s).block
+        reused = (xa_sole_ref(block)
+                  and renew_generation(_GENERATIONS, <PyObject*>(<DeviceBlock>block).generation))
         if reused:
-            entry.generation = s.block.generation
+            (<_Entry>entry).generation = (<DeviceBlock>block).generation
         else:
-            entry.generation = _KEPT
-        entry.tag = tag
-        entry.created = block_clock()
-        s.kept = False
-        s.asked = <size_t>n
+            (<_Entry>entry).generation = _KEPT
+        (<_Entry>entry).tag = tag
+        (<_Entry>entry).created = block_clock()
+        (<_Slot>s).kept = False
+        (<_Slot>s).asked = <size_t>n
         self._cached_bytes -= <long long>cls
         self._cached_blocks -= 1
         self._slack += <long long>(cls - <size_t>n)
         self._hits += 1
-        lock_release(self._lk)
         if reused:
-            block = s.block
-            block.alloc_stream = stream
-            block.nbytes = nbytes
-            block.tag = tag
-        else:
-            generation = next_generation()
-            lock_acquire(self._lk)
-            entry.generation = generation
+            out = <object>block  # held from here: a field's old value, let go, may run Python code
             lock_release(self._lk)
-            block = _hand_out(self, s, nbytes, stream, tag, generation)
+            (<DeviceBlock>block).alloc_stream = stream
+            (<DeviceBlock>block).nbytes = <object>size
+            (<DeviceBlock>block).tag = tag
+            if self._history is not None:
+                _note(self, out, HISTORY_CACHE_HIT)
+            return out
+        held = <_Slot>s  # held from here: making the generation may run Python code
+        lock_release(self._lk)
+        generation = next_generation()
+        lock_acquire(self._lk)
+        held.entry.generation = generation
+        lock_release(self._lk)
+        new = _hand_out(self, held, <object>size, stream, tag, generation)
         if self._history is not None:
-            _note(self, block, HISTORY_CACHE_HIT)
-        return block
+            _note(self, new, HISTORY_CACHE_HIT)
+        return new
 
     cdef object _miss(self, object nbytes, Py_ssize_t idx, size_t cls, object stream, object tag,
                       _StreamBins sb, object generation):
@@ -522,7 +576,7 @@ cdef class CacheCore(ResourceCore):
                 stays live and nothing is counted.
         Thread rule: any thread.
         """
-        self._dealloc_c(block)
+        self._release(block, True)  # ``_dealloc_c``'s body, without its call
 
     cdef object _dealloc_c(self, object block):
         self._release(block, True)
@@ -531,12 +585,17 @@ cdef class CacheCore(ResourceCore):
         # The free of ``block``: 1 once done. A block that is not live here (another device's,
         # never the cache's, kept already, another generation) raises with ``strict``, else
         # gives 0 and changes nothing: the device context's free of a block that may have gone
-        # already, which the cache's table answers for it (see ``live_count``).
+        # already, which the cache's table answers for it (see ``live_count``). The slot, its
+        # entry and its stream's lists are read borrowed (PyObject*) under the lock: ``_held``
+        # holds the slot, the slot its entry, ``_by_stream`` the lists, and only the lock's
+        # holder takes a slot out of ``_held``.
         cdef _Slot s
-        cdef _Entry entry
-        cdef _StreamBins sb
+        cdef PyObject* sp
+        cdef PyObject* entry
+        cdef PyObject* sb
         cdef PyObject* found
         cdef uint64_t key
+        cdef uint64_t version
         cdef bint kept = False
         cdef PyObject* ptr
         cdef PyObject* generation
@@ -567,46 +626,37 @@ cdef class CacheCore(ResourceCore):
                 if not strict:
                     return 0
                 raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, None)
-            s = <_Slot>found
-            entry = s.entry
-            if <PyObject*>entry.generation != generation and entry.generation != <object>generation:
+            sp = found
+            entry = <PyObject*>(<_Slot>sp).entry
+            if (<PyObject*>(<_Entry>entry).generation != generation
+                    and (<_Entry>entry).generation != <object>generation):
                 if not strict:
                     return 0
-                raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block, int(entry.generation))
-            if self._enabled and s.idx >= 0 and (
-                    self._limit < 0 or self._cached_bytes + <long long>s.cls <= self._limit):
-                sid = entry.stream
-                home = _pool_stream(self, sid)
-                if home is None:
-                    raise unknown_stream("BlockCacheResource.deallocate", self._ordinal, sid)
-                # Order the stream after every use elsewhere, as the upstream's free would. A
-                # failed wait leaves everything as it was (waits queued are harmless).
-                if entry.lw_event is not None and entry.lw_stream != sid:
-                    self._up._ops.wait(home, entry.lw_event)
-                if entry.reads:
-                    for rsid, event in entry.reads.items():
-                        if rsid != sid:
-                            self._up._ops.wait(home, event)
-                if entry.lw_event is not None:
-                    self._up._events.release(entry.lw_event)
-                    entry.lw_event = None
-                    entry.lw_stream = None
-                if entry.reads:
-                    for event in entry.reads.values():
-                        self._up._events.release(event)
-                    entry.reads = None
-                entry.generation = _KEPT  # the old handle is stale from here on
-                sb = s.bins
-                sb.seq += 1
-                s.seq = sb.seq
-                s.kept = True
-                _push(sb, s)
-                self._cached_bytes += <long long>s.cls
+                raise unknown_block("BlockCacheResource.deallocate", self._ordinal, block,
+                                    int((<_Entry>entry).generation))
+            if self._enabled and (<_Slot>sp).idx >= 0 and (
+                    self._limit < 0 or self._cached_bytes + <long long>(<_Slot>sp).cls <= self._limit):
+                # The stream's check and the waits for uses elsewhere only when the pool's dict
+                # changed since the stream was found in it, or the block was used since it was
+                # handed out (see ``_forget_uses``); the usual free does neither.
+                sb = <PyObject*>(<_Slot>sp).bins
+                version = xa_pool_version(<PyObject*>self._up._streams)
+                if (version == 0 or (<_StreamBins>sb).pool_version != version
+                        or (<_Entry>entry).lw_event is not None or (<_Entry>entry).reads is not None):
+                    _forget_uses(self, <_StreamBins>sb, <_Entry>entry, version)
+                (<_Entry>entry).generation = _KEPT  # the old handle is stale from here on
+                (<_StreamBins>sb).seq += 1
+                (<_Slot>sp).seq = (<_StreamBins>sb).seq
+                (<_Slot>sp).kept = True
+                _push(<_StreamBins>sb, <_Slot>sp)
+                self._cached_bytes += <long long>(<_Slot>sp).cls
                 self._cached_blocks += 1
+                self._slack -= <long long>((<_Slot>sp).cls - (<_Slot>sp).asked)  # no longer the user's
                 kept = True
             else:
+                s = <_Slot>sp  # held: out of ``_held`` from here
                 self._held.remove_if(key, s)  # on its way upstream (put back if the upstream refuses)
-            self._slack -= <long long>(s.cls - s.asked)  # no longer the user's
+                self._slack -= <long long>(s.cls - s.asked)  # no longer the user's
         finally:
             lock_release(self._lk)
         if not kept:
