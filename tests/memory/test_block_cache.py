@@ -494,12 +494,12 @@ def test_bad_streams_and_blocks_change_nothing(host_driver: xa.HostDriver, cache
 
 def test_a_closed_or_grown_pool_is_seen_at_once_by_the_hit_and_the_free(
         host_driver: xa.HostDriver, cache: BlockCacheResource, pool: xa.StreamPool) -> None:
-    """A stream's lists remember the stream found in the pool's dict while the dict is
-    unchanged (cache_core's ``_remember``): a stream acquired after, and a pool closed after,
-    are seen by the very next call, with the same id passed each time."""
+    """A stream's lists remember the stream found in the pool's dict while the pool's version is
+    unchanged (cache_core's ``_remember``; a close changes it): a stream acquired after, and a
+    pool closed after, are seen by the very next call, with the same id passed each time."""
     cache.deallocate(cache.allocate(KiB))
     cache.deallocate(cache.allocate(KiB))  # a hit: the default stream is remembered now
-    sid = pool.acquire()  # the dict changed: the remembered stream is looked up again
+    sid = pool.acquire()  # a new stream: its lists look it up on their first use
     on_new = cache.allocate(KiB, sid)
     cache.deallocate(on_new)
     assert cache.allocate(KiB, sid).alloc_stream == sid
@@ -517,9 +517,8 @@ def test_a_closed_or_grown_pool_is_seen_at_once_by_the_hit_and_the_free(
 def test_each_streams_lists_remember_their_stream_until_the_pool_changes(
         cache: BlockCacheResource, pool: xa.StreamPool) -> None:
     """Hits and frees alternating between two streams each find their stream remembered in its
-    lists (``_remember``); a stream acquired meanwhile makes each look the pool up once more, a
-    free included; a pool closed after is seen by the next free and hit of either stream, whose
-    blocks stay live."""
+    lists (``_remember``); a stream acquired meanwhile leaves them as they are; a pool closed
+    after is seen by the next free and hit of either stream, whose blocks stay live."""
     s1 = pool.acquire()
     for _ in range(3):
         a, b = cache.allocate(KiB), cache.allocate(KiB, s1)
@@ -527,7 +526,7 @@ def test_each_streams_lists_remember_their_stream_until_the_pool_changes(
         cache.deallocate(b)
     a, b = cache.allocate(KiB), cache.allocate(KiB, s1)
     assert cache.cache_statistics()["hits"] == 6 and cache.cache_statistics()["cross_stream_hits"] == 0
-    pool.acquire()  # the dict changed while both blocks are out
+    pool.acquire()  # another stream while both blocks are out: theirs stay remembered
     cache.deallocate(b)
     cache.deallocate(a)
     a, b = cache.allocate(KiB), cache.allocate(KiB, s1)
@@ -542,6 +541,18 @@ def test_each_streams_lists_remember_their_stream_until_the_pool_changes(
         cache.deallocate(b)
     assert cache.held_size(a.ptr) == KiB and cache.held_size(b.ptr) == KiB
     assert len(cache.kept_blocks()) == 1
+
+
+def test_the_pools_version_changes_when_a_stream_leaves_the_pool_only(pool: xa.StreamPool) -> None:
+    """What the cache's remembered streams rely on (``StreamsVersion``): acquiring a stream keeps
+    the version, closing the pool changes it (to a value it never had), and it is never 0."""
+    version = pool.streams_version
+    first = version.value
+    pool.acquire()
+    assert version.value == first != 0
+    pool.close()
+    assert version.value not in (0, first)
+    assert pool.streams_version is version
 
 
 @pytest.mark.parametrize("description", ["direct+cache", "async+stats+cache", "async+cache+cache", "async+cache:0",

@@ -36,9 +36,14 @@ cdef class _Entry:
     cdef dict reads
 
 
+cdef class StreamsVersion:
+    cdef public unsigned long long value
+
+
 cdef class AsyncCore(ResourceCore):
     cdef object _stream_pool
     cdef object _streams
+    cdef StreamsVersion _streams_version  # the pool's, or None (a pool without one)
     cdef EventPool _events
     cdef PtrTable _live  # address -> _Entry
     cdef long long _live_bytes

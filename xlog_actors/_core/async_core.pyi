@@ -5,7 +5,11 @@ from ..driver.protocol import Driver, Event
 from .blocks import Access, AllocTag, BlockId, DeviceBlock, LiveBlock, StreamId
 from .resource_core import ResourceCore
 
-__all__ = ["AsyncCore", "EventPool"]
+__all__ = ["AsyncCore", "EventPool", "StreamsVersion"]
+
+class StreamsVersion:
+    value: int
+    def __init__(self) -> None: ...
 
 class EventPool:
     @property

@@ -45,7 +45,7 @@ from ..driver.limits import ALIGNMENT
 from ..errors import DriverError
 from .blocks import Access, AllocTag, BlockState, LiveBlock, StreamId
 
-__all__ = ["AsyncCore", "EventPool"]
+__all__ = ["AsyncCore", "EventPool", "StreamsVersion"]
 
 cdef object _READ = Access.READ
 cdef object _LIVE = BlockState.LIVE
@@ -145,6 +145,21 @@ cdef class _Entry:
 
 
 
+cdef class StreamsVersion:
+    """A stream pool's version: a number in a C field that the pool changes whenever a stream it
+    held leaves its map (``StreamPool.close``), so a fast path that found a stream in the map may
+    keep it, borrowed, while the number is unchanged (the block cache's hit and free do). Never
+    0 (0 means "nothing remembered"); never comes back to an earlier value.
+
+    Thread rule: the pool writes ``value`` under its lock, with the GIL held; readers load it
+    once, in C, with the GIL held.
+    """
+
+    def __init__(self):
+        """Thread rule: any thread."""
+        self.value = 1
+
+
 def _by_generation(item):
     return (<_Entry>item[1]).generation
 
@@ -164,6 +179,8 @@ cdef class AsyncCore(ResourceCore):
         ResourceCore.__init__(self, driver, ordinal)
         self._stream_pool = stream_pool
         self._streams = stream_pool.streams
+        version = getattr(stream_pool, "streams_version", None)
+        self._streams_version = version if isinstance(version, StreamsVersion) else None
         self._events = EventPool(driver, ordinal)
         self._live = PtrTable()
         self._live_bytes = 0

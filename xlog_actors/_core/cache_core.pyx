@@ -39,8 +39,8 @@ the cache: each block the cache holds from its upstream has one ``_Slot`` (its u
 class, the size asked, kept or handed out, its place in its stream's list) for its whole stay, in
 one address table, so a hit and a free add and remove nothing there; a stream's lists are found by
 identity with the stream id last asked for, and they remember their stream, found in the pool's
-dict, with that dict's version: while the dict has not changed, a hit and a free on the stream
-look nothing up (``_remember``); and the ``DeviceBlock`` a slot handed out last is handed out
+dict, with the pool's version (``StreamsVersion``, changed when a stream leaves the pool): while
+it is unchanged, a hit and a free on the stream look nothing up (``_remember``); and the ``DeviceBlock`` a slot handed out last is handed out
 again, rewritten, when the slot holds the only reference to it (nobody can see it change; any
 other holder gets a new block). Its ``Generation`` too, when the block is its only
 holder: the process's next generation number is written into that object under the lock
@@ -67,7 +67,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
-from .async_core cimport AsyncCore, _Entry
+from .async_core cimport AsyncCore, StreamsVersion, _Entry
 from .blocks cimport (BlockId, DeviceBlock, GenerationSource, generation_of, generation_source, new_block,
                       next_generation, renew_generation)
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
@@ -211,20 +211,10 @@ cdef inline void _push(_StreamBins sb, _Slot s) noexcept:
     b.newest = s
 
 
-cdef extern from *:
-    """
-    /* The version of the pool's dict `d` (PEP 509's ma_version_tag, kept per dict up to CPython
-       3.11, from one counter for every dict, so it changes whenever `d` does and never comes
-       back); 0 where `d` is no exact dict or it is not read this way (nothing is remembered by
-       it then). A dict's version is never 0. */
-    #if PY_VERSION_HEX < 0x030C0000 && !defined(Py_GIL_DISABLED) && !defined(PYPY_VERSION)
-    #define xa_pool_version(d) \
-        (PyDict_CheckExact(d) ? (uint64_t)((PyDictObject *)(d))->ma_version_tag : (uint64_t)0)
-    #else
-    #define xa_pool_version(d) ((uint64_t)0)
-    #endif
-    """
-    uint64_t xa_pool_version(PyObject* d) noexcept
+cdef inline uint64_t _pool_version(CacheCore core) noexcept:
+    # The pool's version (never 0), or 0 for a pool without one: nothing is remembered then.
+    cdef StreamsVersion version = core._up._streams_version
+    return 0 if version is None else version.value
 
 
 cdef object _pool_stream(CacheCore core, object sid):
@@ -241,7 +231,7 @@ cdef object _pool_stream(CacheCore core, object sid):
 
 cdef inline void _remember(_StreamBins sb, object home, uint64_t version) noexcept:
     # ``home``, the stream of ``sb`` just found in the pool's dict at ``version`` (read before the
-    # look-up), kept borrowed in ``sb``: while the dict's version is still ``version`` the dict
+    # look-up), kept borrowed in ``sb``: while the pool's version is still ``version`` the dict
     # holds it, and a hit or a free on the stream looks nothing up (a hash and a probe were about
     # 110 instructions each). Two C writes with no Python code between: atomic with the GIL.
     sb.home = <PyObject*>home
@@ -391,9 +381,9 @@ cdef class CacheCore(ResourceCore):
             return self._miss(<object>size, -1, 0, stream, tag, None, None)
         cls = _class_of(<size_t>n)
         idx = _index_of(cls)
-        # The stream's lists last used, when they are ``stream``'s and the pool's dict has not
+        # The stream's lists last used, when they are ``stream``'s and the pool's version has not
         # changed since the stream was found in it; else the pool is asked (``_find_bins``).
-        version = xa_pool_version(<PyObject*>self._up._streams)
+        version = _pool_version(self)
         sb = <PyObject*>self._last
         if (version == 0 or sb == <PyObject*>None or (<_StreamBins>sb).sid is not stream
                 or (<_StreamBins>sb).pool_version != version):
@@ -636,11 +626,11 @@ cdef class CacheCore(ResourceCore):
                                     int((<_Entry>entry).generation))
             if self._enabled and (<_Slot>sp).idx >= 0 and (
                     self._limit < 0 or self._cached_bytes + <long long>(<_Slot>sp).cls <= self._limit):
-                # The stream's check and the waits for uses elsewhere only when the pool's dict
+                # The stream's check and the waits for uses elsewhere only when the pool's version
                 # changed since the stream was found in it, or the block was used since it was
                 # handed out (see ``_forget_uses``); the usual free does neither.
                 sb = <PyObject*>(<_Slot>sp).bins
-                version = xa_pool_version(<PyObject*>self._up._streams)
+                version = _pool_version(self)
                 if (version == 0 or (<_StreamBins>sb).pool_version != version
                         or (<_Entry>entry).lw_event is not None or (<_Entry>entry).reads is not None):
                     _forget_uses(self, <_StreamBins>sb, <_Entry>entry, version)

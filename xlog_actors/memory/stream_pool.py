@@ -6,6 +6,7 @@ import itertools
 import logging
 import threading
 
+from .._core.async_core import StreamsVersion
 from ..driver.protocol import Driver, Stream
 from .block import StreamId
 from .device_bound import DeviceBound
@@ -49,6 +50,7 @@ class StreamPool(DeviceBound):
         # returns): a look-up then matches the key by identity, without comparing an int subclass
         # to an int (about 80 instructions per look-up, two per allocate + free).
         self._streams: dict[int, Stream] = {StreamId.DEFAULT: driver.create_stream(ordinal)}
+        self._version = StreamsVersion()
 
     def acquire(self) -> StreamId:
         """Create a new non-blocking stream of this device.
@@ -84,6 +86,14 @@ class StreamPool(DeviceBound):
         read it; only the pool changes it."""
         return self._streams
 
+    @property
+    def streams_version(self) -> StreamsVersion:
+        """The pool's version (:class:`~xlog_actors._core.async_core.StreamsVersion`): changed
+        whenever a stream leaves :attr:`streams` (``close``), never by ``acquire``, which only
+        adds one. A fast path that found a stream in the map may keep it while the version is
+        unchanged. Thread rule: any thread may read it; only the pool changes it."""
+        return self._version
+
     def ids(self) -> list[StreamId]:
         """The ids of the open streams.
 
@@ -106,6 +116,9 @@ class StreamPool(DeviceBound):
             streams = list(self._streams.values())
             # In place: resources hold this very dict for their lock-free lookups.
             self._streams.clear()
+            # After the clear: a fast path that read the old version before it uses its stream
+            # as one resolved before the close (see the thread rule); from here on it looks again.
+            self._version.value += 1
         for stream in streams:
             try:
                 stream.close()
