@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xlog_actors._core.async_core import StreamsVersion
 from xlog_actors.actors import DeviceActor, GetClient
 from xlog_actors.driver.cuda.context import Stamped
 from xlog_actors.driver.cuda.current import TOKEN_WRITES
@@ -119,10 +120,13 @@ class Driver:
 
 
 class Pool:
+    """A stream pool's stand-in: its streams and its version, as ``StreamPool`` gives them."""
+
     device_ordinal = 0
 
     def __init__(self, streams: dict[StreamId, Any]) -> None:
         self.streams = streams
+        self.streams_version = StreamsVersion()
 
     def resolve(self, sid: StreamId) -> Any:
         return self.streams.get(sid)
