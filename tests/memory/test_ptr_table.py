@@ -55,6 +55,7 @@ def test_it_behaves_as_a_dict_of_addresses(ops: list[tuple[str, int]]) -> None:
         assert len(table) == len(model)
     for key, value in model.items():
         assert table.get(key) is value
+    assert sorted(key for key, _ in table.items()) == sorted(model)  # each address read as itself
     assert sorted(map(id, table.values())) == sorted(map(id, model.values()))
     table.clear()
     assert len(table) == 0 and table.values() == [] and all(table.get(k) is None for k in model)
@@ -99,6 +100,16 @@ def test_each_entry_holds_one_reference_and_lets_it_go() -> None:
     del kept, b, table  # the table's own release lets its values go
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("key", [0, 1, (1 << 30) - 1, 1 << 30, (1 << 60) - 1, 1 << 60, (1 << 64) - 1])
+def test_addresses_at_each_digit_boundary_are_read_as_themselves(key: int) -> None:
+    """The digits of an int are read in place where the interpreter's layout allows (one or two
+    30-bit digits), else converted by a call: either way the key is the address."""
+    table, box = PtrTable(), Box()
+    table.put(key, box)
+    assert table.items() == [(key, box)] and table.get(key) is box
+    assert table.get(key + 1) is None and (key == 0 or table.get(key - 1) is None)
 
 
 @pytest.mark.parametrize("bad", [-1, -(1 << 40), -(1 << 70), 1 << 64, 1 << 90, 1.0, "0x10", True, None])
