@@ -40,8 +40,8 @@ cdef class _StreamBins:
     cdef object fence  # an event recorded on the stream, or None
     cdef long long fence_seq  # ``seq`` when ``fence`` was recorded
     cdef bint fence_done  # ``fence`` was seen complete
-    cdef uint64_t pool_version  # the pool's dict's version when the stream was found in it; 0: none
-    cdef PyObject* home  # the stream, borrowed from the pool's dict while its version is pool_version
+    cdef uint64_t pool_version  # the pool's version (StreamsVersion) when the stream was found in it; 0: none
+    cdef PyObject* home  # the stream, borrowed from the pool's dict while the pool's version is pool_version
 
 
 cdef class CacheCore(ResourceCore):
