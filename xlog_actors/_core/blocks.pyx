@@ -5,9 +5,10 @@ a resource hands out and the live-block entry a resource lists.
 Compiled because the allocation hot path builds one :class:`DeviceBlock` and one
 :class:`Generation` per call: as a Cython class the block costs about a tenth of the frozen
 dataclass's constructor. (A block cache's hit builds neither when nobody else holds the block it
-handed out last: it renews that block's generation in place, ``renew_generation``.) The public face is :mod:`xlog_actors.memory.block`, which re-exports
-these names; each behaves as a frozen, slotted dataclass would (``dataclasses.fields``/``replace``,
-equality, hashing, ``FrozenInstanceError``), as docs/api.md ("Value types") documents them.
+handed out last: it renews that block's generation in place, ``renew_generation``.) The public
+face is :mod:`xlog_actors.memory.block`, which re-exports these names; each behaves as a frozen,
+slotted dataclass would (``dataclasses.fields``/``replace``, equality, hashing,
+``FrozenInstanceError``), as docs/api.md ("Value types") documents them.
 
 All of them are immutable and safe to share between threads.
 """

@@ -40,10 +40,10 @@ class, the size asked, kept or handed out, its place in its stream's list) for i
 one address table, so a hit and a free add and remove nothing there; a stream's lists are found by
 identity with the stream id last asked for, and they remember their stream, found in the pool's
 dict, with the pool's version (``StreamsVersion``, changed when a stream leaves the pool): while
-it is unchanged, a hit and a free on the stream look nothing up (``_remember``); and the ``DeviceBlock`` a slot handed out last is handed out
-again, rewritten, when the slot holds the only reference to it (nobody can see it change; any
-other holder gets a new block). Its ``Generation`` too, when the block is its only
-holder: the process's next generation number is written into that object under the lock
+it is unchanged, a hit and a free on the stream look nothing up (``_remember``); and the
+``DeviceBlock`` a slot handed out last is handed out again, rewritten, when the slot holds the
+only reference to it (nobody can see it change; any other holder gets a new block). Its
+``Generation`` too, when the block is its only holder: the process's next generation number is written into that object under the lock
 (``renew_generation``), so a hit makes no Python object at all (making one and freeing the old
 one was a third of a hit). The number is new all the same, so the old one stays refused.
 

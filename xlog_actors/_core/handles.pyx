@@ -197,8 +197,8 @@ cdef extern from *:
         return o;
     }
 
-    /* Keep `o` (refcount 0, untracked, fields cleared by ``_clear``) for the next handle; 0 when the pool is full
-       or its type is not poolable. */
+    /* Keep `o` (refcount 0, untracked, fields cleared by ``_clear``) for the next handle; 0 when
+       the pool is full or its type is not poolable. */
     static inline int xa_pool_put(PyObject *o) {
         if (xa_pooled >= XA_POOL_SIZE || !xa_poolable(Py_TYPE(o))) return 0;
         xa_pool[xa_pooled++] = o;
