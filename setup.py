@@ -37,6 +37,7 @@ _MODULES = (
     "graph_replay",
     "library_core",
     "posted_serve",
+    "null_allocator",
     # C++ (its `# distutils: language = c++` line): it throws a C++ exception to PyTorch.
     "alloc_bridge",
 )

@@ -81,7 +81,7 @@ def test_a_rebuild_under_live_cupy_arrays_is_reported_and_cupy_goes_on() -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("half", ["device", "torch"])
+@pytest.mark.parametrize("half", ["device", "torch", "null"])
 def test_both_halves_of_the_training_loop_row_run(half: str) -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (an optional extra)")

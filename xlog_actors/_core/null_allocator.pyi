@@ -1,0 +1,9 @@
+__all__ = ["ALLOC_SYMBOL", "DEPTH", "FREE_SYMBOL", "configure", "library_path", "stats"]
+
+ALLOC_SYMBOL: str
+FREE_SYMBOL: str
+DEPTH: int
+
+def configure(alloc_address: int, free_address: int) -> None: ...
+def stats() -> dict[str, int]: ...
+def library_path() -> str: ...
