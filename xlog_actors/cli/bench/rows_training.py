@@ -231,7 +231,7 @@ _WHAT: dict[str, str] = {}  # each half's "what" from the last session, for the 
 _SESSION_NOTE = (
     "steps per second; each half in processes of its own (torch takes a pluggable allocator only before its first "
     "CUDA allocation), two per half, all alive at once with their timed threads pinned to one CPU, taking their "
-    "rounds in turns (the GPU machines' CPUs differ by up to 40% in speed, and a process keeps its CPU); two "
+    "rounds in turns (the GPU machines' CPUs differ by up to 1.5 times in speed, and a process keeps its CPU); two "
     "untimed rounds first; a round ends with torch.cuda.synchronize()"
 )
 

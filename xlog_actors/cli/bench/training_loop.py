@@ -15,9 +15,10 @@ skipped with the message, printed last on standard error); 2: bad arguments; any
 failure is the row's error.
 
 Why served rounds and one CPU: on the GPU machines, which are virtual, one CPU runs this loop up
-to 40% slower than another, and a process keeps its CPU; halves timed in separate processes one
-after the other measured where each landed, not its allocator. Kept alive together and pinned to
-the same CPU, the halves' rounds alternate, so each round of one half has the other's beside it.
+to 1.5 times as long as another, and a process keeps its CPU; halves timed in separate processes
+one after the other measured where each landed, not its allocator. Kept alive together and
+pinned to the same CPU, the halves' rounds alternate, so each round of one half has the other's
+beside it.
 
 The halves:
 
