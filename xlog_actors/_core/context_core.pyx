@@ -251,17 +251,29 @@ cdef class ContextCore:
                 handles.append(new_handle_with(<PyObject*>cls, block, self, <PyObject*>generation,
                                                <PyObject*>state_ref, <PyObject*>token, <PyObject*>cell))
         except BaseException:
-            # The handles made so far free their blocks as they go (on the raise). Give back
-            # the rest: a tracked block whose handle could not be made, and those not reached.
-            if len(handles) < i:
-                self._free(blocks[i - 1])
-            else:
-                i += 1  # blocks[i] failed to be tracked and was given back
+            # The handles made so far free their blocks as they go (on the raise); a block whose
+            # handle could not be made went back through ``_unmade``, and one that failed to be
+            # tracked was given back by ``_track``. Give back those not reached.
+            if len(handles) == i:
+                i += 1  # blocks[i] failed to be tracked
             deallocate = self._deallocate
             for block in blocks[i:]:
                 deallocate(block)
             raise
         return handles
+
+    def _unmade(self, block):
+        """Take back ``block``, allocated for a handle that could not be made (no memory for
+        it): freed as its handle's free would, so the failed allocation leaves nothing behind.
+        ``new_handle_with`` calls it before the error goes on.
+
+        Args:
+            block: the block.
+        Raises:
+            what :meth:`free` raises.
+        Thread rule: the thread that allocated ``block``.
+        """
+        self._free(block)
 
     def free(self, block):
         """Free ``block`` if it is still one of this context's.

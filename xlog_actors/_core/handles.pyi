@@ -2,7 +2,7 @@ from typing import Any
 
 from .blocks import DeviceBlock, StreamId
 
-__all__ = ["HandleCore", "TokenCell", "make_handle"]
+__all__ = ["HandleCore", "TokenCell", "fail_a_make", "make_handle"]
 
 class TokenCell:
     token: object
@@ -28,3 +28,4 @@ class HandleCore:
     def _unmark_released(self) -> None: ...
 
 def make_handle(cls: type[HandleCore], block: DeviceBlock, context: Any) -> Any: ...
+def fail_a_make(after: int = 0) -> None: ...

@@ -33,7 +33,7 @@ from cpython.weakref cimport PyWeakref_GetObject
 
 from .blocks import StreamId
 
-__all__ = ["HandleCore", "TokenCell", "make_handle"]
+__all__ = ["HandleCore", "TokenCell", "fail_a_make", "make_handle"]
 
 
 cdef class TokenCell:
@@ -364,17 +364,62 @@ cdef HandleCore new_handle_with(PyObject* cls, object block, object context, PyO
             _adopt(<type>cls)  # once per type; a type it does not take is checked again, each time
     found = xa_pool_take(<PyTypeObject*>cls)
     if found == NULL:
-        held = (<object>cls, <object>generation, <object>state_ref, <object>token, <object>cell)
-        found = xa_new_as(HandleCore, <object>cls, _NO_ARGS)
-        ref = <HandleCore>found
-        Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
-        _fill(ref, block, context, generation, state_ref, token, cell)
-        del held
-        return ref
+        return _new_handle(cls, block, context, generation, state_ref, token, cell)
     ref = <HandleCore>found
     Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
     _fill(ref, block, context, generation, state_ref, token, cell)
     return ref
+
+
+cdef HandleCore _new_handle(PyObject* cls, object block, object context, PyObject* generation,
+                            PyObject* state_ref, PyObject* token, PyObject* cell):
+    # ``new_handle_with`` with the pool empty: a new object, which may fail (no memory). The
+    # block was allocated for this handle and only its context knows where it goes back, so a
+    # context with an ``_unmade(block)`` method takes it back before the error goes on: the
+    # failed allocation then leaves nothing allocated, tracked or counted. The allocation may run
+    # a collection and so Python code, so the borrowed fields are held across it.
+    cdef HandleCore ref
+    cdef PyObject* found
+    held = (<object>cls, <object>generation, <object>state_ref, <object>token, <object>cell)
+    try:
+        if _makes_to_pass >= 0:
+            _a_make()
+        found = xa_new_as(HandleCore, <object>cls, _NO_ARGS)
+    except BaseException:
+        unmade = getattr(context, "_unmade", None)
+        if unmade is not None:
+            unmade(block)
+        raise
+    ref = <HandleCore>found
+    Py_DECREF(ref)  # the new reference ``found`` came with: ``ref`` now holds it
+    _fill(ref, block, context, generation, state_ref, token, cell)
+    del held
+    return ref
+
+
+cdef Py_ssize_t _makes_to_pass = -1
+
+
+cdef int _a_make() except -1:
+    global _makes_to_pass
+    if _makes_to_pass == 0:
+        _makes_to_pass = -1
+        raise MemoryError("fault injection: no memory for a new handle (handles.fail_a_make)")
+    _makes_to_pass -= 1
+    return 0
+
+
+def fail_a_make(Py_ssize_t after=0):
+    """Fault injection for tests: of the handles made from now on that the pool cannot serve
+    (a new object each), the one after ``after`` such makes raises ``MemoryError``, as when no
+    memory is left for a new object (once: the makes after it succeed); ``after=-1`` disarms it.
+
+    Args:
+        after: how many such makes succeed first.
+    Thread rule: any thread, with the GIL.
+    """
+    global _makes_to_pass
+    _makes_to_pass = after
 
 
 cdef inline void _fill(HandleCore ref, object block, object context, PyObject* generation,
