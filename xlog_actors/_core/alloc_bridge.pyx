@@ -70,6 +70,8 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
+from .size_class cimport class_size
+
 __all__ = [
     "ALLOC_OR_NULL_SYMBOL",
     "ALLOC_SYMBOL",
@@ -164,12 +166,6 @@ cdef extern from *:
             caches[device].store(c, std::memory_order_release);
         }
         return c;
-    }
-
-    static size_t size_class(size_t n) {
-        size_t top = size_t(1) << (63 - __builtin_clzll((unsigned long long)n));
-        size_t step = top / 4 < 512 ? 512 : top / 4;
-        return (n + step - 1) / step * step;
     }
 
     // A hit: the pointer, now live. A miss (0): *epoch is the epoch to record the new block
@@ -295,7 +291,6 @@ cdef extern from *:
     int CACHED "xlog_actors_cache::CACHED"
     Cache* _cache_get "xlog_actors_cache::get"(int device) nogil
     Cache* _cache_ensure "xlog_actors_cache::ensure"(int device) nogil
-    size_t _size_class "xlog_actors_cache::size_class"(size_t n) nogil
     uintptr_t _cache_take "xlog_actors_cache::take"(
         Cache* c, size_t cls, size_t req, uintptr_t stream, uint64_t* epoch, cbool* tracked) nogil
     void _cache_note "xlog_actors_cache::note"(Cache* c, uintptr_t ptr, const Live& e) nogil
@@ -409,7 +404,7 @@ def size_class(Py_ssize_t nbytes):
     """
     if nbytes <= 0:
         raise ValueError(f"a size class needs a positive size, got {nbytes}")
-    return _size_class(<size_t>nbytes)
+    return class_size(<size_t>nbytes)
 
 
 def empty_cache(int device):
@@ -564,7 +559,7 @@ cdef void* _alloc_or_null(Py_ssize_t size, int device, void* stream, string* mes
     cdef uintptr_t hit
     cdef Live entry
     if cache != NULL:
-        cls = _size_class(<size_t>size)
+        cls = class_size(<size_t>size)
         hit = _cache_take(cache, cls, <size_t>size, <uintptr_t>stream, &epoch, &tracked)
         if hit != 0:
             return <void*>hit

@@ -2,6 +2,8 @@
 
 from cpython.object cimport PyObject
 
+from .pyint cimport xa_int_set, xa_only_ref
+
 cdef class _Frozen:
     pass
 
@@ -27,42 +29,8 @@ cdef object next_generation()
 
 cdef extern from *:
     """
-    /* Rewrite `obj`, a positive int instance, to `n` in place, when `n` has exactly as many
-       digits as it (1: done; 0: not, nothing changed). Only the digits are written: size and
-       sign stay. An int caches no hash, so the object is then `n` in every respect; the caller
-       makes sure nobody else can see it change (its one reference is the caller's). The digits
-       follow the header (3.12 on: the tag, whose size is above its 3 low bits). Checked against
-       the type call when blocks.pyx loads. One digit, the usual case, is written with no loop. */
-    static inline int xa_int_set(PyObject *obj, unsigned long long n) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        Py_ssize_t size = (Py_ssize_t)(((PyLongObject *)obj)->long_value.lv_tag >> 3);
-        digit *d = ((PyLongObject *)obj)->long_value.ob_digit;
-    #else
-        Py_ssize_t size = Py_SIZE(obj);
-        digit *d = ((PyLongObject *)obj)->ob_digit;
-    #endif
-        Py_ssize_t need = 0, i;
-        unsigned long long m = n;
-        if (n != 0 && n <= PyLong_MASK) {
-            if (size != 1) return 0;
-            d[0] = (digit)n;
-            return 1;
-        }
-        while (m) { need++; m >>= PyLong_SHIFT; }
-        if (need != size) return 0;
-        for (i = 0; i < size; i++) { d[i] = (digit)(n & PyLong_MASK); n >>= PyLong_SHIFT; }
-        return 1;
-    }
-    /* True when `o`'s one reference is the caller's borrowed one (only a GIL build can say). */
-    #ifdef Py_GIL_DISABLED
-    #define xa_only_ref(o) 0
-    #else
-    #define xa_only_ref(o) (Py_REFCNT(o) == 1)
-    #endif
     #define xa_type_is(o, t) ((PyObject *)Py_TYPE(o) == (t))
     """
-    bint xa_int_set(PyObject* obj, unsigned long long n) noexcept
-    bint xa_only_ref(PyObject* o) noexcept
     bint xa_type_is(PyObject* o, PyObject* t) noexcept
 
 

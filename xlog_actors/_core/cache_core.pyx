@@ -73,7 +73,9 @@ from .blocks cimport (BlockId, DeviceBlock, GenerationSource, generation_of, gen
 from .history_ring cimport HISTORY_ALLOC, HISTORY_CACHE_HIT, HISTORY_FREE, HISTORY_TRIM
 from .lock cimport lock_acquire, lock_release
 from .ptr_table cimport PtrTable, key_of
+from .pyint cimport xa_only_ref, xa_small_positive
 from .resource_core cimport ResourceCore, block_clock
+from .size_class cimport class_index, class_size
 
 from ..driver.checks import check_device, check_nbytes, unknown_block, unknown_stream
 from ..driver.limits import ALIGNMENT
@@ -97,57 +99,11 @@ cdef object _KEPT = Generation(0)
 cdef GenerationSource* _GENERATIONS = generation_source()
 
 
-cdef extern from *:
-    """
-    /* True when `o`'s one reference is the caller's borrowed one (only a GIL build can say). */
-    #ifdef Py_GIL_DISABLED
-    #define xa_sole_ref(o) 0
-    #else
-    #define xa_sole_ref(o) (Py_REFCNT(o) == 1)
-    #endif
-    /* 1 and its value in `*n` when `o`, an exact int, is positive and fits one of its digits
-       (every size a cache keeps in practice), read in place; else 0 (the caller converts it):
-       the conversion call was about 25 instructions of a hit. */
-    static inline int xa_small_positive(PyObject *o, long long *n) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        Py_ssize_t v;
-        if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) return 0;
-        v = PyUnstable_Long_CompactValue((PyLongObject *)o);
-        if (v <= 0) return 0;
-        *n = (long long)v;
-        return 1;
-    #else
-        if (Py_SIZE(o) != 1) return 0;
-        *n = (long long)((PyLongObject *)o)->ob_digit[0];
-        return 1;
-    #endif
-    }
-    """
-    bint xa_sole_ref(PyObject* o) noexcept
-    bint xa_small_positive(PyObject* o, long long* n) noexcept
-    int __builtin_clzll(unsigned long long) nogil
-
-
 cdef inline int _room(PtrTable t) except -1:
     # Grow ``t`` now if one more entry would make it grow, so the insert after cannot fail.
     if (t._used + 1) * 2 > t._mask + 1:
         t._grow()
     return 0
-
-
-cdef inline size_t _class_of(size_t n) noexcept:
-    cdef size_t top = (<size_t>1) << (63 - __builtin_clzll(<unsigned long long>n))
-    cdef size_t step = 512 if top // 4 < 512 else top // 4
-    return (n + step - 1) // step * step
-
-
-cdef inline Py_ssize_t _index_of(size_t cls) noexcept:
-    # 512 .. 4096: 0 .. 7; above, cls = q * 2**(k - 2) with q in 5..8 and 2**k < cls <= 2**(k + 1)
-    cdef int k
-    if cls <= 4096:
-        return <Py_ssize_t>(cls // 512) - 1
-    k = 63 - __builtin_clzll(<unsigned long long>(cls - 1))
-    return 8 + (k - 12) * 4 + <Py_ssize_t>(cls >> (k - 2)) - 5
 
 
 def size_class(nbytes):
@@ -162,7 +118,7 @@ def size_class(nbytes):
     nbytes = check_nbytes(nbytes)
     if nbytes > MAX_CACHED:
         return nbytes
-    return _class_of(<size_t>nbytes)
+    return class_size(<size_t>nbytes)
 
 
 @cython.final
@@ -379,8 +335,8 @@ cdef class CacheCore(ResourceCore):
                 n = PyLong_AsLongLongAndOverflow(checked, &overflow)
         if overflow or n > _MAX_CACHED or not self._enabled:
             return self._miss(<object>size, -1, 0, stream, tag, None, None)
-        cls = _class_of(<size_t>n)
-        idx = _index_of(cls)
+        cls = class_size(<size_t>n)
+        idx = class_index(cls)
         # The stream's lists last used, when they are ``stream``'s and the pool's version has not
         # changed since the stream was found in it; else the pool is asked (``_find_bins``).
         version = _pool_version(self)
@@ -401,7 +357,7 @@ cdef class CacheCore(ResourceCore):
         # object made. Else the entry stays kept (no handle matches it) until the new
         # generation, made outside the lock, is set below.
         block = <PyObject*>(<_Slot>s).block
-        reused = (xa_sole_ref(block)
+        reused = (xa_only_ref(block)
                   and renew_generation(_GENERATIONS, <PyObject*>(<DeviceBlock>block).generation))
         if reused:
             (<_Entry>entry).generation = (<DeviceBlock>block).generation
@@ -934,7 +890,7 @@ cdef inline DeviceBlock _hand_out(CacheCore core, _Slot s, object nbytes, object
     # The block of slot ``s``, just handed out (so only this thread touches ``s.block``): the
     # one it handed out last, rewritten, when the slot's reference is its only one, else new.
     cdef DeviceBlock block
-    if xa_sole_ref(<PyObject*>s.block):  # None has more references than one
+    if xa_only_ref(<PyObject*>s.block):  # None has more references than one
         block = s.block
         block.alloc_stream = stream
         block.nbytes = nbytes

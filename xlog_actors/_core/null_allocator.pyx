@@ -25,6 +25,8 @@ Thread rule: one thread calls the exported functions (nothing is locked); :func:
 
 from libc.stdint cimport uint64_t, uintptr_t
 
+from .size_class cimport class_index, class_size
+
 __all__ = ["ALLOC_SYMBOL", "DEPTH", "FREE_SYMBOL", "configure", "library_path", "stats"]
 
 #: The exported symbols, for ``CUDAPluggableAllocator(library_path(), ALLOC_SYMBOL, FREE_SYMBOL)``.
@@ -49,33 +51,15 @@ cdef uint64_t _hits = 0
 cdef uint64_t _misses = 0
 
 
-cdef extern from *:
-    int __builtin_clzll(unsigned long long x) nogil
-
-
-cdef inline int _class_of(size_t n, size_t* size) noexcept nogil:
-    """The class index of ``n`` bytes, and the class's byte size in ``size``."""
-    cdef int top_bit, quarter
-    cdef size_t step
-    if n <= 4096:
-        size[0] = (n + 511) // 512 * 512
-        return <int>(size[0] // 512) - 1  # 0..7
-    top_bit = 63 - __builtin_clzll(n)
-    step = (<size_t>1 << top_bit) // 4
-    size[0] = (n + step - 1) // step * step
-    # size is 4..8 steps of 2**(top_bit-2); 8 steps is the next power's first class.
-    quarter = <int>(size[0] // step) - 4
-    return 8 + (top_bit - 12) * 4 + quarter
-
-
 cdef public void* xlog_actors_null_alloc(Py_ssize_t size, int device, void* stream) noexcept nogil:
     global _hits, _misses
     cdef size_t cls_size
-    cdef int cls
+    cdef Py_ssize_t cls
     cdef uint64_t ptr = 0
     if size <= 0:
         return NULL
-    cls = _class_of(<size_t>size, &cls_size)
+    cls_size = class_size(<size_t>size)
+    cls = class_index(cls_size)
     if 0 <= cls < _CLASSES and _depth[cls] > 0:
         _hits += 1
         _depth[cls] -= 1
@@ -87,11 +71,10 @@ cdef public void* xlog_actors_null_alloc(Py_ssize_t size, int device, void* stre
 
 
 cdef public void xlog_actors_null_free(void* ptr, Py_ssize_t size, int device, void* stream) noexcept nogil:
-    cdef size_t cls_size
-    cdef int cls
+    cdef Py_ssize_t cls
     if ptr == NULL or size <= 0:
         return
-    cls = _class_of(<size_t>size, &cls_size)
+    cls = class_index(class_size(<size_t>size))
     if 0 <= cls < _CLASSES and _depth[cls] < _DEPTH:
         _stacks[cls][_depth[cls]] = ptr
         _depth[cls] += 1

@@ -25,6 +25,8 @@ from cpython.object cimport PyObject
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 
+from .pyint cimport xa_small_u64
+
 __all__ = ["PtrTable", "fail_a_grow"]
 
 cdef extern from "Python.h":
@@ -33,39 +35,6 @@ cdef extern from "Python.h":
     # over the digits, where PyLong_AsUnsignedLongLong goes through a byte array (about 200
     # instructions for a two-digit address).
     unsigned long _as_u64 "PyLong_AsUnsignedLong"(object value) noexcept
-
-
-cdef extern from *:
-    """
-    /* `v`, an exact int, as a key without a call when its digits are read directly: 1 for 0,
-       one digit or two (every device address with 30-bit digits), 0 for a negative one; -1
-       where it is not read this way (the conversion call then, about 35 instructions). Up to
-       CPython 3.11 the size is the object's size, its sign the size's; from 3.12 to 3.14 both
-       are in the value's tag (the digit count above its three low bits, the sign in its two
-       lowest: 0 positive, 1 zero, 2 negative). */
-    static inline int xa_small_u64(PyObject *v, uint64_t *out) {
-    #if defined(PYPY_VERSION) || PY_VERSION_HEX >= 0x030F0000
-        return -1;
-    #else
-    #if PY_VERSION_HEX < 0x030C0000
-        Py_ssize_t size = Py_SIZE(v);
-        const digit *d = ((PyLongObject *)v)->ob_digit;
-        if (size < 0) return 0;
-    #else
-        uintptr_t tag = ((PyLongObject *)v)->long_value.lv_tag;
-        Py_ssize_t size = (Py_ssize_t)(tag >> 3);
-        const digit *d = ((PyLongObject *)v)->long_value.ob_digit;
-        if ((tag & 3) == 2) return 0;
-        if ((tag & 3) == 1) size = 0;
-    #endif
-        if (size == 2) { *out = (uint64_t)d[0] | ((uint64_t)d[1] << PyLong_SHIFT); return 1; }
-        if (size == 1) { *out = (uint64_t)d[0]; return 1; }
-        if (size == 0) { *out = 0; return 1; }
-        return -1;
-    #endif
-    }
-    """
-    int xa_small_u64(object v, uint64_t* out) noexcept
 
 
 if sizeof(unsigned long) != 8:
