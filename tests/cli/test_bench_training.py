@@ -21,8 +21,9 @@ from xlog_actors.cli import main as cli_main
 from xlog_actors.cli.bench import SkipRow, training_loop
 from xlog_actors.cli.bench.plan import make_plan
 from xlog_actors.cli.bench.rows import GROUPS
-from xlog_actors.cli.bench.rows_training import TRAINING, run_half, session
+from xlog_actors.cli.bench.rows_training import TRAINING
 from xlog_actors.cli.bench.training_loop import main, step_sizes
+from xlog_actors.cli.bench.training_session import run_half, session
 
 NAME = "torch training loop through device"
 HIT = "torch allocator bridge, cache hit"
@@ -181,12 +182,12 @@ print(json.dumps({"done": True, "what": f"{half} on cpu {cpu}"}), flush=True)
 @pytest.fixture
 def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
     """Halves run the stand-in script; returns every process the session started."""
-    from xlog_actors.cli.bench import rows_training
+    from xlog_actors.cli.bench import training_session
 
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
-    monkeypatch.setattr(rows_training, "_PROGRAM", (str(script),))
-    monkeypatch.setattr(rows_training, "_check_available", lambda half: None)
+    monkeypatch.setattr(training_session, "_PROGRAM", (str(script),))
+    monkeypatch.setattr(training_session, "_check_available", lambda half: None)
     started: list[subprocess.Popen[bytes]] = []
     real = subprocess.Popen
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xlog_actors.cli.bench.rows_training import run_half
+from xlog_actors.cli.bench.training_session import run_half
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).resolve().parent / "alloc_scenarios.py"

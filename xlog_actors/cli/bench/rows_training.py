@@ -10,7 +10,7 @@ own torch half; and through RMM's torch allocator (its pool), a peer row, skippe
 reason where RMM is not installed or not usable.
 
 Each half of the loop runs in processes of its own (:mod:`.training_loop` says why), timed by
-:func:`session`: the processes of a row's two halves are all alive at once, their timed threads
+:func:`.training_session.session`: the processes of a row's two halves are all alive at once, their timed threads
 pinned to one CPU, and take their rounds in turns. One sample is one round of
 ``plan.train_steps`` steps, in ns per step; the row reports steps per second. Without torch, or
 where torch cannot use CUDA, the rows are skipped with the reason.
@@ -20,18 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
-import json
-import os
-import select
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from ..._core import alloc_bridge
 from ...actors import DeviceActor
@@ -39,180 +30,11 @@ from ...interop.allocator import DeviceAllocator, as_client
 from .harness import Context, Group, Op, Row, SkipRow, given
 from .plan import SIZE
 from .result import Target
+from .training_session import session
 
-__all__ = ["TRAINING", "run_half", "session"]
+__all__ = ["TRAINING"]
 
 _HOST_STREAM = 0x51  # a foreign stream handle for the bridge's cache key (the host driver never uses it)
-
-_PACKAGE_ROOT = Path(__file__).resolve().parents[3]
-_NO_CUDA = 3  # training_loop's exit status when torch cannot use CUDA
-_NO_RMM = 4  # and when RMM cannot be set up
-_PROGRAM = ("-m", "xlog_actors.cli.bench.training_loop")  # a half's program, after the interpreter
-
-
-class _Half:
-    """One half's process (:mod:`.training_loop`), alive until :meth:`stop`: set up and pinned
-    when made, then timed a round at a time. Every read has a deadline: a half that stops
-    answering is killed and raises.
-
-    Thread rule: the bench's thread.
-    """
-
-    def __init__(self, half: str, steps: int, cpu: int | None, timeout_s: float) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
-        argv = [sys.executable, *_PROGRAM, half, str(steps)]
-        self.half = half
-        self._timeout_s = timeout_s
-        self._buffer = b""
-        # A file, not a pipe, which could fill and stall the half; closed by close().
-        self._err = tempfile.TemporaryFile()  # noqa: SIM115
-        self._proc = subprocess.Popen([*argv, *([] if cpu is None else [str(cpu)])], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._err, env=env)
-
-    def _fail(self, why: str) -> NoReturn:
-        """Kill the process and raise: SkipRow for the exit statuses that mean "not here"."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-        status = self._proc.wait()
-        self._err.seek(0)
-        err = self._err.read().decode("utf-8", "replace")
-        self.close()
-        if status in (_NO_CUDA, _NO_RMM) and err.strip():
-            raise SkipRow(f"not usable here: {err.strip().splitlines()[-1]}")
-        raise RuntimeError(f"training loop ({self.half}) {why}, exit status {status}: {err[-2000:]}")
-
-    def _line(self) -> bytes:
-        deadline = time.monotonic() + self._timeout_s
-        assert self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self._fail(f"gave no answer in {self._timeout_s:.0f} s")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                self._fail("ended")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
-
-    def _send(self, command: str) -> None:
-        assert self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(command.encode() + b"\n")
-            self._proc.stdin.flush()
-        except BrokenPipeError:
-            self._fail("ended")
-
-    def ready(self) -> None:
-        """Wait for the half's set-up and warm-up rounds.
-
-        Raises:
-            SkipRow: torch (or RMM) cannot be used here.
-            RuntimeError: the half failed or gave no answer in time.
-        """
-        doc = json.loads(self._line())
-        if not doc.get("ready"):
-            self._fail(f"said {doc!r} instead of ready")
-
-    def round(self) -> float:
-        """One timed round: its nanoseconds per step."""
-        self._send("round")
-        return float(self._line())
-
-    def stop(self) -> str:
-        """End the half, after its own checks; what it measured (its ``what``)."""
-        self._send("stop")
-        doc = json.loads(self._line())
-        if self._proc.wait(timeout=self._timeout_s) != 0 or not doc.get("done"):
-            self._fail("failed its end")
-        self.close()
-        return str(doc["what"])
-
-    def close(self) -> None:
-        """Kill the process if it still runs, and let its pipes go. Idempotent."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        self._err.close()
-
-
-def _cpu() -> int | None:
-    """The CPU every half's timed thread is pinned to: the first this process may run on (None
-    where threads cannot be pinned)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    return min(os.sched_getaffinity(0))
-
-
-def _check_available(half: str) -> None:
-    if half == "rmm" and importlib.util.find_spec("rmm") is None:
-        raise SkipRow("RMM is not installed (a peer, not a dependency: the rmm-cu13 wheel and its librmm-cu13, "
-                      "rapids-logger)")
-    if importlib.util.find_spec("torch") is None:
-        raise SkipRow("torch is not installed (an optional extra: pip install xlog-actors[torch])")
-
-
-def session(halves: tuple[str, ...], steps: int, rounds: int, processes: int = 2,
-            timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
-    """Time ``halves`` side by side: ``processes`` processes of each, all alive at once and
-    pinned to one CPU, take ``rounds`` rounds each, in turns (every process once per turn, the
-    order reversed every other turn), so every half's rounds run beside the others'.
-
-    Args:
-        halves: the halves (:data:`.training_loop.HALVES`).
-        steps: steps per round.
-        rounds: timed rounds per process.
-        processes: processes per half.
-        timeout_s: the bound on each answer of a half (its set-up included).
-    Returns:
-        per half: ``ns_per_step`` (its ``processes * rounds`` rounds) and ``what``.
-    Raises:
-        SkipRow: torch (or, for ``"rmm"``, RMM) is absent, or cannot be used here.
-        RuntimeError: a half failed (its stderr's tail in the message).
-    Thread rule: the bench's thread.
-    """
-    for half in halves:
-        _check_available(half)
-    cpu = _cpu()
-    procs: list[_Half] = []
-    try:
-        for _ in range(processes):
-            procs += [_Half(half, steps, cpu, timeout_s) for half in halves]
-        for proc in procs:
-            proc.ready()
-        samples: dict[str, list[float]] = {half: [] for half in halves}
-        for turn in range(rounds):
-            for proc in procs if turn % 2 == 0 else procs[::-1]:
-                samples[proc.half].append(proc.round())
-        whats = {proc.half: proc.stop() for proc in procs}
-    finally:
-        for proc in procs:
-            proc.close()
-    return {half: {"ns_per_step": samples[half], "what": whats[half]} for half in halves}
-
-
-def run_half(half: str, steps: int, rounds: int, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Run one half alone, in one process.
-
-    Args:
-        half: one of :data:`.training_loop.HALVES`.
-        steps: steps per round.
-        rounds: timed rounds.
-        timeout_s: the bound on each answer of the half.
-    Returns:
-        ``ns_per_step`` (one per round) and ``what``.
-    Raises:
-        SkipRow: torch (or, for ``"rmm"``, RMM) is absent, or cannot be used here.
-        RuntimeError: the half failed.
-    Thread rule: the bench's thread.
-    """
-    return session((half,), steps, rounds, processes=1, timeout_s=timeout_s)[half]
 
 
 def _pair(ours: str) -> Callable[[Context, Context], tuple[list[float], list[float]]]:

@@ -5,7 +5,7 @@ Why a process per half: PyTorch takes a pluggable allocator only before its firs
 allocation in a process, and never gives it back; so the loop through the device and the same
 loop on torch's own caching allocator cannot share one.
 
-The protocol, one line each way (:mod:`.rows_training` drives it): the half sets up, runs one
+The protocol, one line each way (:mod:`.training_session` drives it): the half sets up, runs one
 untimed round, pins its main thread to ``CPU`` (when given, on Linux), runs a second untimed
 round there, and prints ``{"ready": true, "cpu": ...}``. Then each line ``round`` on its input
 runs one timed round of ``STEPS`` steps and prints its nanoseconds per step; ``stop`` (or the
