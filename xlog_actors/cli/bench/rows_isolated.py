@@ -72,6 +72,22 @@ def _bare_ask(f: _Isolated) -> Op:
     return bare
 
 
+#: The longest a restart row waits for one answer (a restart takes well under a second): past it
+#: the row fails with the message instead of waiting for a restart that is not coming.
+ANSWER_TIMEOUT_S = 60.0
+
+
+def _ask(ref: pykka.ActorRef[Any], message: Any) -> Any:
+    """``ref.ask(message)`` within :data:`ANSWER_TIMEOUT_S`; ``RuntimeError`` naming the message
+    past it."""
+    try:
+        return ref.ask(message, timeout=ANSWER_TIMEOUT_S)
+    except pykka.Timeout:
+        raise RuntimeError(
+            f"no answer to {type(message).__name__} within {ANSWER_TIMEOUT_S:.0f} s: the device did not restart"
+        ) from None
+
+
 def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
     """Sticky error to first Allocate on the new generation, ``f.restarts`` times (a booted
     reserve waiting each time, as in service); the reference is an in-process ``Rebuild``."""
@@ -85,10 +101,10 @@ def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
         time.sleep(1.0)  # the reserve child boots (spawn + import) before the next fault
         t0 = time.monotonic()
         with contextlib.suppress(GpuRefStale):
-            f.device.ask(fault)
-        f.device.ask(Allocate(SIZE))
+            _ask(f.device, fault)
+        _ask(f.device, Allocate(SIZE))
         t1 = time.monotonic()
-        line: dict[str, Any] = f.device.ask(ChildTimeline())  # type: ignore[assignment]
+        line: dict[str, Any] = _ask(f.device, ChildTimeline())
         # From the parent seeing the sticky error (the dying child's report) to the first
         # allocation served by its replacement; the detection before it is the breakdown's.
         ours.append((t1 - line["previous_poisoned"]) * 1e9)
@@ -100,7 +116,7 @@ def _restarts(f: _Isolated, ctx: Context) -> tuple[list[float], list[float]]:
         phases["actor start"].append(line["ready"] - line["driver_open"])
         phases["first allocate"].append(t1 - line["ready"])
         r0 = time.perf_counter_ns()
-        f.local.ask(Rebuild("bench"))
+        _ask(f.local, Rebuild("bench"))
         ref.append(float(time.perf_counter_ns() - r0))
     f.phases = phases
     return ours, ref
