@@ -38,6 +38,13 @@ def cuda_reason() -> str | None:
 #: Set by ``scripts/gpu-check`` for its compute-sanitizer runs.
 UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 
+# The suite checks the default stack (``async``): a stack setting in the environment it runs in
+# (a block cache, say, whose frees never reach the driver) would change what dozens of tests
+# check, and leave those that inject a fault on a free waiting for it. So the settings go for the
+# whole run, child processes included; the tests of the settings set them themselves.
+for _setting in ("XLOG_ACTORS_RESOURCE", "XLOG_ACTORS_LOG"):
+    os.environ.pop(_setting, None)
+
 #: Why a ``concurrent_streams`` test skips under the sanitizers: such a test must *observe* an
 #: untracked cross-stream race, and the sanitizers serialize the streams.
 SANITIZER_SERIALIZES = "compute-sanitizer serializes streams: the untracked race cannot show under it"
