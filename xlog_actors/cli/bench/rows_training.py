@@ -28,7 +28,7 @@ from ..._core import alloc_bridge
 from ...actors import DeviceActor
 from ...interop.allocator import DeviceAllocator, as_client
 from .harness import Context, Group, Op, Row, SkipRow, given
-from .plan import SIZE
+from .plan import SIZE, Plan
 from .result import Target
 from .training_session import session
 
@@ -56,6 +56,16 @@ _SESSION_NOTE = (
     "rounds in turns (the GPU machines' CPUs differ by up to 1.5 times in speed, and a process keeps its CPU); two "
     "untimed rounds first; a round ends with torch.cuda.synchronize()"
 )
+
+
+def _loop_row(name: str, half: str, measures: Callable[[Plan], str], *, note: str,
+              target: Target | None = None) -> Row:
+    """A row of the loop through ``half`` beside torch's own allocator, timed by one session
+    (:func:`_pair`); a sample is a round, two processes' rounds per half."""
+    return Row(name, lambda f, p: measures(p), given, None, None, lambda p: (2 * p.train_rounds, p.train_steps),
+               reference=lambda f, p: f"the same loop on {_WHAT.get('torch', 'PyTorch caching allocator')}",
+               kind="throughput", target=target, host_skip="CUDA driver only (torch allocates on a GPU)", note=note,
+               measure=_pair(half))
 
 
 @dataclass
@@ -131,27 +141,18 @@ TRAINING = Group("training loop", (
         check=_all_hits,
         note="informational: the allocator's part of a training step once torch's sizes are cached; the ours side "
         "also pays ctypes' call and GIL release (about 0.1 µs a call), which torch's C++ caller does not"),
-    Row("torch training loop through device",
-        lambda f, p: f"{p.train_steps} steps of allocate (torch.empty, 4 KiB-64 MiB, log-uniform) + fill + free of "
-        f"the tensor 4 steps before, per round: {_WHAT.get('device', 'PyTorch through DeviceActor(0)')}",
-        given, None, None, lambda p: (2 * p.train_rounds, p.train_steps),
-        reference=lambda f, p: f"the same loop on {_WHAT.get('torch', 'PyTorch caching allocator')}",
-        kind="throughput", target=Target("ratio", ">=", 1.1), host_skip="CUDA driver only (torch allocates on a GPU)",
-        note=_SESSION_NOTE, measure=_pair("device")),
-    Row("torch training loop through the null allocator",
-        lambda f, p: f"the same {p.train_steps}-step rounds: {_WHAT.get('null', 'PyTorch through the null allocator')}",
-        given, None, None, lambda p: (2 * p.train_rounds, p.train_steps),
-        reference=lambda f, p: f"the same loop on {_WHAT.get('torch', 'PyTorch caching allocator')}",
-        kind="throughput", host_skip="CUDA driver only (torch allocates on a GPU)",
-        note="informational: the ceiling of any allocator behind torch's pluggable interface (a stack of freed "
-        "blocks per size class, no lock, no bookkeeping), beside its own torch half; " + _SESSION_NOTE,
-        measure=_pair("null")),
-    Row("torch training loop through RMM",
-        lambda f, p: f"the same {p.train_steps}-step rounds: {_WHAT.get('rmm', 'PyTorch through RMM torch allocator')}",
-        given, None, None, lambda p: (2 * p.train_rounds, p.train_steps),
-        reference=lambda f, p: f"the same loop on {_WHAT.get('torch', 'PyTorch caching allocator')}",
-        kind="throughput", host_skip="CUDA driver only (torch allocates on a GPU)",
-        note="informational: a peer (RMM's torch allocator over its pool) beside its own torch half; skipped with "
-        "the reason where RMM is not installed; " + _SESSION_NOTE,
-        measure=_pair("rmm")),
+    _loop_row("torch training loop through device", "device",
+              lambda p: f"{p.train_steps} steps of allocate (torch.empty, 4 KiB-64 MiB, log-uniform) + fill + free of "
+              f"the tensor 4 steps before, per round: {_WHAT.get('device', 'PyTorch through DeviceActor(0)')}",
+              note=_SESSION_NOTE, target=Target("ratio", ">=", 1.1)),
+    _loop_row("torch training loop through the null allocator", "null",
+              lambda p: f"the same {p.train_steps}-step rounds: "
+              f"{_WHAT.get('null', 'PyTorch through the null allocator')}",
+              note="informational: the ceiling of any allocator behind torch's pluggable interface (a stack of "
+              "freed blocks per size class, no lock, no bookkeeping), beside its own torch half; " + _SESSION_NOTE),
+    _loop_row("torch training loop through RMM", "rmm",
+              lambda p: f"the same {p.train_steps}-step rounds: "
+              f"{_WHAT.get('rmm', 'PyTorch through RMM torch allocator')}",
+              note="informational: a peer (RMM's torch allocator over its pool) beside its own torch half; skipped "
+              "with the reason where RMM is not installed; " + _SESSION_NOTE),
 ))

@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HALVES", "STEP_SIZES", "main", "step_sizes"]
+__all__ = ["EXIT_NO_CUDA", "EXIT_NO_RMM", "HALVES", "STEP_SIZES", "main", "step_sizes"]
 
 #: How many distinct sizes the loop cycles through.
 STEP_SIZES = 1024
@@ -62,8 +62,9 @@ STEP_SIZES = 1024
 HALVES = ("device", "torch", "null", "rmm")
 _LOW, _HIGH = 4 << 10, 64 << 20
 _LIVE = 4
-_NO_CUDA = 3
-_NO_RMM = 4
+#: Exit statuses of a half that cannot run here (the row is skipped with its last stderr line).
+EXIT_NO_CUDA = 3
+EXIT_NO_RMM = 4
 
 
 def step_sizes(count: int = STEP_SIZES, seed: int = 19) -> list[int]:
@@ -126,7 +127,7 @@ def _use_rmm(torch: Any) -> Callable[[], str]:
         rmm.mr.set_current_device_resource(rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource()))
         torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
     except Exception as exc:  # any failure to set RMM up skips the peer row
-        raise _Skip(_NO_RMM, f"RMM is not usable here: {type(exc).__name__}: {exc}") from exc
+        raise _Skip(EXIT_NO_RMM, f"RMM is not usable here: {type(exc).__name__}: {exc}") from exc
     return _said(
         f"PyTorch {torch.__version__} through RMM {rmm.__version__}'s torch allocator "
         "(PoolMemoryResource over CudaMemoryResource)"
@@ -246,7 +247,7 @@ def main(argv: list[str], rounds_in: Any = None, out: Any = None) -> int:
 
     if not torch.cuda.is_available():
         print("torch.cuda.is_available() is False", file=sys.stderr)
-        return _NO_CUDA
+        return EXIT_NO_CUDA
     device: _DeviceHalf | None = None
     try:
         what: Callable[[], str]

@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .harness import SkipRow
+from .training_loop import EXIT_NO_CUDA, EXIT_NO_RMM
 
 __all__ = ["run_half", "session"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[3]
-_NO_CUDA = 3  # training_loop's exit status when torch cannot use CUDA
-_NO_RMM = 4  # and when RMM cannot be set up
 _PROGRAM = ("-m", "xlog_actors.cli.bench.training_loop")  # a half's program, after the interpreter
 
 
@@ -44,14 +43,13 @@ class _Half:
     def __init__(self, half: str, steps: int, cpu: int | None, timeout_s: float) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
-        argv = [sys.executable, *_PROGRAM, half, str(steps)]
+        argv = [sys.executable, *_PROGRAM, half, str(steps), *([] if cpu is None else [str(cpu)])]
         self.half = half
         self._timeout_s = timeout_s
         self._buffer = b""
         # A file, not a pipe, which could fill and stall the half; closed by close().
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
-        self._proc = subprocess.Popen([*argv, *([] if cpu is None else [str(cpu)])], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._err, env=env)
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
 
     def _fail(self, why: str) -> NoReturn:
         """Kill the process and raise: SkipRow for the exit statuses that mean "not here"."""
@@ -61,7 +59,7 @@ class _Half:
         self._err.seek(0)
         err = self._err.read().decode("utf-8", "replace")
         self.close()
-        if status in (_NO_CUDA, _NO_RMM) and err.strip():
+        if status in (EXIT_NO_CUDA, EXIT_NO_RMM) and err.strip():
             raise SkipRow(f"not usable here: {err.strip().splitlines()[-1]}")
         raise RuntimeError(f"training loop ({self.half}) {why}, exit status {status}: {err[-2000:]}")
 
