@@ -16,6 +16,7 @@ import pytest
 
 import xlog_actors as xa
 from xlog_actors.errors import DeviceUnavailable
+from xlog_actors.memory.stack import LOG_ENV, RESOURCE_ENV
 
 
 @functools.cache
@@ -42,7 +43,7 @@ UNDER_SANITIZER = os.environ.get("XLOG_ACTORS_SANITIZER") == "1"
 # (a block cache, say, whose frees never reach the driver) would change what dozens of tests
 # check, and leave those that inject a fault on a free waiting for it. So the settings go for the
 # whole run, child processes included; the tests of the settings set them themselves.
-for _setting in ("XLOG_ACTORS_RESOURCE", "XLOG_ACTORS_LOG"):
+for _setting in (RESOURCE_ENV, LOG_ENV):
     os.environ.pop(_setting, None)
 
 #: Why a ``concurrent_streams`` test skips under the sanitizers: such a test must *observe* an
