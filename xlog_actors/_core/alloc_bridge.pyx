@@ -22,7 +22,8 @@ Every refusal or failure is kept, per device, as :func:`last_error` (the excepti
 report included), so it stays reachable whatever the caller did with the message.
 
 **The cache** (a stream-ordered caching layer, as torch's own allocator and RMM's pool): a
-registered device has one, in C++ behind a ``std::mutex``. A size is rounded up to its class
+registered device has one, in C++ behind a ``std::mutex``, in flat tables that grow and are
+emptied only by a drain, so a hit and a cached free allocate no memory. A size is rounded up to its class
 (512-byte steps up to 4 KiB, then four classes per power of two: at most 25% more), and the
 allocator is asked for the class's size. A free keeps the block in the cache, keyed by (stream,
 class), and a later allocation of that class on that stream takes it back without the GIL, any
@@ -104,27 +105,20 @@ cdef extern from *:
 
 cdef extern from *:
     """
+    #include <algorithm>
     #include <atomic>
     #include <cstdint>
-    #include <deque>
-    #include <functional>
-    #include <list>
     #include <mutex>
-    #include <unordered_map>
     #include <vector>
 
     namespace xlog_actors_cache {
 
+    // Why no std::unordered_map or std::list here: they allocate a node on every insert and free
+    // one on every erase, two of each per allocate+free pair, which was most of a hit's cost.
+    // These tables grow (amortized, as blocks are kept or handed out for the first time) and
+    // never shrink between drains, so a pair in a steady state allocates nothing.
+
     struct Live { size_t cls; size_t req; uintptr_t stream; uint64_t epoch; };
-    struct Key {
-        uintptr_t stream; size_t cls;
-        bool operator==(const Key& o) const { return stream == o.stream && cls == o.cls; }
-    };
-    struct KeyHash {
-        size_t operator()(const Key& k) const noexcept {
-            return std::hash<uintptr_t>()(k.stream) * 1000003u ^ std::hash<size_t>()(k.cls);
-        }
-    };
     struct Cached { uintptr_t ptr; size_t cls; uintptr_t stream; };
     struct Stats {
         uint64_t hits, misses, epoch, evicted_blocks, evicted_bytes;
@@ -132,11 +126,69 @@ cdef extern from *:
         bool enabled;
     };
     static const size_t NO_LIMIT = SIZE_MAX;
+    static const uint32_t NIL = UINT32_MAX;
 
-    // The cached blocks in the order they were freed (oldest first), and per (stream, class)
-    // the same blocks as positions in that order: a key's oldest block is its deque's front,
-    // since a free appends at both ends' back and a hit takes from the key's back.
-    typedef std::list<Cached> Lru;
+    // Fibonacci hashing: block pointers are aligned, so their low bits say nothing; the product's
+    // high bits mix every bit of the key.
+    static inline size_t slot_of(uint64_t key, unsigned bits) {
+        return (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+    }
+
+    // The live table: pointer -> Live, open addressing with linear probing and backward-shift
+    // deletion (no tombstones, so a long run of pairs never degrades it). ptr 0 marks a free slot
+    // (no block is at address 0). At most 3/4 full.
+    struct LiveSlot { uintptr_t ptr; Live v; };
+    struct LiveTable {
+        std::vector<LiveSlot> slots = std::vector<LiveSlot>(64, LiveSlot{0, Live{0, 0, 0, 0}});
+        unsigned bits = 6;
+        size_t count = 0;
+
+        size_t mask() const { return slots.size() - 1; }
+        // The slot holding ptr, or the free slot where it would go.
+        size_t probe(uintptr_t ptr) const {
+            size_t i = slot_of(ptr, bits), m = mask();
+            while (slots[i].ptr != 0 && slots[i].ptr != ptr) i = (i + 1) & m;
+            return i;
+        }
+        void grow() {
+            std::vector<LiveSlot> old(slots.size() * 2, LiveSlot{0, Live{0, 0, 0, 0}});
+            old.swap(slots);
+            bits++;
+            for (const LiveSlot& s : old)
+                if (s.ptr != 0) slots[probe(s.ptr)] = s;
+        }
+        void set(uintptr_t ptr, const Live& v) {
+            size_t i = probe(ptr);
+            if (slots[i].ptr == 0) {
+                if ((count + 1) * 4 > slots.size() * 3) { grow(); i = probe(ptr); }
+                count++;
+            }
+            slots[i] = LiveSlot{ptr, v};
+        }
+        void erase_at(size_t i) {
+            size_t m = mask(), j = i;
+            for (;;) {
+                j = (j + 1) & m;
+                if (slots[j].ptr == 0) break;
+                size_t home = slot_of(slots[j].ptr, bits);
+                // slots[j] may move to the hole at i unless its home lies cyclically in (i, j].
+                if (((j - home) & m) >= ((j - i) & m)) { slots[i] = slots[j]; i = j; }
+            }
+            slots[i].ptr = 0;
+            count--;
+        }
+        void clear() {
+            for (LiveSlot& s : slots) s.ptr = 0;
+            count = 0;
+        }
+    };
+
+    // A cached block, linked twice: into the order of frees (oldest first, for a limit's
+    // evictions and a drain) and into its (stream, class) list (newest first, for a hit).
+    struct Node { Cached b; uint32_t older, newer, key_older, key_newer, key; };
+    // One (stream, class) with its newest cached block (NIL: none).
+    struct Key { uintptr_t stream; size_t cls; uint32_t newest; };
+
     struct Cache {
         std::mutex mu;
         uint64_t epoch = 0;
@@ -144,9 +196,70 @@ cdef extern from *:
         size_t limit = NO_LIMIT;
         uint64_t hits = 0, misses = 0, evicted_blocks = 0, evicted_bytes = 0;
         size_t cached_bytes = 0, cached_blocks = 0;
-        std::unordered_map<uintptr_t, Live> live;
-        Lru lru;
-        std::unordered_map<Key, std::deque<Lru::iterator>, KeyHash> free;
+        LiveTable live;
+        std::vector<Node> nodes;
+        uint32_t spare = NIL;                     // the unused nodes, linked through .newer
+        uint32_t oldest = NIL, newest = NIL;      // the order of frees
+        std::vector<Key> keys;
+        std::vector<uint32_t> key_slots = std::vector<uint32_t>(64, NIL);  // open addressing into keys
+        unsigned key_bits = 6;
+
+        static uint64_t key_hash(uintptr_t stream, size_t cls) {
+            return (uint64_t)stream * 0xC2B2AE3D27D4EB4Full ^ (uint64_t)cls;
+        }
+        // The key's index, or NIL; with make, a new empty key where there was none.
+        uint32_t find_key(uintptr_t stream, size_t cls, bool make) {
+            size_t m = key_slots.size() - 1, i = slot_of(key_hash(stream, cls), key_bits);
+            for (; key_slots[i] != NIL; i = (i + 1) & m) {
+                const Key& k = keys[key_slots[i]];
+                if (k.stream == stream && k.cls == cls) return key_slots[i];
+            }
+            if (!make) return NIL;
+            uint32_t index = (uint32_t)keys.size();
+            keys.push_back(Key{stream, cls, NIL});
+            key_slots[i] = index;
+            if (keys.size() * 4 > key_slots.size() * 3) {  // keys are never erased but by a drain
+                key_slots.assign(key_slots.size() * 2, NIL);
+                key_bits++;
+                m = key_slots.size() - 1;
+                for (uint32_t k = 0; k < keys.size(); k++) {
+                    size_t j = slot_of(key_hash(keys[k].stream, keys[k].cls), key_bits);
+                    while (key_slots[j] != NIL) j = (j + 1) & m;
+                    key_slots[j] = k;
+                }
+            }
+            return index;
+        }
+
+        // Keep b as the newest block of the order of frees and of its key.
+        void push(const Cached& b) {
+            uint32_t key = find_key(b.stream, b.cls, true);
+            uint32_t n;
+            if (spare != NIL) { n = spare; spare = nodes[n].newer; }
+            else { n = (uint32_t)nodes.size(); nodes.push_back(Node{}); }
+            Key& k = keys[key];
+            nodes[n] = Node{b, newest, NIL, k.newest, NIL, key};
+            if (newest != NIL) nodes[newest].newer = n; else oldest = n;
+            newest = n;
+            if (k.newest != NIL) nodes[k.newest].key_newer = n;
+            k.newest = n;
+            cached_bytes += b.cls;
+            cached_blocks++;
+        }
+        // Take node n out of both orders; its block.
+        Cached unlink(uint32_t n) {
+            Node& x = nodes[n];
+            Key& k = keys[x.key];
+            if (x.older != NIL) nodes[x.older].newer = x.newer; else oldest = x.newer;
+            if (x.newer != NIL) nodes[x.newer].older = x.older; else newest = x.older;
+            if (x.key_older != NIL) nodes[x.key_older].key_newer = x.key_newer;
+            if (x.key_newer != NIL) nodes[x.key_newer].key_older = x.key_older; else k.newest = x.key_older;
+            x.newer = spare;
+            spare = n;
+            cached_bytes -= x.b.cls;
+            cached_blocks--;
+            return x.b;
+        }
     };
 
     // Indexed by CUDA ordinal; an entry is made once (with the GIL, at register) and never
@@ -175,34 +288,24 @@ cdef extern from *:
         *tracked = c->enabled;
         *epoch = c->epoch;
         if (!c->enabled) return 0;
-        auto it = c->free.find(Key{stream, cls});
-        if (it == c->free.end() || it->second.empty()) { c->misses++; return 0; }
-        Lru::iterator pos = it->second.back();
-        it->second.pop_back();
-        uintptr_t ptr = pos->ptr;
-        c->lru.erase(pos);
-        c->cached_bytes -= cls;
-        c->cached_blocks--;
+        uint32_t key = c->find_key(stream, cls, false);
+        if (key == NIL || c->keys[key].newest == NIL) { c->misses++; return 0; }
+        uintptr_t ptr = c->unlink(c->keys[key].newest).ptr;
         c->hits++;
-        c->live[ptr] = Live{cls, req, stream, c->epoch};
+        c->live.set(ptr, Live{cls, req, stream, c->epoch});
         return ptr;
     }
 
     static void note(Cache* c, uintptr_t ptr, const Live& e) {
         std::lock_guard<std::mutex> g(c->mu);
-        c->live[ptr] = e;
+        c->live.set(ptr, e);
     }
 
     enum { PASS = 0, CACHED = 1, ROUTE = 2 };
 
     // The oldest cached block, out of the cache (the caller holds the mutex; the cache is not empty).
     static Cached evict_oldest(Cache* c) {
-        Cached e = c->lru.front();
-        auto it = c->free.find(Key{e.stream, e.cls});
-        it->second.pop_front();  // the key's oldest is the LRU's oldest of that key: see Lru
-        c->lru.pop_front();
-        c->cached_bytes -= e.cls;
-        c->cached_blocks--;
+        Cached e = c->unlink(c->oldest);
         c->evicted_blocks++;
         c->evicted_bytes += e.cls;
         return e;
@@ -215,16 +318,13 @@ cdef extern from *:
     // a block larger than the limit by itself.
     static int put(Cache* c, uintptr_t ptr, size_t req, uintptr_t stream, Live* e, std::vector<Cached>* evicted) {
         std::lock_guard<std::mutex> g(c->mu);
-        auto it = c->live.find(ptr);
-        if (it == c->live.end() || it->second.req != req) return PASS;
-        *e = it->second;
-        c->live.erase(it);
+        size_t i = c->live.probe(ptr);
+        if (c->live.slots[i].ptr == 0 || c->live.slots[i].v.req != req) return PASS;
+        *e = c->live.slots[i].v;
+        c->live.erase_at(i);
         if (!c->enabled || e->stream != stream || e->epoch != c->epoch || e->cls > c->limit) return ROUTE;
         while (c->cached_bytes > c->limit - e->cls) evicted->push_back(evict_oldest(c));
-        c->lru.push_back(Cached{ptr, e->cls, stream});
-        c->free[Key{stream, e->cls}].push_back(std::prev(c->lru.end()));
-        c->cached_bytes += e->cls;
-        c->cached_blocks++;
+        c->push(Cached{ptr, e->cls, stream});
         return CACHED;
     }
 
@@ -237,14 +337,18 @@ cdef extern from *:
         return out;
     }
 
-    // Every cached block, out of the cache; with bump, a new epoch (blocks handed out before
-    // it are not cached when freed); with disable, no caching from now on.
+    // Every cached block, out of the cache (oldest first); with bump, a new epoch (blocks handed
+    // out before it are not cached when freed); with disable, no caching from now on. The
+    // (stream, class) keys go too, so streams long gone leave nothing behind.
     static std::vector<Cached> drain(Cache* c, bool bump, bool disable) {
         std::vector<Cached> out;
         std::lock_guard<std::mutex> g(c->mu);
-        out.assign(c->lru.begin(), c->lru.end());
-        c->lru.clear();
-        c->free.clear();
+        out.reserve(c->cached_blocks);
+        for (uint32_t n = c->oldest; n != NIL; n = c->nodes[n].newer) out.push_back(c->nodes[n].b);
+        c->nodes.clear();
+        c->spare = c->oldest = c->newest = NIL;
+        c->keys.clear();
+        std::fill(c->key_slots.begin(), c->key_slots.end(), NIL);
         c->cached_bytes = 0;
         c->cached_blocks = 0;
         if (bump) c->epoch++;
@@ -266,7 +370,7 @@ cdef extern from *:
     static Stats stats(Cache* c) {
         std::lock_guard<std::mutex> g(c->mu);
         return Stats{c->hits, c->misses, c->epoch, c->evicted_blocks, c->evicted_bytes, c->cached_bytes,
-                     c->cached_blocks, c->live.size(), c->limit, c->enabled};
+                     c->cached_blocks, c->live.count, c->limit, c->enabled};
     }
 
     }  // namespace xlog_actors_cache
