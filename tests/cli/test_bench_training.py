@@ -176,6 +176,9 @@ for line in sys.stdin:
         time.sleep(60)
     print(time.monotonic_ns(), flush=True)
 print(json.dumps({"done": True, "what": f"{half} on cpu {cpu}"}), flush=True)
+if act == "hang_exit":
+    print("stuck at exit", file=sys.stderr, flush=True)
+    time.sleep(60)
 '''
 
 
@@ -234,5 +237,16 @@ def test_a_half_that_stops_answering_is_killed(stand_in: list[subprocess.Popen[b
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"training loop \(b\) gave no answer in 1 s"):
         session(("a", "b"), 10, 2, timeout_s=1.0)
+    assert time.monotonic() - t0 < 20
+    assert all(proc.poll() is not None for proc in stand_in)
+
+
+def test_a_half_that_does_not_exit_after_its_end_is_killed_with_its_stderr(
+        stand_in: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAND_IN_A", "hang_exit")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"training loop \(a\) did not exit in 1 s after its end, exit status -9: "
+                                           r"stuck at exit"):
+        session(("a", "b"), 10, 1, timeout_s=1.0)
     assert time.monotonic() - t0 < 20
     assert all(proc.poll() is not None for proc in stand_in)

@@ -106,7 +106,11 @@ class _Half:
         """End the half, after its own checks; what it measured (its ``what``)."""
         self._send("stop")
         doc = json.loads(self._line())
-        if self._proc.wait(timeout=self._timeout_s) != 0 or not doc.get("done"):
+        try:
+            status = self._proc.wait(timeout=self._timeout_s)
+        except subprocess.TimeoutExpired:
+            self._fail(f"did not exit in {self._timeout_s:.0f} s after its end")
+        if status != 0 or not doc.get("done"):
             self._fail("failed its end")
         self.close()
         return str(doc["what"])
