@@ -39,8 +39,13 @@ cdef extern from *:
        sign stay. An int caches no hash, so the object is then `n` in every respect; the caller
        makes sure nobody else can see it change (its one reference is the caller's). Checked
        against the type call when blocks.pyx loads. One digit, the usual case, is written with no
-       loop. */
+       loop. Never on PyPy or from 3.15 on, whose layout is not known here (0: the caller makes
+       a new int). */
     static inline int xa_int_set(PyObject *obj, unsigned long long n) {
+    #if defined(PYPY_VERSION) || PY_VERSION_HEX >= 0x030F0000
+        (void)obj; (void)n;
+        return 0;
+    #else
         Py_ssize_t size = xa_int_ndigits(obj);
         digit *d = xa_int_digits(obj);
         Py_ssize_t need = 0, i;
@@ -54,6 +59,7 @@ cdef extern from *:
         if (need != size) return 0;
         for (i = 0; i < size; i++) { d[i] = (digit)(n & PyLong_MASK); n >>= PyLong_SHIFT; }
         return 1;
+    #endif
     }
 
     /* `v`, an exact int, as a key without a call when its digits are read directly: 1 for 0,
