@@ -22,8 +22,9 @@ Every refusal or failure is kept, per device, as :func:`last_error` (the excepti
 report included), so it stays reachable whatever the caller did with the message.
 
 **The cache** (a stream-ordered caching layer, as torch's own allocator and RMM's pool): a
-registered device has one, in C++ behind a ``std::mutex``, in flat tables that grow and are
-emptied only by a drain, so a hit and a cached free allocate no memory. A size is rounded up to its class
+registered device has one, in C++ behind a ``std::mutex``, in flat tables that grow to the most
+blocks live and kept at once and are emptied only by a drain, so once they have grown a hit and a
+cached free allocate no memory. A size is rounded up to its class
 (512-byte steps up to 4 KiB, then four classes per power of two: at most 25% more), and the
 allocator is asked for the class's size. A free keeps the block in the cache, keyed by (stream,
 class), and a later allocation of that class on that stream takes it back without the GIL, any
